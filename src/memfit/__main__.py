@@ -1,0 +1,3 @@
+from memfit.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,161 @@
+"""The ``memfit`` command: a thin layer over the public API.
+
+    memfit profile gpt                       # where the memory of a step goes
+    memfit profile gpt --batch-size 64 --device fake   # a step too big for this machine
+    memfit profile path/to/train.py:workload --json profile.json
+    memfit zoo                               # the built-in models
+    memfit demo                              # end to end on the default model
+
+Errors memfit raises for bad input print as one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import memfit
+from memfit import zoo
+from memfit.errors import MemfitError, TargetError
+
+__all__ = ["main", "parse_sizes"]
+
+EXIT_ERROR = 2
+
+
+def parse_sizes(items: list[str]) -> dict[str, Any]:
+    """``["n_layer=24", "dropout=0.0"]`` -> ``{"n_layer": 24, "dropout": 0.0}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise TargetError(f"--size takes KEY=VALUE (e.g. n_layer=24), got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def _workload(ns: argparse.Namespace) -> memfit.Workload:
+    return memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+
+
+def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu or fake")
+    model = work.model.to(device)
+    inputs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.inputs)
+    return model, inputs
+
+
+def _profile(work: memfit.Workload, device: str, console: Console) -> memfit.Profile:
+    from memfit.report.console import progress_bar
+
+    fake = device == "fake"
+    model, inputs = _on_device(work, "cpu" if fake else device)
+    optimizer = work.make_optimizer()
+    with progress_bar(console, f"profiling {work.name}") as progress:
+        return memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, progress=progress)
+
+
+def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import render_profile
+
+    work = _workload(ns)
+    prof = _profile(work, ns.device, console)
+    prof.meta.update({"target": ns.target, **work.meta})
+    render_profile(prof, console, title=work.name, top=ns.top)
+    if ns.json:
+        Path(ns.json).write_text(prof.to_json())
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
+def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
+    table = Table(title="memfit zoo (random weights, nothing downloaded)", title_justify="left")
+    table.add_column("name")
+    table.add_column("what")
+    for name, about in zoo.describe().items():
+        table.add_row(name + (" (default)" if name == zoo.DEFAULT else ""), about)
+    console.print(table)
+    return 0
+
+
+def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.measure.groundtruth import measure_step_peak
+    from memfit.report.console import render_groundtruth, render_profile
+
+    console.rule(f"[bold]1. Where the memory of a training step goes: zoo '{zoo.DEFAULT}' on cpu")
+    work = zoo.build(zoo.DEFAULT)
+    prof = _profile(work, "cpu", console)
+    render_profile(prof, console, title=f"{work.name} (batch {work.meta['batch_size']})")
+
+    console.rule("[bold]2. Checked against the machine")
+    with console.status("measuring the same step in a fresh process (RSS high-water mark)"):
+        measured = measure_step_peak(zoo.DEFAULT)
+    render_groundtruth(prof, measured, console)
+
+    big = 8 * work.meta["batch_size"]
+    console.rule(f"[bold]3. A step too big to try: batch {big} on fake tensors (no memory used)")
+    big_work = zoo.build(zoo.DEFAULT, batch_size=big)
+    big_prof = _profile(big_work, "fake", console)
+    console.print(
+        f"batch {big}: step peak [bold]{memfit.format_bytes(big_prof.peak_bytes)}[/] "
+        f"({memfit.format_bytes(big_prof.step_peak_bytes)} above the start), peak during {big_prof.peak['phase']}; "
+        f"activations at the peak {memfit.format_bytes(big_prof.breakdown['activations'])}"
+    )
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"profile": prof.to_dict(ledger=False), "measured": measured}))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training step in a memory budget.")
+    parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def target_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("target", help="zoo model name (see `memfit zoo`) or path/to/file.py:function returning a memfit.Workload")
+        p.add_argument("--batch-size", type=int, help="batch size of the example inputs")
+        p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="zoo model size, e.g. n_layer=24 (repeatable)")
+
+    p = sub.add_parser("profile", help="measure where the memory of one training step goes")
+    target_args(p)
+    p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: fake tensors, no memory used")
+    p.add_argument("--json", metavar="PATH", help="also write the profile as JSON")
+    p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("zoo", help="list the built-in models")
+    p.set_defaults(func=_cmd_zoo)
+
+    p = sub.add_parser("demo", help="end to end on the default model, on the CPU")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        return ns.func(ns, console)
+    except MemfitError as exc:
+        err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

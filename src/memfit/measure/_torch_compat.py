@@ -1,0 +1,61 @@
+"""The private corners of torch that memfit leans on, in one place.
+
+Each function here wraps one private API. ``tests/test_torch_compat.py`` exercises every
+one of them, so a torch release that moves or changes them fails that test first,
+instead of failing deep inside a profile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+__all__ = ["new_fake_mode", "is_fake", "op_flops"]
+
+
+def new_fake_mode() -> Any:
+    """A FakeTensorMode that also accepts real tensors a model keeps outside its parameters
+    and buffers (constant masks, say): they are turned into fake ones where used."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _cpu_sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# FlopCounterMode counts 0 for the CPU flash-attention kernels; memfit counts them with
+# torch's own SDPA formulas (same maths as the CUDA kernels it does count).
+_EXTRA_FLOPS: dict[Any, Any] = {}
+for _name, _fn in (
+    ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_forward),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward),
+):
+    _packet = getattr(torch.ops.aten, _name, None)
+    if _packet is not None:
+        _EXTRA_FLOPS[_packet] = _fn
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one aten op call, by FlopCounterMode's formulas (0 for ops it has none for)."""
+    packet = func._overloadpacket
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is not None:
+        return int(formula(*args, **kwargs, out_val=out))
+    formula = _EXTRA_FLOPS.get(packet)
+    if formula is not None:
+        return int(formula(*args, **kwargs, out_val=out))
+    return 0

@@ -1,0 +1,175 @@
+"""The memory ledger: plain data describing where the bytes of one training step go.
+
+A :class:`Ledger` is a list of storage :class:`Block` s and a timeline of :class:`Tick` s.
+Each tick is one allocation or one free; a block is born at one tick and dies at a later
+one (or lives past the end of the step). Memory at a tick is the sum of the blocks alive
+there, so the peak, its breakdown and anything a planner wants to simulate derive from
+these two lists alone. Nothing here imports torch: planners can work on a ledger that
+was measured elsewhere and saved as JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+__all__ = ["Category", "Phase", "Block", "Tick", "Ledger"]
+
+
+class Category(str, Enum):
+    """What a storage holds. The order is the order tables show."""
+
+    PARAMETER = "parameters"
+    BUFFER = "buffers"
+    GRADIENT = "gradients"
+    OPTIMIZER = "optimizer_state"
+    INPUT = "inputs"
+    ACTIVATION = "activations"
+    """Saved by autograd for backward (a saved-tensor hook saw it)."""
+    TEMPORARY = "temporaries"
+    """Created during the step and never saved: outputs, intermediate values, scratch."""
+    OTHER = "other"
+    """Alive before the step but none of the above (a cache a module keeps, say)."""
+
+
+class Phase(str, Enum):
+    """Where in the step something happened."""
+
+    START = "start"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+START_TICK = -1
+"""The ``born`` of a block that was alive when the step began."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One storage (views and tensors sharing it count once)."""
+
+    id: int
+    nbytes: int
+    category: Category
+    phase: Phase
+    """Phase that allocated it (``START`` if it was alive before the step)."""
+    module: str | None
+    """Qualified name of the innermost module running when it was allocated; ``""`` is the
+    root module, ``None`` outside any module (the loss, the optimizer)."""
+    born: int
+    """Tick of its allocation, ``START_TICK`` for blocks alive at the start."""
+    died: int | None
+    """Tick of its free, ``None`` if it outlived the step."""
+    savers: tuple[str, ...] = ()
+    """Innermost modules whose ops saved it for backward."""
+
+    def alive_at(self, tick: int) -> bool:
+        return self.born <= tick and (self.died is None or self.died > tick)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Context of one allocation or free."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    """The aten op running (or just run) when the tick happened."""
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Blocks and timeline of one step; memory is integer bytes throughout."""
+
+    blocks: list[Block]
+    ticks: list[Tick]
+    _curve: list[int] | None = field(default=None, repr=False, compare=False)
+
+    # -- the curve and its peak -------------------------------------------------------------
+
+    @property
+    def start_bytes(self) -> int:
+        """Bytes alive when the step began."""
+        return sum(b.nbytes for b in self.blocks if b.born == START_TICK)
+
+    @property
+    def end_bytes(self) -> int:
+        """Bytes alive when the step ended."""
+        return sum(b.nbytes for b in self.blocks if b.died is None)
+
+    def curve(self) -> list[int]:
+        """Live bytes after each tick (``curve()[i]`` is memory right after tick ``i``)."""
+        if self._curve is None:
+            delta = [0] * len(self.ticks)
+            for b in self.blocks:
+                if b.born != START_TICK:
+                    delta[b.born] += b.nbytes
+                if b.died is not None:
+                    delta[b.died] -= b.nbytes
+            live, curve = self.start_bytes, []
+            for d in delta:
+                live += d
+                curve.append(live)
+            self._curve = curve
+        return self._curve
+
+    @property
+    def peak_tick(self) -> int:
+        """The first tick at which memory is highest (``START_TICK`` for an empty timeline)."""
+        curve = self.curve()
+        if not curve or max(curve) <= self.start_bytes:
+            return START_TICK
+        peak = max(curve)
+        return curve.index(peak)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live bytes during the step, including what was alive at its start."""
+        curve = self.curve()
+        return max([self.start_bytes, *curve])
+
+    def live_at(self, tick: int) -> Iterator[Block]:
+        return (b for b in self.blocks if b.alive_at(tick))
+
+    def breakdown(self, tick: int | None = None) -> dict[Category, int]:
+        """Bytes by category alive at ``tick`` (default: the peak), every category present."""
+        tick = self.peak_tick if tick is None else tick
+        out = {c: 0 for c in Category}
+        for b in self.live_at(tick):
+            out[b.category] += b.nbytes
+        return out
+
+    def phase_peaks(self) -> dict[Phase, int]:
+        """Highest live bytes reached within each phase."""
+        out = {p: 0 for p in Phase}
+        out[Phase.START] = self.start_bytes
+        for tick, live in zip(self.ticks, self.curve()):
+            out[tick.phase] = max(out[tick.phase], live)
+        return out
+
+    # -- serialisation ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "blocks": [{**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks],
+            "ticks": [[t.phase.value, t.module, t.op] for t in self.ticks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Ledger:
+        blocks = [
+            Block(**{**b, "category": Category(b["category"]), "phase": Phase(b["phase"]), "savers": tuple(b.get("savers", ()))})
+            for b in data["blocks"]
+        ]
+        ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]
+        return cls(blocks, ticks)
+
+
+def ancestors(name: str) -> Iterable[str]:
+    """``"a.b.c"`` -> ``"a.b.c", "a.b", "a", ""``: the module and every module around it."""
+    yield name
+    while name:
+        name = name.rpartition(".")[0]
+        yield name

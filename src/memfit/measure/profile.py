@@ -1,0 +1,337 @@
+"""``memfit.profile``: measure where the memory (and time) of one training step goes.
+
+Steps run, each the same :func:`~memfit.measure.step.train_step`:
+
+1. a warm-up step (real tensors always, so kernels and the optimizer state exist; fake
+   tensors only when the optimizer has no state yet);
+2. a timed step under :class:`~memfit.measure.recorder.OpTimer` (real tensors only);
+3. the recorded step under :class:`~memfit.measure.recorder.Recorder`, which yields the
+   ledger and FLOPs.
+
+Everything the steps change is put back (see :mod:`memfit.measure.sandbox`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import ForwardError, LossError, MemfitError, WorkloadError
+from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
+from memfit.measure.recorder import OpTimer, Recorder
+from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
+from memfit.measure.scope import Scope
+from memfit.measure.step import train_step
+from memfit.workload import default_optimizer, split_inputs
+
+__all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
+
+PROFILE_FORMAT = "memfit.profile/1"
+
+Progress = Callable[[str, int, int], None]
+"""``progress(description, done, total)``, called as the profile advances."""
+
+
+@dataclass
+class ModuleStats:
+    """One module of the tree, every figure inclusive of its children."""
+
+    name: str
+    """Qualified name as in ``named_modules()``; ``""`` is the root."""
+    type: str
+    saved_bytes: int = 0
+    """Distinct activation bytes that ops inside this module saved for backward."""
+    self_saved_bytes: int = 0
+    """The part saved by ops directly in this module, not in a child."""
+    forward_time_s: float | None = None
+    backward_time_s: float | None = None
+    forward_flops: int = 0
+    backward_flops: int = 0
+    parameter_bytes: int = 0
+
+
+@dataclass
+class Profile:
+    """The measured step. ``ledger`` holds the whole timeline; the rest summarises it."""
+
+    ledger: Ledger
+    modules: dict[str, ModuleStats]
+    device: str
+    fake: bool
+    time_source: str
+    """``"measured"`` (wall clock on the device, one step after warm-up) or ``"omitted"``
+    (fake tensors have no time; FLOPs are still counted)."""
+    step_time_s: float | None
+    model_type: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live tensor bytes in the step, everything alive at its start included."""
+        return self.ledger.peak_bytes
+
+    @property
+    def start_bytes(self) -> int:
+        """Live tensor bytes when the step begins (parameters, optimizer state, inputs...)."""
+        return self.ledger.start_bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """How far the step rises above its start: ``peak_bytes - start_bytes``."""
+        return self.peak_bytes - self.start_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Bytes by category alive at the peak."""
+        return {c.value: n for c, n in self.ledger.breakdown().items()}
+
+    @property
+    def peak(self) -> dict[str, Any]:
+        """When the peak happens: tick, phase, innermost module and op."""
+        tick = self.ledger.peak_tick
+        if tick == START_TICK:
+            return {"tick": tick, "phase": Phase.START.value, "module": None, "op": None}
+        t = self.ledger.ticks[tick]
+        return {"tick": tick, "phase": t.phase.value, "module": t.module, "op": t.op}
+
+    @property
+    def total_flops(self) -> int:
+        root = self.modules.get("")
+        return root.forward_flops + root.backward_flops if root else 0
+
+    def to_dict(self, *, ledger: bool = True) -> dict[str, Any]:
+        out = {
+            "format": PROFILE_FORMAT,
+            "model": self.model_type,
+            "device": self.device,
+            "fake": self.fake,
+            "time_source": self.time_source,
+            "peak_bytes": self.peak_bytes,
+            "start_bytes": self.start_bytes,
+            "step_peak_bytes": self.step_peak_bytes,
+            "peak": self.peak,
+            "breakdown": self.breakdown,
+            "phase_peaks": {p.value: n for p, n in self.ledger.phase_peaks().items()},
+            "step_time_s": self.step_time_s,
+            "modules": [asdict(m) for m in self.modules.values()],
+            "meta": self.meta,
+        }
+        if ledger:
+            out["ledger"] = self.ledger.to_dict()
+        return out
+
+    def to_json(self, *, ledger: bool = True) -> str:
+        return json.dumps(self.to_dict(ledger=ledger))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("format") != PROFILE_FORMAT or "ledger" not in data:
+            raise MemfitError(f"not a {PROFILE_FORMAT} object with a ledger")
+        return cls(
+            ledger=Ledger.from_dict(data["ledger"]),
+            modules={m["name"]: ModuleStats(**m) for m in data["modules"]},
+            device=data["device"],
+            fake=data["fake"],
+            time_source=data["time_source"],
+            step_time_s=data["step_time_s"],
+            model_type=data["model"],
+            meta=data.get("meta", {}),
+        )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_devices(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    from torch.utils._pytree import tree_flatten
+
+    device = _model_device(model)
+    leaves, _ = tree_flatten((args, kwargs))
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise WorkloadError(f"an input is on {t.device} but the model is on {device}; move them to one device")
+    return device
+
+
+def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase], None] | None = None) -> None:
+    """One step on the sandbox, turning a failing forward into a ForwardError that names
+    the module that raised."""
+    try:
+        with sandbox.active():
+            train_step(sandbox.model, sandbox.args, sandbox.kwargs, loss_fn, sandbox.optimizer, on_phase or scope.set_phase)
+    except MemfitError:
+        raise
+    except Exception as exc:
+        if scope.phase is not Phase.FORWARD:
+            raise
+        name = scope.module
+        where = "the model" if name is None else (f"module {name!r}" if name else "the root module")
+        mod = type(sandbox.model.get_submodule(name)).__name__ if name is not None else type(sandbox.model).__name__
+        raise ForwardError(f"forward of {where} ({mod}) raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        scope.set_phase(Phase.START)
+
+
+def profile(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    fake: bool = False,
+    progress: Progress | None = None,
+) -> Profile:
+    """Measure one steady-state training step of ``model`` on ``inputs``.
+
+    Args:
+        model: the model, on the device to measure (its parameters' device).
+        inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: ``loss_fn(output)`` -> scalar; default ``output.loss`` if present, else
+            the sum of the output.
+        optimizer: the optimizer training uses; default AdamW over the trainable
+            parameters. Its state is created by a warm-up step if it has none.
+        fake: run on fake tensors (FakeTensorMode): exact memory with no memory used
+            and no time measured, for steps that do not fit on this machine.
+        progress: optional ``progress(description, done, total)`` callback.
+
+    Returns:
+        A :class:`Profile`. The model, its gradients and buffers, the optimizer and
+        the RNG are left exactly as they were.
+
+    Example::
+
+        >>> import torch, memfit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        >>> p = memfit.profile(model, torch.randn(32, 64))
+        >>> p.peak_bytes >= p.start_bytes
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    args, kwargs = split_inputs(inputs)
+    device = _check_devices(model, args, kwargs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkloadError("the model has no parameter that requires grad: there is no training step to measure")
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    report = progress or (lambda desc, done, total: None)
+    total = 2 if fake else 3
+
+    with ExitStack() as stack:
+        box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer))
+        scope = stack.enter_context(Scope(box.model))
+        if not fake or not box.optimizer.state:
+            report("warm-up step", 0, total)
+            _run(box, scope, loss_fn)
+        step_time = None
+        per_time: dict[tuple[Phase, str], float] = {}
+        if not fake:
+            report("timed step", 1, total)
+            timer = OpTimer(scope, device)
+            with timer:
+                timer.start()
+                _run(box, scope, loss_fn)
+            per_time, step_time = timer.totals()
+        report("recorded step", total - 1, total)
+        recorder = Recorder(scope)
+        _register_start(recorder, box)
+        try:
+            with recorder:
+                _run_recorded(box, scope, loss_fn, recorder)
+            ledger = recorder.ledger()
+        finally:
+            recorder.close()
+        report("done", total, total)
+        modules = _module_stats(box.model, scope, ledger, recorder.flops, per_time if not fake else None)
+    return Profile(
+        ledger=ledger,
+        modules=modules,
+        device=f"fake:{device}" if fake else str(device),
+        fake=fake,
+        time_source="omitted" if fake else "measured",
+        step_time_s=step_time,
+        model_type=type(model).__name__,
+    )
+
+
+def _register_start(recorder: Recorder, box: Sandbox) -> None:
+    from torch.utils._pytree import tree_flatten
+
+    recorder.register_start(box.model.parameters(), Category.PARAMETER)
+    recorder.register_start(box.model.buffers(), Category.BUFFER)
+    recorder.register_start((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
+    recorder.register_start(_state_tensors(box.optimizer), Category.OPTIMIZER)
+    leaves, _ = tree_flatten((box.args, box.kwargs))
+    recorder.register_start((t for t in leaves if isinstance(t, torch.Tensor)), Category.INPUT)
+
+
+def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) -> None:
+    """The recorded step. Gradients are recognised when backward is done (zero_grad frees
+    them before the step ends); optimizer state it creates, once the step is over."""
+
+    def on_phase(phase: Phase) -> None:
+        if phase is Phase.OPTIMIZER:
+            recorder.mark((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
+        scope.set_phase(phase)
+
+    _run(box, scope, loss_fn, on_phase)
+    recorder.mark(_state_tensors(box.optimizer), Category.OPTIMIZER)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _module_stats(
+    model: nn.Module,
+    scope: Scope,
+    ledger: Ledger,
+    flops: dict[tuple[Phase, str | None], int],
+    times: dict[tuple[Phase, str], float] | None,
+) -> dict[str, ModuleStats]:
+    stats = {name: ModuleStats(name, type(mod).__name__) for mod, name in scope.names.items()}
+    for name, mod in model.named_modules():
+        if name in stats:
+            stats[name].parameter_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+    saved: dict[str, int] = defaultdict(int)
+    for block in ledger.blocks:
+        if block.category is not Category.ACTIVATION:
+            continue
+        owners = {a for s in block.savers for a in ancestors(s)}
+        for name in owners:
+            saved[name] += block.nbytes
+        if block.savers:
+            first = block.savers[0]
+            if first in stats:
+                stats[first].self_saved_bytes += block.nbytes
+    for name, n in saved.items():
+        if name in stats:
+            stats[name].saved_bytes = n
+    for (phase, innermost), n in flops.items():
+        if innermost is None:
+            continue
+        for name in ancestors(innermost):
+            if name in stats:
+                if phase is Phase.FORWARD:
+                    stats[name].forward_flops += n
+                elif phase is Phase.BACKWARD:
+                    stats[name].backward_flops += n
+    if times is not None:
+        for s in stats.values():
+            s.forward_time_s = times.get((Phase.FORWARD, s.name), 0.0)
+            s.backward_time_s = times.get((Phase.BACKWARD, s.name), 0.0)
+    return stats

@@ -1,0 +1,229 @@
+"""Mechanism that records a step: a dispatch mode and a saved-tensor hook.
+
+:class:`Recorder` sees every aten op of the step (forward, backward and optimizer, on
+real or fake tensors). A storage an op returns that no input shares is an allocation: it
+becomes a block, and a ``weakref.finalize`` on its storage object turns the storage's
+death into a free. torch keeps one Python object per live storage, so the finalizer fires
+exactly when the last tensor or view of it goes, whoever held it (autograd's saved
+variables included). A saved-tensor hook marks which blocks autograd saves for backward.
+
+:class:`OpTimer` is the light counterpart used in a separate step: it only stamps the
+clock after each op, so module times are not inflated by the recorder's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memfit.measure import _torch_compat
+from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Tick
+from memfit.measure.scope import Scope
+
+__all__ = ["Recorder", "OpTimer", "storage_bytes"]
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes
+# (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
+_CUDA_BLOCK = 512
+
+
+def storage_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes a storage of ``nbytes`` takes from the device's allocator."""
+    if device.type == "cuda" and nbytes:
+        return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    return nbytes
+
+
+def _tensors(tree: Any) -> Iterable[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)  # also flattens the tensor lists of foreach ops
+    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # storage-less subclasses
+        return None
+
+
+@dataclass
+class _Record:
+    nbytes: int
+    category: Category | None
+    phase: Phase
+    module: str | None
+    born: int
+    died: int | None = None
+    savers: dict[str, None] = field(default_factory=dict)  # ordered set
+
+
+class Recorder(TorchDispatchMode):
+    """Dispatch mode building a :class:`Ledger`; also counts FLOPs per (phase, module)."""
+
+    def __init__(self, scope: Scope, *, count_flops: bool = True) -> None:
+        super().__init__()
+        self.scope = scope
+        self.count_flops = count_flops
+        self.records: list[_Record] = []
+        self.ticks: list[Tick] = []
+        self.flops: dict[tuple[Phase, str | None], int] = defaultdict(int)
+        self._live: dict[int, int] = {}  # id(storage object) -> record index
+        self._finalizers: list[weakref.finalize] = []
+        self._op = "(start)"
+        self._closed = False
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def _add(self, storage: torch.UntypedStorage, device: torch.device, category: Category | None, at_start: bool) -> int:
+        idx = len(self.records)
+        if at_start:
+            born, phase, module = START_TICK, Phase.START, None
+        else:
+            born = self._tick()
+            phase, module = self.scope.phase, self.scope.module
+        self.records.append(_Record(storage_bytes(storage.nbytes(), device), category, phase, module, born))
+        key = id(storage)
+        self._live[key] = idx
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+        return idx
+
+    def _tick(self) -> int:
+        self.ticks.append(Tick(self.scope.phase, self.scope.module, self._op))
+        return len(self.ticks) - 1
+
+    def _free(self, key: int) -> None:
+        idx = self._live.pop(key, None)
+        if idx is not None and not self._closed:
+            self.records[idx].died = self._tick()
+
+    def register_start(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
+        """Declare tensors alive before the step, with what they are. First claim wins, so
+        register in order of precedence (parameters before optimizer state, say)."""
+        for t in tensors:
+            s = _storage(t)
+            if s is not None and id(s) not in self._live and s.nbytes():
+                self._add(s, t.device, category, at_start=True)
+
+    def mark(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
+        """Give blocks created during the step their final category (gradients, new
+        optimizer state); blocks alive since the start keep theirs."""
+        for t in tensors:
+            s = _storage(t)
+            idx = None if s is None else self._live.get(id(s))
+            if idx is not None and self.records[idx].born != START_TICK:
+                self.records[idx].category = category
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        s = _storage(t)
+        if s is not None:
+            idx = self._live.get(id(s))
+            if idx is None and s.nbytes():
+                idx = self._add(s, t.device, Category.OTHER, at_start=True)
+            if idx is not None:
+                self.records[idx].savers.setdefault(self.scope.module or "", None)
+        # Returning ``t`` itself would hold its grad_fn from inside that grad_fn's saved
+        # variables: a reference cycle that never frees the activation. A detached alias
+        # shares the storage and autograd restores the metadata on unpack.
+        return t.detach()
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._op = str(func.overloadpacket.__name__)
+        inputs = {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            s = _storage(t)
+            if s is None or id(s) in self._live or not s.nbytes():
+                continue
+            # An output sharing an input's storage that memfit has not seen is a view of
+            # something alive before the step (a cache a module keeps): not an allocation.
+            self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
+        if self.count_flops:
+            flops = _torch_compat.op_flops(func, args, kwargs, out)
+            if flops:
+                self.flops[(self.scope.phase, self.scope.module)] += flops
+        return out
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
+
+    def close(self) -> None:
+        """Stop listening for frees (blocks still alive outlive the step)."""
+        self._closed = True
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._live.clear()
+
+    def ledger(self) -> Ledger:
+        blocks = []
+        for i, r in enumerate(self.records):
+            category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
+            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers)))
+        return Ledger(blocks, list(self.ticks))
+
+
+class OpTimer(TorchDispatchMode):
+    """Wall time between consecutive op ends, charged to every module running.
+
+    On CUDA an event is recorded after each op and read once the step is over, so the
+    GPU is not synchronised op by op.
+    """
+
+    def __init__(self, scope: Scope, device: torch.device) -> None:
+        super().__init__()
+        self.scope = scope
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[Any, Phase, tuple[str, ...]]] = []
+
+    def start(self) -> None:
+        self._marks.append((self._now(), Phase.START, ()))
+
+    def _now(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._marks.append((self._now(), self.scope.phase, tuple(self.scope.stack())))
+        return out
+
+    def totals(self) -> tuple[dict[tuple[Phase, str], float], float]:
+        """Seconds per (phase, module) inclusive of children, and the step's total."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        per: dict[tuple[Phase, str], float] = defaultdict(float)
+        total = 0.0
+        for (t0, _, _), (t1, phase, stack) in zip(self._marks, self._marks[1:]):
+            dt = t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
+            total += dt
+            for name in stack:
+                per[(phase, name)] += dt
+        return per, total

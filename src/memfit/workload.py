@@ -1,0 +1,163 @@
+"""A workload is what one training step needs: model, example inputs, loss, optimizer.
+
+Every command takes a TARGET naming one: a zoo name (``gpt``, ``mlp-deep``, ...) or
+``path/to/file.py:function`` where ``function()`` returns a :class:`Workload` (it may
+take a ``batch_size`` keyword, which ``--batch-size`` then sets).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import LossError, TargetError, WorkloadError
+
+__all__ = ["Workload", "load_target", "split_inputs", "default_loss", "check_loss", "default_optimizer"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class Workload:
+    """Model + example inputs + loss function + optimizer factory."""
+
+    model: nn.Module
+    inputs: Any
+    """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    """``loss_fn(output)`` -> scalar; ``None`` uses :func:`default_loss`."""
+    optimizer: OptimizerFactory | None = None
+    """``optimizer(params)`` -> optimizer; ``None`` uses :func:`default_optimizer`."""
+    name: str = "workload"
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form description (sizes, batch) shown by reports."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise WorkloadError(f"Workload.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        split_inputs(self.inputs)
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise WorkloadError(f"Workload.loss_fn must be callable, got {type(self.loss_fn).__name__}")
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise WorkloadError(
+                f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}"
+            )
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = (self.optimizer or default_optimizer)(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise WorkloadError(f"Workload.optimizer returned {type(opt).__name__}; expected a torch.optim.Optimizer")
+        return opt
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with torch's defaults: the optimizer most training runs use."""
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """Inputs as ``(args, kwargs)``: a tensor is one argument, a tuple or list the
+    positional arguments, a dict the keyword arguments."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise WorkloadError(f"keyword inputs must have string keys, got {bad[0]!r}")
+        return (), dict(inputs)
+    raise WorkloadError(
+        f"inputs must be a tensor, a tuple of positional arguments or a dict of keyword arguments, got {type(inputs).__name__}"
+    )
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` (or ``output["loss"]``) when there is one, else the sum of every
+    floating-point tensor in the output."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.sum()
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(output if not hasattr(output, "__dataclass_fields__") else vars(output))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise LossError(f"the model's output ({type(output).__name__}) holds no floating-point tensor to sum; pass loss_fn")
+    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """The loss must be a one-element tensor that requires grad (so backward can run)."""
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss must be a tensor, got {type(loss).__name__}; make loss_fn return a scalar tensor")
+    if loss.numel() != 1:
+        raise LossError(f"loss must be a scalar, got a tensor of shape {tuple(loss.shape)}; reduce it (e.g. .mean())")
+    if not loss.requires_grad:
+        raise LossError("loss does not require grad: nothing in it depends on a trainable parameter (torch.no_grad()? detached?)")
+    return loss
+
+
+def _load_file_function(spec: str) -> Callable[..., Any]:
+    path_text, _, func_name = spec.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise TargetError(f"target file {path_text!r} does not exist; expected path/to/file.py:function")
+    if not func_name.isidentifier():
+        raise TargetError(f"target {spec!r} does not name a function after ':'; expected path/to/file.py:function")
+    module_name = f"_memfit_target_{abs(hash(str(path.resolve())))}"
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise TargetError(f"cannot import {path_text!r} as Python; expected a .py file")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise TargetError(f"importing {path_text!r} raised {type(exc).__name__}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise TargetError(f"{path_text!r} has no function {func_name!r}")
+    return func
+
+
+def load_target(target: str, *, batch_size: int | None = None, sizes: Mapping[str, Any] | None = None) -> Workload:
+    """Build the workload a TARGET names (a zoo name or ``file.py:function``)."""
+    from memfit import zoo
+
+    if not isinstance(target, str) or not target:
+        raise TargetError("target must be a zoo name or path/to/file.py:function")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise TargetError(f"batch size must be a positive integer, got {batch_size!r}")
+    if ":" not in target and not target.endswith(".py"):
+        return zoo.build(target, batch_size=batch_size, **(sizes or {}))
+    if ":" not in target:
+        raise TargetError(f"target {target!r} names a file but no function; expected {target}:function")
+    if sizes:
+        raise TargetError("--size applies to zoo models only; a file target sets its own sizes")
+    func = _load_file_function(target)
+    kwargs: dict[str, Any] = {}
+    if batch_size is not None:
+        params = inspect.signature(func).parameters
+        if "batch_size" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise TargetError(f"{target} takes no batch_size argument, so --batch-size cannot be applied")
+        kwargs["batch_size"] = batch_size
+    try:
+        workload = func(**kwargs)
+    except Exception as exc:
+        raise TargetError(f"{target} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise TargetError(f"{target} returned {type(workload).__name__}; expected a memfit.Workload")
+    return workload

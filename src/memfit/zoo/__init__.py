@@ -1,0 +1,72 @@
+"""Models for demos, tests and benchmarks: random weights, nothing downloaded.
+
+``build(name, batch_size=None, **sizes)`` returns a :class:`~memfit.Workload`; sizes are
+the builder's keyword arguments (``n_layer=24`` for ``gpt``, ``depth=50`` for
+``mlp-deep``, any config field for the transformers models). Builds are seeded, so the
+same call gives the same weights and inputs in every process, and the caller's RNG is
+left as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.errors import TargetError
+from memfit.workload import Workload
+from memfit.zoo import gpt, hf, small
+
+__all__ = ["build", "names", "describe", "DEFAULT"]
+
+DEFAULT = "gpt"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    build: Callable[..., Workload]
+    about: str
+    extra: str | None = None
+
+
+_ZOO: dict[str, _Entry] = {
+    "gpt": _Entry(gpt.build, "nanoGPT-style decoder, 12 x 256 wide, 128 tokens, batch 8"),
+    "mlp-deep": _Entry(small.build_mlp, "100 x Linear(1024)+ReLU, batch 128"),
+    "heavy": _Entry(small.build_heavy, "~100k tiny scalar ops: per-op overhead"),
+    "resnet": _Entry(small.build_resnet, "bottleneck CNN with BatchNorm and Dropout, 64px, batch 16"),
+    "bert-base": _Entry(hf.build_bert, "transformers BertForMaskedLM, 128 tokens, batch 8", "hf"),
+    "gpt2": _Entry(hf.build_gpt2, "transformers GPT2LMHeadModel, 256 tokens, batch 4", "hf"),
+    "resnet152": _Entry(hf.build_resnet152, "transformers ResNet-152, 224px, batch 8", "hf"),
+}
+
+
+def names() -> list[str]:
+    return list(_ZOO)
+
+
+def describe() -> dict[str, str]:
+    return {name: e.about + (f" (needs [{e.extra}])" if e.extra else "") for name, e in _ZOO.items()}
+
+
+def build(name: str, batch_size: int | None = None, **sizes: Any) -> Workload:
+    """Build zoo model ``name`` as a workload on the CPU."""
+    entry = _ZOO.get(name)
+    if entry is None:
+        raise TargetError(f"unknown zoo model {name!r}; choose one of {', '.join(_ZOO)} or give path/to/file.py:function")
+    params = inspect.signature(entry.build).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in sizes if k not in params and not takes_any]
+    if unknown:
+        known = [k for k in params if k != "batch_size"]
+        raise TargetError(f"zoo model {name!r} has no size {unknown[0]!r}; its sizes are {', '.join(known)}")
+    if batch_size is not None:
+        sizes["batch_size"] = batch_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            return entry.build(**sizes)
+        except (TypeError, ValueError) as exc:
+            raise TargetError(f"cannot build {name!r} with {sizes}: {exc}") from exc

@@ -1,0 +1,52 @@
+"""Real-world architectures from transformers, built from configs with random weights.
+
+Nothing is downloaded: each model is constructed from its config class. Needs the
+``[hf]`` extra (``pip install memfit[hf]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfit.errors import TargetError
+from memfit.workload import Workload
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TargetError("this zoo model needs transformers: pip install 'memfit[hf]'") from exc
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def build_bert(batch_size: int = 8, seq_len: int = 128, **config: Any) -> Workload:
+    tf = _transformers()
+    cfg = tf.BertConfig(**config)
+    model = tf.BertForMaskedLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    meta = {"batch_size": batch_size, "seq_len": seq_len, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="bert-base", meta=meta)
+
+
+def build_gpt2(batch_size: int = 4, seq_len: int = 256, **config: Any) -> Workload:
+    tf = _transformers()
+    cfg = tf.GPT2Config(**config)
+    model = tf.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    meta = {"batch_size": batch_size, "seq_len": seq_len, "layers": cfg.n_layer, "hidden": cfg.n_embd}
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="gpt2", meta=meta)
+
+
+def build_resnet152(batch_size: int = 8, image_size: int = 224, **config: Any) -> Workload:
+    tf = _transformers()
+    defaults = dict(depths=[3, 8, 36, 3], layer_type="bottleneck", hidden_sizes=[256, 512, 1024, 2048], num_labels=1000)
+    cfg = tf.ResNetConfig(**{**defaults, **config})
+    model = tf.ResNetForImageClassification(cfg)
+    pixels = torch.randn(batch_size, 3, image_size, image_size)
+    labels = torch.randint(0, cfg.num_labels, (batch_size,))
+    meta = {"batch_size": batch_size, "image_size": image_size, "depths": list(cfg.depths)}
+    return Workload(model, {"pixel_values": pixels, "labels": labels}, name="resnet152", meta=meta)
