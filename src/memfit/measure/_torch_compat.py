@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-__all__ = ["new_fake_mode", "is_fake", "op_flops"]
+__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl"]
 
 
 def new_fake_mode() -> Any:
@@ -59,3 +59,18 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if formula is not None:
         return int(formula(*args, **kwargs, out_val=out))
     return 0
+
+
+def pin_optimizer_impl(fake_opt: torch.optim.Optimizer, real_opt: torch.optim.Optimizer) -> None:
+    """Make an optimizer over fake parameters take the same implementation (single-tensor,
+    foreach or fused) that the real one picks: torch picks by ``type(p)``, and FakeTensor
+    is never on its list, so left alone the fake copy would take the single-tensor path
+    and its temporaries would differ from the real step's."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    for fake_group, group in zip(fake_opt.param_groups, real_opt.param_groups):
+        if "foreach" not in group or group.get("foreach") is not None or group.get("fused"):
+            continue
+        params = [p for p in group["params"]]
+        _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable", False)), use_fused=False)
+        fake_group["foreach"] = foreach

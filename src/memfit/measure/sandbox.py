@@ -99,6 +99,18 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _fake_state(mode: Any, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    if value.numel() == 1 and value.dim() == 0:
+        # Scalars such as Adam's `step` are read with .item(); a fake tensor made from a
+        # Python number inside the mode keeps its value, one converted from a tensor does not.
+        number = value.item()  # outside the mode, where the tensor is still real
+        with mode:
+            return torch.tensor(number, dtype=value.dtype, device=value.device)
+    return mode.from_tensor(value)
+
+
 @contextmanager
 def fake_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer) -> Iterator[Sandbox]:
     mode = _torch_compat.new_fake_mode()
@@ -126,7 +138,8 @@ def fake_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
             "profile with real tensors instead"
         ) from exc
     for p, st in optimizer.state.items():
-        fake_opt.state[fakes[p]] = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
+        fake_opt.state[fakes[p]] = {k: _fake_state(mode, v) for k, v in st.items()}
+    _torch_compat.pin_optimizer_impl(fake_opt, optimizer)
 
     def fake(x: Any) -> Any:
         return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,39 @@
+import memfit
+
+# The public surface, pinned: changing it is a deliberate act that edits this list.
+EXPECTED = {
+    "__version__",
+    "profile",
+    "Profile",
+    "ModuleStats",
+    "Ledger",
+    "Block",
+    "Tick",
+    "Category",
+    "Phase",
+    "Workload",
+    "load_target",
+    "parse_bytes",
+    "format_bytes",
+    "MemfitError",
+    "TargetError",
+    "WorkloadError",
+    "ForwardError",
+    "LossError",
+    "BudgetError",
+}
+
+
+def test_all_is_pinned():
+    assert set(memfit.__all__) == EXPECTED
+    assert len(memfit.__all__) == len(EXPECTED)
+
+
+def test_every_public_name_exists():
+    for name in memfit.__all__:
+        assert hasattr(memfit, name), name
+
+
+def test_errors_share_one_base():
+    for name in ("TargetError", "WorkloadError", "ForwardError", "LossError", "BudgetError"):
+        assert issubclass(getattr(memfit, name), memfit.MemfitError)
