@@ -46,6 +46,8 @@ class ModuleStats:
     name: str
     """Qualified name as in ``named_modules()``; ``""`` is the root."""
     type: str
+    calls: int = 0
+    """Forward calls in the step (0 for containers such as ModuleList that are never called)."""
     saved_bytes: int = 0
     """Distinct activation bytes that ops inside this module saved for backward."""
     self_saved_bytes: int = 0
@@ -303,7 +305,7 @@ def _module_stats(
     flops: dict[tuple[Phase, str | None], int],
     times: dict[tuple[Phase, str], float] | None,
 ) -> dict[str, ModuleStats]:
-    stats = {name: ModuleStats(name, type(mod).__name__) for mod, name in scope.names.items()}
+    stats = {name: ModuleStats(name, type(mod).__name__, calls=scope.calls.get(name, 0)) for mod, name in scope.names.items()}
     for name, mod in model.named_modules():
         if name in stats:
             stats[name].parameter_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())

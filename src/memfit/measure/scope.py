@@ -56,6 +56,8 @@ class Scope:
         self._backward: list[str] = []
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
+        self.calls: dict[str, int] = {}
+        """Forward calls per module since the last :meth:`set_phase` to ``FORWARD``."""
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -78,6 +80,8 @@ class Scope:
         return []
 
     def set_phase(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD:
+            self.calls = {}
         self.phase = phase
         self._forward.clear()
         self._backward.clear()
@@ -87,6 +91,8 @@ class Scope:
     def _pre(self, mod: nn.Module, args: Any) -> None:
         name = self.names[mod]
         self._forward.append(name)
+        if self.phase is Phase.FORWARD:
+            self.calls[name] = self.calls.get(name, 0) + 1
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             tensors = _grad_tensors(args)
             if tensors:

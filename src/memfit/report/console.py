@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -69,18 +70,14 @@ def sparkline(profile: Profile, width: int = 64) -> str:
 
 
 def _top_modules(profile: Profile, limit: int) -> list[ModuleStats]:
-    """Modules holding the most saved activations, skipping the root and wrappers that
-    only pass a single child's figure through."""
-    mods = [m for m in profile.modules.values() if m.name and m.saved_bytes]
-    by_name = {m.name: m for m in mods}
+    """Called modules holding the most saved activations, without the root and without
+    wrappers whose figure is a single child's passed through."""
+    mods = [m for m in profile.modules.values() if m.name and m.saved_bytes and m.calls]
 
     def is_passthrough(m: ModuleStats) -> bool:
-        children = [c for c in mods if c.name.rpartition(".")[0] == m.name]
-        return any(c.saved_bytes == m.saved_bytes for c in children)
+        return any(c.saved_bytes == m.saved_bytes for c in mods if c.name.rpartition(".")[0] == m.name)
 
-    keep = [m for m in mods if not is_passthrough(m)]
-    keep.sort(key=lambda m: (-m.saved_bytes, m.name))
-    del by_name
+    keep = sorted((m for m in mods if not is_passthrough(m)), key=lambda m: (-m.saved_bytes, m.name))
     return keep[:limit]
 
 
@@ -95,12 +92,11 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         f"= {format_bytes(profile.start_bytes)} at start + [bold]{format_bytes(profile.step_peak_bytes)}[/] during the step"
     )
     console.print(f"peak during [bold]{peak['phase']}[/], in {where} ({peak['op']})")
-    console.print(
-        f"memory over the step  {sparkline(profile)}  "
-        + " ".join(f"[{_PHASE_STYLE[p]}]{p.value}[/]" for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
-    )
+    legend = ", ".join(f"[{_PHASE_STYLE[p]}]{p.value}[/]" for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
+    console.print(f"memory over the step ({legend}):")
+    console.print(sparkline(profile, width=min(64, console.width - 2)))
 
-    table = Table(title="Memory at the peak", title_justify="left")
+    table = Table(title="Memory at the peak", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("category")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
@@ -112,17 +108,17 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     console.print(table)
 
     timed = profile.time_source == "measured"
-    mods = Table(title="Modules holding the most saved activations", title_justify="left")
-    mods.add_column("module")
-    mods.add_column("type")
-    mods.add_column("saved", justify="right")
-    mods.add_column("forward", justify="right")
-    mods.add_column("backward", justify="right")
-    mods.add_column("FLOPs fwd+bwd", justify="right")
+    mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
+    show_type = console.width >= 100  # names matter more than types on a narrow terminal
+    mods.add_column("module", overflow="fold")
+    if show_type:
+        mods.add_column("type", overflow="ellipsis", no_wrap=True, max_width=18)
+    for header in ("saved", "fwd time", "bwd time", "FLOPs"):
+        mods.add_column(header, justify="right", no_wrap=True, min_width=9)
     for m in _top_modules(profile, top):
         mods.add_row(
             m.name,
-            m.type,
+            *([m.type] if show_type else []),
             format_bytes(m.saved_bytes),
             _seconds(m.forward_time_s) if timed else "-",
             _seconds(m.backward_time_s) if timed else "-",

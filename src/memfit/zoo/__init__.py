@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -30,10 +30,14 @@ class _Entry:
     build: Callable[..., Workload]
     about: str
     extra: str | None = None
+    sizes: tuple[str, ...] = ()
+    """Size names when the builder takes them as ``**sizes`` (else its signature says)."""
 
 
 _ZOO: dict[str, _Entry] = {
-    "gpt": _Entry(gpt.build, "nanoGPT-style decoder, 12 x 256 wide, 128 tokens, batch 8"),
+    "gpt": _Entry(
+        gpt.build, "nanoGPT-style decoder, 12 x 256 wide, 128 tokens, batch 8", sizes=tuple(f.name for f in fields(gpt.GPTConfig))
+    ),
     "mlp-deep": _Entry(small.build_mlp, "100 x Linear(1024)+ReLU, batch 128"),
     "heavy": _Entry(small.build_heavy, "~100k tiny scalar ops: per-op overhead"),
     "resnet": _Entry(small.build_resnet, "bottleneck CNN with BatchNorm and Dropout, 64px, batch 16"),
@@ -56,11 +60,11 @@ def build(name: str, batch_size: int | None = None, **sizes: Any) -> Workload:
     entry = _ZOO.get(name)
     if entry is None:
         raise TargetError(f"unknown zoo model {name!r}; choose one of {', '.join(_ZOO)} or give path/to/file.py:function")
-    params = inspect.signature(entry.build).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in sizes if k not in params and not takes_any]
+    params = [k for k, p in inspect.signature(entry.build).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    known = [k for k in (*params, *entry.sizes) if k != "batch_size"]
+    takes_any = entry.extra == "hf"  # any transformers config field
+    unknown = [k for k in sizes if k not in known and not takes_any]
     if unknown:
-        known = [k for k in params if k != "batch_size"]
         raise TargetError(f"zoo model {name!r} has no size {unknown[0]!r}; its sizes are {', '.join(known)}")
     if batch_size is not None:
         sizes["batch_size"] = batch_size

@@ -1,0 +1,41 @@
+"""Predicted step peak against physical ground truth, measured in a fresh process.
+
+On CPU the ground truth is the process's RSS high-water mark over the step, with
+MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the OS (see
+memfit/measure/groundtruth.py). The issue's bar: within 3% on zoo models with over
+~100 MiB of activations. These are the default zoo sizes, as `memfit profile` runs them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import memfit
+from memfit import zoo
+from memfit.measure.groundtruth import measure_step_peak
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS ground truth reads /proc")
+
+
+@pytest.mark.parametrize("name, min_activations", [("gpt", 100 * 2**20), ("resnet", 100 * 2**20), ("mlp-deep", 0)])
+def test_predicted_peak_within_3_percent_of_rss(name, min_activations):
+    # mlp-deep saves only 50 MiB of activations (below the bar) but its peak, in the
+    # optimizer step, is 400 MiB of gradients and AdamW temporaries: checked all the same.
+    work = zoo.build(name)
+    prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
+    activations = sum(b.nbytes for b in prof.ledger.blocks if b.category is memfit.Category.ACTIVATION)
+    assert activations > min_activations
+    measured = measure_step_peak(name)
+    error = (prof.step_peak_bytes - measured["step_peak_bytes"]) / measured["step_peak_bytes"]
+    assert abs(error) < 0.03, f"{name}: predicted {prof.step_peak_bytes}, measured {measured['step_peak_bytes']} ({error:+.2%})"
+
+
+def test_fake_prediction_matches_too():
+    # the laptop use: a fake-tensor profile predicts the same physical peak
+    work = zoo.build("resnet")
+    prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=True)
+    measured = measure_step_peak("resnet")
+    error = (prof.step_peak_bytes - measured["step_peak_bytes"]) / measured["step_peak_bytes"]
+    assert abs(error) < 0.03, f"predicted {prof.step_peak_bytes}, measured {measured['step_peak_bytes']} ({error:+.2%})"

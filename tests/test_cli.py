@@ -1,0 +1,143 @@
+"""The CLI: output, JSON and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memfit.cli import main
+
+SMALL = ["--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4", "--size", "block_size=32", "--size", "vocab_size=512"]
+
+
+def test_profile_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", "gpt", "--batch-size", "2", *SMALL, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Memory at the peak" in text and "activations" in text and "transformer.h.0" in text
+    data = json.loads(out.read_text())
+    for key in ("peak_bytes", "start_bytes", "breakdown", "modules", "peak", "ledger"):
+        assert key in data
+    assert data["meta"]["batch_size"] == 2 and data["meta"]["n_layer"] == 2
+    assert sum(data["breakdown"].values()) == data["peak_bytes"]
+
+
+def test_profile_fake_device(capsys):
+    assert main(["profile", "gpt", "--device", "fake", *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "fake:cpu" in text and "times omitted" in text
+
+
+def test_zoo_lists_models(capsys):
+    assert main(["zoo"]) == 0
+    text = capsys.readouterr().out
+    for name in ("gpt", "mlp-deep", "heavy", "resnet", "bert-base", "gpt2", "resnet152"):
+        assert name in text
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("memfit: error: ")
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["profile", "no-such-model"], "unknown zoo model 'no-such-model'"),
+        (["profile", "missing.py:build"], "does not exist"),
+        (["profile", "gpt", "--size", "n_layers=2"], "has no size 'n_layers'"),
+        (["profile", "gpt", "--size", "oops"], "KEY=VALUE"),
+        (["profile", "gpt", "--batch-size", "0"], "positive integer"),
+    ],
+)
+def test_bad_targets_are_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("def build():\n    return 42\n", "returned int; expected a memfit.Workload"),
+        ("def other():\n    pass\n", "has no function 'build'"),
+        ("def build():\n    raise RuntimeError('no data here')\n", "raised RuntimeError: no data here"),
+        ("import nonexistent_module_xyz\n", "importing"),
+        (
+            """
+            import torch, memfit
+            class M(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.enc = torch.nn.Linear(4, 4)
+                    self.dec = torch.nn.Linear(5, 4)
+                def forward(self, x):
+                    return self.dec(self.enc(x))
+            def build():
+                return memfit.Workload(M(), torch.randn(2, 4))
+            """,
+            "forward of module 'dec' (Linear) raised RuntimeError",
+        ),
+        (
+            """
+            import torch, memfit
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out: out)
+            """,
+            "loss must be a scalar",
+        ),
+        (
+            """
+            import torch, memfit
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out: out.sum().detach())
+            """,
+            "loss does not require grad",
+        ),
+        (
+            """
+            import torch, memfit
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), "not inputs")
+            """,
+            "inputs must be a tensor",
+        ),
+    ],
+)
+def test_bad_workload_files_are_one_line(tmp_path, body, needle, capsys):
+    path = tmp_path / "work.py"
+    path.write_text(textwrap.dedent(body))
+    assert main(["profile", f"{path}:build"]) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_file_target_with_batch_size(tmp_path, capsys):
+    path = tmp_path / "work.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch, memfit
+            def build(batch_size=4):
+                return memfit.Workload(torch.nn.Linear(8, 8), torch.randn(batch_size, 8), name="mine", meta={"batch_size": batch_size})
+            def fixed():
+                return memfit.Workload(torch.nn.Linear(8, 8), torch.randn(2, 8))
+            """
+        )
+    )
+    assert main(["profile", f"{path}:build", "--batch-size", "16"]) == 0
+    assert "mine" in capsys.readouterr().out
+    assert main(["profile", f"{path}:fixed", "--batch-size", "16"]) == 2
+    assert "takes no batch_size" in _error_line(capsys)
+
+
+def test_console_script_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "memfit", "profile", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("memfit: error: unknown zoo model")
+    assert "Traceback" not in proc.stderr
