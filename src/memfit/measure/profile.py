@@ -4,7 +4,7 @@ Steps run, each the same :func:`~memfit.measure.step.train_step`:
 
 1. a warm-up step (real tensors always, so kernels and the optimizer state exist; fake
    tensors only when the optimizer has no state yet);
-2. a timed step under :class:`~memfit.measure.recorder.OpTimer` (real tensors only);
+2. a timed step: no dispatch mode, module hooks stamp a clock (real tensors only);
 3. the recorded step under :class:`~memfit.measure.recorder.Recorder`, which yields the
    ledger and FLOPs.
 
@@ -25,9 +25,9 @@ from torch import nn
 
 from memfit.errors import ForwardError, LossError, MemfitError, WorkloadError
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
-from memfit.measure.recorder import OpTimer, Recorder
+from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
-from memfit.measure.scope import Scope
+from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import train_step
 from memfit.workload import default_optimizer, split_inputs
 
@@ -236,6 +236,7 @@ def profile(
     with ExitStack() as stack:
         box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer))
         scope = stack.enter_context(Scope(box.model))
+        clock = Clock(device)
         if not fake or not box.optimizer.state:
             report("warm-up step", 0, total)
             _run(box, scope, loss_fn)
@@ -243,11 +244,12 @@ def profile(
         per_time: dict[tuple[Phase, str], float] = {}
         if not fake:
             report("timed step", 1, total)
-            timer = OpTimer(scope, device)
-            with timer:
-                timer.start()
-                _run(box, scope, loss_fn)
-            per_time, step_time = timer.totals()
+            scope.clock = clock
+            start = clock.mark()
+            _run(box, scope, loss_fn)
+            step_time = clock.seconds(start, clock.mark())
+            per_time = scope.times()
+            scope.clock = None
         report("recorded step", total - 1, total)
         recorder = Recorder(scope)
         _register_start(recorder, box)

@@ -7,13 +7,12 @@ death into a free. torch keeps one Python object per live storage, so the finali
 exactly when the last tensor or view of it goes, whoever held it (autograd's saved
 variables included). A saved-tensor hook marks which blocks autograd saves for backward.
 
-:class:`OpTimer` is the light counterpart used in a separate step: it only stamps the
-clock after each op, so module times are not inflated by the recorder's bookkeeping.
+Times are not taken here: the recorder's bookkeeping would inflate them. The timed step
+runs without it (see :class:`memfit.measure.scope.Clock`).
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -22,13 +21,12 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from memfit.measure import _torch_compat
 from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Tick
 from memfit.measure.scope import Scope
 
-__all__ = ["Recorder", "OpTimer", "storage_bytes"]
+__all__ = ["Recorder", "storage_bytes"]
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
@@ -42,9 +40,16 @@ def storage_bytes(nbytes: int, device: torch.device) -> int:
     return nbytes
 
 
-def _tensors(tree: Any) -> Iterable[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)  # also flattens the tensor lists of foreach ops
-    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    """Tensors among aten arguments or results: tensors, or lists of them (foreach ops).
+    Written out because ``tree_flatten`` costs more than the rest of the recorder."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -145,9 +150,9 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._op = str(func.overloadpacket.__name__)
-        inputs = {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+        inputs = {id(s) for s in map(_storage, _tensors((*args, *kwargs.values()))) if s is not None}
         out = func(*args, **kwargs)
-        for t in _tensors(out):
+        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
             s = _storage(t)
             if s is None or id(s) in self._live or not s.nbytes():
                 continue
@@ -185,45 +190,3 @@ class Recorder(TorchDispatchMode):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
             blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers)))
         return Ledger(blocks, list(self.ticks))
-
-
-class OpTimer(TorchDispatchMode):
-    """Wall time between consecutive op ends, charged to every module running.
-
-    On CUDA an event is recorded after each op and read once the step is over, so the
-    GPU is not synchronised op by op.
-    """
-
-    def __init__(self, scope: Scope, device: torch.device) -> None:
-        super().__init__()
-        self.scope = scope
-        self.cuda = device.type == "cuda"
-        self._marks: list[tuple[Any, Phase, tuple[str, ...]]] = []
-
-    def start(self) -> None:
-        self._marks.append((self._now(), Phase.START, ()))
-
-    def _now(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._marks.append((self._now(), self.scope.phase, tuple(self.scope.stack())))
-        return out
-
-    def totals(self) -> tuple[dict[tuple[Phase, str], float], float]:
-        """Seconds per (phase, module) inclusive of children, and the step's total."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        per: dict[tuple[Phase, str], float] = defaultdict(float)
-        total = 0.0
-        for (t0, _, _), (t1, phase, stack) in zip(self._marks, self._marks[1:]):
-            dt = t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
-            total += dt
-            for name in stack:
-                per[(phase, name)] += dt
-        return per, total

@@ -12,6 +12,7 @@ innermost module at the moment a forward fails.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.measure.ledger import Phase
 
-__all__ = ["Scope"]
+__all__ = ["Scope", "Clock"]
 
 
 def _depth(name: str) -> int:
@@ -44,20 +45,47 @@ def _grad_tensors(tree: Any) -> list[torch.Tensor]:
     return out
 
 
-class Scope:
-    """Context manager hooking ``model``; read :attr:`phase` and :attr:`module` at any time."""
+class Clock:
+    """Timestamps for module times: ``perf_counter`` on the CPU; on CUDA an event per
+    mark, read once the step is over, so the GPU is never synchronised mid-step."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+class Scope:
+    """Context manager hooking ``model``; read :attr:`phase` and :attr:`module` at any time.
+
+    With a :class:`Clock` it also times every module call, forward and backward, inclusive
+    of children: hooks fire per module call, not per op, so timing adds next to nothing.
+    """
+
+    def __init__(self, model: nn.Module, clock: Clock | None = None) -> None:
         self.names: dict[nn.Module, str] = {}
         for name, mod in model.named_modules():
             self.names.setdefault(mod, name)
         self.phase = Phase.START
-        self._forward: list[str] = []
-        self._backward: list[str] = []
+        self.clock = clock
+        self._forward: list[tuple[str, Any]] = []  # (name, start mark)
+        self._backward: list[tuple[str, Any]] = []
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
         self.calls: dict[str, int] = {}
         """Forward calls per module since the last :meth:`set_phase` to ``FORWARD``."""
+        self._spans: list[tuple[Phase, str, Any, Any]] = []
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -66,53 +94,69 @@ class Scope:
         """Innermost module running now: the top of the forward stack (also during a
         recompute inside backward), else the deepest module whose backward is running."""
         if self._forward:
-            return self._forward[-1]
+            return self._forward[-1][0]
         if self._backward and self.phase is Phase.BACKWARD:
-            return max(reversed(self._backward), key=_depth)
+            return max((n for n, _ in reversed(self._backward)), key=_depth)
         return None
-
-    def stack(self) -> list[str]:
-        """Every module running now, outermost first."""
-        if self._forward:
-            return list(self._forward)
-        if self.phase is Phase.BACKWARD:
-            return sorted(set(self._backward), key=_depth)
-        return []
 
     def set_phase(self, phase: Phase) -> None:
         if phase is Phase.FORWARD:
             self.calls = {}
+            self._spans = []
+        if self.clock is not None and self._backward:
+            end = self.clock.mark()  # modules whose inputs need no grad never "leave" backward
+            self._spans += [(Phase.BACKWARD, n, t0, end) for n, t0 in self._backward]
         self.phase = phase
         self._forward.clear()
         self._backward.clear()
 
+    def times(self) -> dict[tuple[Phase, str], float]:
+        """Seconds per (phase, module) over the step since the last forward began."""
+        out: dict[tuple[Phase, str], float] = {}
+        if self.clock is not None:
+            for phase, name, t0, t1 in self._spans:
+                out[(phase, name)] = out.get((phase, name), 0.0) + self.clock.seconds(t0, t1)
+        return out
+
     # -- hooks ------------------------------------------------------------------------------
+
+    def _mark(self) -> Any:
+        return None if self.clock is None else self.clock.mark()
 
     def _pre(self, mod: nn.Module, args: Any) -> None:
         name = self.names[mod]
-        self._forward.append(name)
+        self._forward.append((name, self._mark()))
         if self.phase is Phase.FORWARD:
             self.calls[name] = self.calls.get(name, 0) + 1
-        if self.phase is Phase.FORWARD and torch.is_grad_enabled():
-            tensors = _grad_tensors(args)
-            if tensors:
-                self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
+            if torch.is_grad_enabled():
+                tensors = _grad_tensors(args)
+                if tensors:
+                    self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
 
     def _post(self, mod: nn.Module, args: Any, output: Any) -> None:
         name = self.names[mod]
-        # Pop this module's own frame even if a child raised and left frames above it.
-        if name in self._forward:
-            idx = len(self._forward) - 1 - self._forward[::-1].index(name)
-            del self._forward[idx:]
+        # Pop this module's own frame, and any a child left behind by raising.
+        for i in range(len(self._forward) - 1, -1, -1):
+            if self._forward[i][0] == name:
+                if self.clock is not None and self.phase is Phase.FORWARD:
+                    self._spans.append((Phase.FORWARD, name, self._forward[i][1], self.clock.mark()))
+                del self._forward[i:]
+                break
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
-                self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._backward.append(n)))
+                self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._enter_bw(n)))
+
+    def _enter_bw(self, name: str) -> None:
+        self._backward.append((name, self._mark()))
 
     def _leave_bw(self, name: str) -> None:
-        if name in self._backward:
-            idx = len(self._backward) - 1 - self._backward[::-1].index(name)
-            del self._backward[idx]
+        for i in range(len(self._backward) - 1, -1, -1):
+            if self._backward[i][0] == name:
+                _, t0 = self._backward.pop(i)
+                if self.clock is not None:
+                    self._spans.append((Phase.BACKWARD, name, t0, self.clock.mark()))
+                break
 
     def __enter__(self) -> Scope:
         for mod in self.names:
