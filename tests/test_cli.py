@@ -141,3 +141,14 @@ def test_console_script_exit_code():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("memfit: error: unknown zoo model")
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Memory at the peak" in text and "predicted" in text and "measured" in text and "fake tensors" in text
+    data = json.loads(out.read_text())
+    predicted = data["profile"]["step_peak_bytes"]
+    measured = data["measured"]["step_peak_bytes"]
+    assert abs(predicted - measured) / measured < 0.03

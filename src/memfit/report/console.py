@@ -72,12 +72,13 @@ def sparkline(profile: Profile, width: int = 64) -> str:
 def _top_modules(profile: Profile, limit: int) -> list[ModuleStats]:
     """Called modules holding the most saved activations, without the root and without
     wrappers whose figure is a single child's passed through."""
+    order = {name: i for i, name in enumerate(profile.modules)}  # model order breaks ties
     mods = [m for m in profile.modules.values() if m.name and m.saved_bytes and m.calls]
 
     def is_passthrough(m: ModuleStats) -> bool:
         return any(c.saved_bytes == m.saved_bytes for c in mods if c.name.rpartition(".")[0] == m.name)
 
-    keep = sorted((m for m in mods if not is_passthrough(m)), key=lambda m: (-m.saved_bytes, m.name))
+    keep = sorted((m for m in mods if not is_passthrough(m)), key=lambda m: (-m.saved_bytes, order[m.name]))
     return keep[:limit]
 
 

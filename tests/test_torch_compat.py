@@ -1,0 +1,78 @@
+"""Canaries for the torch internals memfit relies on: a torch release that changes one
+fails here, with the name of what changed, before it breaks a profile."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.measure import _torch_compat
+
+
+def test_storage_objects_are_preserved_and_die_with_the_last_view():
+    # The recorder keys blocks by the Python storage object and learns of frees from a
+    # weakref finalizer on it: both need torch to keep one object per live storage.
+    t = torch.randn(1000)
+    s = t.untyped_storage()
+    assert s is t[10:].untyped_storage() is t.view(10, 100).untyped_storage()
+    freed = []
+    weakref.finalize(s, freed.append, True)
+    del s
+    view = t[5:]
+    del t
+    gc.collect()
+    assert not freed, "storage freed while a view is alive"
+    del view
+    assert freed == [True], "storage death not reported"
+
+
+def test_fake_mode():
+    mode = _torch_compat.new_fake_mode()
+    real = torch.randn(4, 4)
+    fake = mode.from_tensor(real)
+    assert _torch_compat.is_fake(fake) and not _torch_compat.is_fake(real)
+    with mode:
+        out = fake @ real  # a real tensor is accepted and faked where used
+        made = torch.zeros(3)
+    assert _torch_compat.is_fake(out) and _torch_compat.is_fake(made)
+    assert out.untyped_storage().nbytes() == 64
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.flops[func.overloadpacket.__name__] = _torch_compat.op_flops(func, args, kwargs or {}, out)
+        return out
+
+
+def test_flop_registry():
+    with _Ops() as ops:
+        torch.mm(torch.randn(8, 16), torch.randn(16, 4))
+    assert ops.flops["mm"] == 2 * 8 * 16 * 4
+
+
+def test_cpu_attention_is_counted():
+    q = torch.randn(2, 4, 32, 16, requires_grad=True)
+    with _Ops() as ops:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    fwd = [n for n in ops.flops if n.startswith("_scaled_dot_product") and not n.endswith("backward")]
+    bwd = [n for n in ops.flops if n.startswith("_scaled_dot_product") and n.endswith("backward")]
+    assert fwd and bwd, f"SDPA on CPU ran no fused kernel: {sorted(ops.flops)}"
+    assert ops.flops[fwd[0]] == 2 * (2 * 2 * 4 * 32 * 32 * 16)
+    assert ops.flops[bwd[0]] > ops.flops[fwd[0]]
+
+
+def test_optimizer_implementation_choice():
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([p])
+    fake_opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
+    _torch_compat.pin_optimizer_impl(fake_opt, opt)
+    assert isinstance(fake_opt.param_groups[0]["foreach"], bool)
