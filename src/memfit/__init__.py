@@ -4,12 +4,26 @@ Public API (everything else is internal)::
 
     import memfit
     prof = memfit.profile(model, inputs)            # where the memory of a step goes
-    print(memfit.format_bytes(prof.peak_bytes))
+    plan = memfit.plan(model, inputs, "50%")        # what to recompute to fit a budget
+    memfit.apply(model, plan)                       # in place, reversible: memfit.remove(model)
 """
 
-from memfit.errors import BudgetError, ForwardError, LossError, MemfitError, TargetError, WorkloadError
+from memfit.apply import apply, remove
+from memfit.errors import (
+    BudgetError,
+    BudgetInfeasibleError,
+    ForwardError,
+    LossError,
+    MemfitError,
+    PlanError,
+    TargetError,
+    WorkloadError,
+)
 from memfit.measure.ledger import Block, Category, Ledger, Phase, Tick
 from memfit.measure.profile import ModuleStats, Profile, profile
+from memfit.plan.budget import Budget, parse_budget
+from memfit.plan.planner import plan
+from memfit.plan.result import Choice, Plan
 from memfit.units import format_bytes, parse_bytes
 from memfit.workload import Workload, load_target
 
@@ -26,6 +40,14 @@ __all__ = [
     "Tick",
     "Category",
     "Phase",
+    # plan and apply
+    "plan",
+    "Plan",
+    "Choice",
+    "Budget",
+    "parse_budget",
+    "apply",
+    "remove",
     # workloads
     "Workload",
     "load_target",
@@ -39,4 +61,6 @@ __all__ = [
     "ForwardError",
     "LossError",
     "BudgetError",
+    "BudgetInfeasibleError",
+    "PlanError",
 ]

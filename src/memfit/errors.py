@@ -13,6 +13,8 @@ __all__ = [
     "ForwardError",
     "LossError",
     "BudgetError",
+    "BudgetInfeasibleError",
+    "PlanError",
 ]
 
 
@@ -38,3 +40,16 @@ class LossError(MemfitError, ValueError):
 
 class BudgetError(MemfitError, ValueError):
     """A memory amount or budget does not parse or is out of range."""
+
+
+class BudgetInfeasibleError(BudgetError):
+    """The budget is below the lowest peak memfit can reach; the message states that peak."""
+
+    def __init__(self, message: str, *, min_peak_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.min_peak_bytes = min_peak_bytes
+        self.budget_bytes = budget_bytes
+
+
+class PlanError(MemfitError, ValueError):
+    """A plan cannot be applied or removed as asked (wrong model, applied twice, corrupt file)."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-__all__ = ["Category", "Phase", "Block", "Tick", "Ledger"]
+__all__ = ["Category", "Phase", "Block", "Tick", "Span", "OpCall", "Ledger"]
 
 
 class Category(str, Enum):
@@ -79,12 +79,39 @@ class Tick:
     """The aten op running (or just run) when the tick happened."""
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One module call's forward, or its backward, as the ticks ``[start, end)``."""
+
+    module: str
+    phase: Phase
+    start: int
+    end: int
+    inputs: tuple[int, ...] = ()
+    """Blocks the call received as tensor arguments (forward spans)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """One forward op: where it ran, what it cost, what it allocated (ticks ``[first, end)``)."""
+
+    module: str | None
+    op: str
+    flops: int
+    first: int
+    end: int
+
+
 @dataclass(slots=True)
 class Ledger:
     """Blocks and timeline of one step; memory is integer bytes throughout."""
 
     blocks: list[Block]
     ticks: list[Tick]
+    spans: list[Span] = field(default_factory=list)
+    """Forward and backward spans of every module call (what planners cut the timeline by)."""
+    ops: list[OpCall] = field(default_factory=list)
+    """Forward ops in order (what selective recompute chooses among)."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
@@ -155,6 +182,8 @@ class Ledger:
         return {
             "blocks": [{**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks],
             "ticks": [[t.phase.value, t.module, t.op] for t in self.ticks],
+            "spans": [[s.module, s.phase.value, s.start, s.end, list(s.inputs)] for s in self.spans],
+            "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],
         }
 
     @classmethod
@@ -164,7 +193,9 @@ class Ledger:
             for b in data["blocks"]
         ]
         ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]
-        return cls(blocks, ticks)
+        spans = [Span(m, Phase(p), a, b, tuple(i)) for m, p, a, b, i in data.get("spans", [])]
+        ops = [OpCall(*o) for o in data.get("ops", [])]
+        return cls(blocks, ticks, spans, ops)
 
 
 def ancestors(name: str) -> Iterable[str]:

@@ -72,6 +72,8 @@ class Profile:
     (fake tensors have no time; FLOPs are still counted)."""
     step_time_s: float | None
     model_type: str
+    step_flops: int = 0
+    """FLOPs of the whole step (FlopCounterMode's formulas), the loss included."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -122,6 +124,7 @@ class Profile:
             "breakdown": self.breakdown,
             "phase_peaks": {p.value: n for p, n in self.ledger.phase_peaks().items()},
             "step_time_s": self.step_time_s,
+            "step_flops": self.step_flops,
             "modules": [asdict(m) for m in self.modules.values()],
             "meta": self.meta,
         }
@@ -144,6 +147,7 @@ class Profile:
             time_source=data["time_source"],
             step_time_s=data["step_time_s"],
             model_type=data["model"],
+            step_flops=data.get("step_flops", 0),
             meta=data.get("meta", {}),
         )
 
@@ -251,16 +255,9 @@ def profile(
             per_time = scope.times()
             scope.clock = None
         report("recorded step", total - 1, total)
-        recorder = Recorder(scope)
-        _register_start(recorder, box)
-        try:
-            with recorder:
-                _run_recorded(box, scope, loss_fn, recorder)
-            ledger = recorder.ledger()
-        finally:
-            recorder.close()
+        ledger, flops = record_step(box, scope, loss_fn)
         report("done", total, total)
-        modules = _module_stats(box.model, scope, ledger, recorder.flops, per_time if not fake else None)
+        modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
     return Profile(
         ledger=ledger,
         modules=modules,
@@ -269,7 +266,20 @@ def profile(
         time_source="omitted" if fake else "measured",
         step_time_s=step_time,
         model_type=type(model).__name__,
+        step_flops=sum(flops.values()),
     )
+
+
+def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
+    """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
+    recorder = Recorder(scope)
+    _register_start(recorder, box)
+    try:
+        with recorder:
+            _run_recorded(box, scope, loss_fn, recorder)
+        return recorder.ledger(), dict(recorder.flops)
+    finally:
+        recorder.close()
 
 
 def _register_start(recorder: Recorder, box: Sandbox) -> None:

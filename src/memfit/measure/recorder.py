@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure import _torch_compat
-from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Tick
+from memfit.measure.ledger import START_TICK, Block, Category, Ledger, OpCall, Phase, Span, Tick
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes"]
@@ -86,6 +86,24 @@ class Recorder(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._op = "(start)"
         self._closed = False
+        self.spans: list[Span] = []
+        self.ops: list[OpCall] = []
+        self._open: dict[tuple[Phase, str], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+        scope.listener = self._on_scope
+
+    def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
+        key = (phase, name)
+        if entering:
+            ids = []
+            for t in inputs:
+                s = _storage(t)
+                idx = None if s is None else self._live.get(id(s))
+                if idx is not None:
+                    ids.append(idx)
+            self._open[key].append((len(self.ticks), tuple(dict.fromkeys(ids))))
+        elif self._open[key]:
+            start, ids = self._open[key].pop()
+            self.spans.append(Span(name, phase, start, len(self.ticks), ids))
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -150,6 +168,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._op = str(func.overloadpacket.__name__)
+        first = len(self.ticks)
         inputs = {id(s) for s in map(_storage, _tensors((*args, *kwargs.values()))) if s is not None}
         out = func(*args, **kwargs)
         for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
@@ -159,10 +178,11 @@ class Recorder(TorchDispatchMode):
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
             self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
-        if self.count_flops:
-            flops = _torch_compat.op_flops(func, args, kwargs, out)
-            if flops:
-                self.flops[(self.scope.phase, self.scope.module)] += flops
+        flops = _torch_compat.op_flops(func, args, kwargs, out) if self.count_flops else 0
+        if flops:
+            self.flops[(self.scope.phase, self.scope.module)] += flops
+        if self.scope.phase is Phase.FORWARD:
+            self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
         return out
 
     def __enter__(self):
@@ -179,6 +199,7 @@ class Recorder(TorchDispatchMode):
     def close(self) -> None:
         """Stop listening for frees (blocks still alive outlive the step)."""
         self._closed = True
+        self.scope.listener = None
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
@@ -189,4 +210,4 @@ class Recorder(TorchDispatchMode):
         for i, r in enumerate(self.records):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
             blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers)))
-        return Ledger(blocks, list(self.ticks))
+        return Ledger(blocks, list(self.ticks), sorted(self.spans, key=lambda s: (s.start, -s.end)), list(self.ops))

@@ -86,6 +86,10 @@ class Scope:
         self.calls: dict[str, int] = {}
         """Forward calls per module since the last :meth:`set_phase` to ``FORWARD``."""
         self._spans: list[tuple[Phase, str, Any, Any]] = []
+        self.listener: Any = None
+        """Optional ``listener(phase, name, entering, inputs)``, told of every module entry and
+        exit (``phase`` is FORWARD for forward calls, BACKWARD for their backward);
+        ``inputs`` are the tensors a forward call receives, else ``()``."""
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -103,9 +107,13 @@ class Scope:
         if phase is Phase.FORWARD:
             self.calls = {}
             self._spans = []
-        if self.clock is not None and self._backward:
-            end = self.clock.mark()  # modules whose inputs need no grad never "leave" backward
-            self._spans += [(Phase.BACKWARD, n, t0, end) for n, t0 in self._backward]
+        if self._backward:
+            # modules whose inputs need no grad never "leave" backward: they end with it
+            end = self._mark()
+            for n, t0 in reversed(self._backward):
+                if self.clock is not None:
+                    self._spans.append((Phase.BACKWARD, n, t0, end))
+                self._tell(Phase.BACKWARD, n, False)
         self.phase = phase
         self._forward.clear()
         self._backward.clear()
@@ -123,13 +131,20 @@ class Scope:
     def _mark(self) -> Any:
         return None if self.clock is None else self.clock.mark()
 
-    def _pre(self, mod: nn.Module, args: Any) -> None:
+    def _tell(self, phase: Phase, name: str, entering: bool, inputs: Any = ()) -> None:
+        if self.listener is not None:
+            self.listener(phase, name, entering, inputs)
+
+    def _pre(self, mod: nn.Module, args: Any, kwargs: Any) -> None:
         name = self.names[mod]
         self._forward.append((name, self._mark()))
         if self.phase is Phase.FORWARD:
+            if self.listener is not None:
+                leaves, _ = tree_flatten((args, kwargs))
+                self._tell(Phase.FORWARD, name, True, [t for t in leaves if isinstance(t, torch.Tensor)])
             self.calls[name] = self.calls.get(name, 0) + 1
             if torch.is_grad_enabled():
-                tensors = _grad_tensors(args)
+                tensors = _grad_tensors((args, kwargs))
                 if tensors:
                     self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
 
@@ -138,8 +153,10 @@ class Scope:
         # Pop this module's own frame, and any a child left behind by raising.
         for i in range(len(self._forward) - 1, -1, -1):
             if self._forward[i][0] == name:
-                if self.clock is not None and self.phase is Phase.FORWARD:
-                    self._spans.append((Phase.FORWARD, name, self._forward[i][1], self.clock.mark()))
+                if self.phase is Phase.FORWARD:
+                    if self.clock is not None:
+                        self._spans.append((Phase.FORWARD, name, self._forward[i][1], self.clock.mark()))
+                    self._tell(Phase.FORWARD, name, False)
                 del self._forward[i:]
                 break
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
@@ -149,6 +166,7 @@ class Scope:
 
     def _enter_bw(self, name: str) -> None:
         self._backward.append((name, self._mark()))
+        self._tell(Phase.BACKWARD, name, True)
 
     def _leave_bw(self, name: str) -> None:
         for i in range(len(self._backward) - 1, -1, -1):
@@ -156,11 +174,12 @@ class Scope:
                 _, t0 = self._backward.pop(i)
                 if self.clock is not None:
                     self._spans.append((Phase.BACKWARD, name, t0, self.clock.mark()))
+                self._tell(Phase.BACKWARD, name, False)
                 break
 
     def __enter__(self) -> Scope:
         for mod in self.names:
-            self._handles.append(mod.register_forward_pre_hook(self._pre))
+            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post))
         return self
 

@@ -1,0 +1,29 @@
+"""Apply: mechanism on the user's model, reversible. ``apply(model, plan)`` / ``remove(model)``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from memfit.apply.checkpoint import apply_choices, remove
+from memfit.errors import PlanError
+from memfit.plan.result import Plan, fingerprint
+
+__all__ = ["apply", "remove"]
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Recompute what ``plan`` says, in place; returns ``model``. Undo with :func:`remove`.
+
+    Module names, ``state_dict`` keys, classes and hooks are unchanged. Raises PlanError if
+    the plan was made for a model of another structure, or a plan is already applied.
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
+    if plan.fingerprint and plan.fingerprint != fingerprint(model):
+        raise PlanError(
+            f"this plan was made for another model ({plan.model_type}, fingerprint {plan.fingerprint}); "
+            f"this {type(model).__name__} has fingerprint {fingerprint(model)}: make a plan for it with memfit.plan"
+        )
+    return apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})

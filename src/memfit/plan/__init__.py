@@ -1,0 +1,3 @@
+"""Plan: pure policy over plain data. Candidates and costs from a ledger
+(``candidates``), an optimal MILP (``solver``), budgets (``budget``), the result
+(``result``), and ``planner``, which verifies a solution by running it on fake tensors."""

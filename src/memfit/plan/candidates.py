@@ -1,0 +1,210 @@
+"""Candidates: what recomputing each module would save and cost, read off the ledger.
+
+Pure policy over plain data (a :class:`~memfit.measure.ledger.Ledger` and module
+figures); nothing here touches a model.
+
+For a module M called once, with forward ticks ``[fs, fe)`` and backward ticks
+``[bs, be)``, the blocks recompute can free are the activations born inside M's forward,
+saved only by ops inside M, and released during M's backward: autograd alone kept them
+alive from ``fe`` to ``bs``. Checkpointing M removes them from ``[fe, bs)`` and brings
+them back when M's backward starts, together with the temporaries of M's forward (the
+recompute transient). Selective recompute keeps the outputs of some op types (their
+bytes stay, and so does any such output that was not saved before) and recomputes the
+rest. A module's options are independent of its neighbours', so a plan's memory at any
+tick is the unplanned curve plus the chosen options' deltas there.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass
+
+from memfit.measure.ledger import Category, Ledger, Phase, Span
+
+__all__ = ["Option", "Candidates", "build_candidates", "DeviceRates"]
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Throughputs turning FLOPs and bytes into estimated seconds where no time was
+    measured, and splitting a measured module time among its ops. Round figures for the
+    device class; only their ratio matters when a measured time is split."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    @staticmethod
+    def for_device(device: str) -> DeviceRates:
+        if "cuda" in device:
+            return DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12)  # H100-class bf16/fp32-TF32, HBM3
+        return DeviceRates(flops_per_s=100e9, bytes_per_s=10e9)  # a few CPU cores, fp32
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to recompute one module."""
+
+    module: str
+    mode: str
+    """``"full"`` (recompute everything) or ``"selective"`` (keep outputs of ``save_ops``)."""
+    save_ops: tuple[str, ...]
+    freed_bytes: int
+    """Net bytes off the curve from the end of M's forward to the start of its backward."""
+    transient_bytes: int
+    """Extra bytes alive while M's forward is recomputed, on top of what it brings back."""
+    cost_s: float
+    """Estimated recompute time (measured module time split by op estimates)."""
+    cost_flops: int
+    fwd_end: int
+    bwd_start: int
+
+
+@dataclass
+class Candidates:
+    options: list[Option]
+    excluded: dict[str, str]
+    """Modules not offered, with the reason."""
+
+
+def _span_map(ledger: Ledger) -> dict[str, dict[Phase, list[Span]]]:
+    out: dict[str, dict[Phase, list[Span]]] = defaultdict(lambda: defaultdict(list))
+    for s in ledger.spans:
+        out[s.module][s.phase].append(s)
+    return out
+
+
+def _within(name: str, root: str) -> bool:
+    return root == "" or name == root or name.startswith(root + ".")
+
+
+def build_candidates(
+    ledger: Ledger,
+    forward_time: dict[str, float | None],
+    *,
+    rates: DeviceRates,
+    calls: dict[str, int],
+    exclude: dict[str, str] | None = None,
+    max_selective: int = 3,
+) -> Candidates:
+    """Options for every module called once in the step, except those in ``exclude``.
+
+    ``forward_time`` maps module names to measured forward seconds (``None`` where only
+    estimates exist, as on fake tensors).
+    """
+    spans = _span_map(ledger)
+    excluded = dict(exclude or {})
+    options: list[Option] = []
+
+    # Bytes each op call allocated, and the op that allocated each block.
+    born_op: dict[int, int] = {}
+    op_bytes = [0] * len(ledger.ops)
+    tick_owner = [-1] * len(ledger.ticks)
+    for i, op in enumerate(ledger.ops):
+        for t in range(op.first, op.end):
+            tick_owner[t] = i
+    for b in ledger.blocks:
+        if b.born >= 0 and tick_owner[b.born] >= 0:
+            born_op[b.id] = tick_owner[b.born]
+            op_bytes[tick_owner[b.born]] += b.nbytes
+
+    order = sorted(ledger.blocks, key=lambda b: b.born)
+    borns = [b.born for b in order]
+    ops_by_module: dict[str | None, list[int]] = defaultdict(list)
+    for i, op in enumerate(ledger.ops):
+        ops_by_module[op.module].append(i)
+
+    for name, by_phase in spans.items():
+        if name == "":
+            continue  # recomputing the whole model at the start of backward frees nothing
+        if name in excluded:
+            continue
+        n_calls = calls.get(name, 0)
+        if n_calls != 1 or len(by_phase.get(Phase.FORWARD, [])) != 1:
+            excluded[name] = f"called {n_calls} times in a step (memfit plans modules called once)"
+            continue
+        if len(by_phase.get(Phase.BACKWARD, [])) != 1:
+            continue  # no gradient flows through it: nothing saved for backward
+        fwd, bwd = by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0]
+        (fs, fe), (bs, be) = (fwd.start, fwd.end), (bwd.start, bwd.end)
+        # The checkpoint keeps the call's inputs for the recompute: those that would have
+        # died before M's backward now live until it.
+        held = sum(
+            ledger.blocks[i].nbytes for i in fwd.inputs if ledger.blocks[i].died is not None and ledger.blocks[i].died < bs
+        )
+        freeable, temps, others = [], [], []
+        for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]:
+            if b.died is not None and fe <= b.died < bs and b.category is not Category.ACTIVATION:
+                others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
+            if b.died is not None and b.died < fe:
+                temps.append(b)
+            elif (
+                b.category is Category.ACTIVATION
+                and b.savers
+                and all(_within(s, name) for s in b.savers)
+                and b.died is not None
+                and bs <= b.died <= be
+            ):
+                freeable.append(b)
+        full_freed = sum(b.nbytes for b in freeable) - held
+        if full_freed <= 0:
+            continue
+        transient = _peak_of(temps, fs, fe)
+
+        # Estimated seconds per forward op call of M, scaled to M's measured forward time.
+        my_ops = [i for m, ids in ops_by_module.items() if m is not None and _within(m, name) for i in ids]
+        est = {i: ledger.ops[i].flops / rates.flops_per_s + op_bytes[i] / rates.bytes_per_s for i in my_ops}
+        total_est = sum(est.values()) or 1e-12
+        measured = forward_time.get(name)
+        scale = (measured / total_est) if measured else 1.0
+        flops_total = sum(ledger.ops[i].flops for i in my_ops)
+        options.append(Option(name, "full", (), full_freed, transient, total_est * scale, flops_total, fe, bs))
+
+        # Selective: keep the outputs of the op types with the most compute per byte kept.
+        by_type: dict[str, list[int]] = defaultdict(list)
+        for i in my_ops:
+            if op_bytes[i]:
+                by_type[ledger.ops[i].op].append(i)
+        if len(by_type) < 2:
+            continue
+        op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others if b.id in born_op}
+        kept = {k: sum(b.nbytes for b in freeable + temps if op_of_block.get(b.id) == k) for k in by_type}
+        density = {k: sum(est[i] for i in ids) / max(1, kept[k]) for k, ids in by_type.items()}
+        ranked = sorted(by_type, key=lambda k: -density[k])
+        for k in range(1, min(max_selective, len(ranked) - 1) + 1):
+            save = tuple(sorted(ranked[:k]))
+            freed = sum(b.nbytes for b in freeable if op_of_block.get(b.id) not in save)
+            # SAC caches every output of a saved op until the recompute, even ones that
+            # autograd did not save and that would have been freed sooner.
+            extra = sum(b.nbytes for b in temps + others if op_of_block.get(b.id) in save) + held
+            if freed - extra <= 0:
+                continue
+            saved_est = sum(est[i] for t in save for i in by_type[t])
+            saved_flops = sum(ledger.ops[i].flops for t in save for i in by_type[t])
+            options.append(
+                Option(
+                    name,
+                    "selective",
+                    save,
+                    freed - extra,
+                    transient,
+                    (total_est - saved_est) * scale,
+                    flops_total - saved_flops,
+                    fe,
+                    bs,
+                )
+            )
+    return Candidates(options, excluded)
+
+
+def _peak_of(blocks: list, start: int, end: int) -> int:
+    """Highest sum of ``blocks`` alive at once within ``[start, end)``."""
+    delta: dict[int, int] = defaultdict(int)
+    for b in blocks:
+        delta[b.born] += b.nbytes
+        delta[b.died] -= b.nbytes
+    live = peak = 0
+    for t in sorted(delta):
+        live += delta[t]
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,206 @@
+"""``memfit.plan``: choose what to recompute so the step fits a budget at the least extra compute.
+
+1. Profile the step (or take a profile): the ledger and measured module times.
+2. Build candidates (every module called once; full or selective recompute) and the MILP.
+3. ``P_min``: solve for the lowest model peak, then run that plan on fake tensors for the
+   exact figure. ``P_none`` is the profile's peak. A fractional budget resolves between them.
+4. Solve for the cheapest plan under the budget and verify it on fake tensors; if the
+   verified peak is over, tighten the bound by the overshoot and solve again.
+5. A module whose recompute fails while verifying (different saved tensors, an error) is
+   excluded with the reason, and planning starts over without it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove
+from memfit.errors import BudgetInfeasibleError, PlanError
+from memfit.measure.profile import Profile, Progress, profile as measure_profile, record_step
+from memfit.measure.sandbox import fake_sandbox
+from memfit.measure.scope import Scope
+from memfit.measure.step import train_step
+from memfit.plan.budget import parse_budget
+from memfit.plan.candidates import DeviceRates, Option, build_candidates
+from memfit.plan.result import Choice, Plan, fingerprint
+from memfit.plan.solver import Problem
+from memfit.units import format_bytes
+from memfit.workload import default_optimizer, split_inputs
+
+__all__ = ["plan"]
+
+_MAX_EXCLUSIONS = 8
+_MAX_TIGHTENING = 6
+_MiB = 2**20
+
+
+@dataclass(frozen=True)
+class _Run:
+    peak_bytes: int
+    step_flops: int
+
+
+class _RecomputeFailed(Exception):
+    def __init__(self, module: str, reason: str) -> None:
+        super().__init__(reason)
+        self.module = module
+        self.reason = reason
+
+
+class _Verifier:
+    """Runs plans on a fake-tensor copy of the step: exact peak, no memory used."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer) -> None:
+        self._stack = ExitStack()
+        self.box = self._stack.enter_context(fake_sandbox(model, args, kwargs, optimizer))
+        self.loss_fn = loss_fn
+        self.runs = 0
+        if not self.box.optimizer.state:  # measure steady state: the optimizer's state exists
+            with Scope(self.box.model) as scope, self.box.active():
+                train_step(self.box.model, self.box.args, self.box.kwargs, loss_fn, self.box.optimizer, scope.set_phase)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def run(self, chosen: list[Option]) -> _Run:
+        choices = {o.module: (o.mode, o.save_ops) for o in chosen}
+        apply_choices(self.box.model, choices)
+        self.runs += 1
+        try:
+            with Scope(self.box.model) as scope, self.box.active():
+                ledger, flops = record_step(self.box, scope, self.loss_fn)
+        except Exception as exc:
+            culprit = last_recompute()
+            if culprit in choices:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise _RecomputeFailed(culprit, f"recompute not reproducible: {type(exc).__name__}: {first}"[:300]) from exc
+            raise
+        finally:
+            remove(self.box.model)
+        return _Run(ledger.peak_bytes, sum(flops.values()))
+
+
+def plan(
+    model: nn.Module,
+    inputs: Any,
+    budget: int | float | str,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    fake: bool = False,
+    profile: Profile | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """Choose what to recompute so one training step peaks within ``budget``.
+
+    Args:
+        model, inputs, loss_fn, optimizer: the step, as for :func:`memfit.profile`.
+        budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``,
+            ``"800MB"``), or a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``) meaning
+            ``P_min + f * (P_none - P_min)``.
+        fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes).
+        profile: a profile of this step to plan from, instead of measuring a new one.
+
+    Returns:
+        A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
+        or the RNG is changed. Apply it with :func:`memfit.apply`.
+
+    Raises:
+        BudgetInfeasibleError: the budget is below ``P_min`` (stated in the message).
+    """
+    started = time.perf_counter()
+    spec = parse_budget(budget)
+    if not isinstance(model, nn.Module):
+        from memfit.errors import WorkloadError
+
+        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if applied_choices(model) is not None:
+        raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
+    args, kwargs = split_inputs(inputs)
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    prof = profile or measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress)
+    report = progress or (lambda desc, done, total: None)
+
+    ledger = prof.ledger
+    timed = prof.time_source == "measured"
+    forward_time = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
+    calls = {n: m.calls for n, m in prof.modules.items()}
+    rates = DeviceRates.for_device(prof.device)
+    none_peak = prof.peak_bytes
+    excluded: dict[str, str] = {}
+
+    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer)
+    try:
+        for _ in range(_MAX_EXCLUSIONS):
+            cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded)
+            problem = Problem(ledger.curve(), ledger.start_bytes, cands.options)
+            try:
+                report("lowest reachable peak", 0, 2)
+                lowest = problem.min_peak()
+                low_run = verifier.run(lowest.chosen) if lowest.chosen else _Run(none_peak, prof.step_flops)
+                min_peak = min(low_run.peak_bytes, none_peak)
+                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], _Run(none_peak, prof.step_flops))
+                target = spec.resolve(min_peak, none_peak)
+                if target < min_peak:
+                    raise BudgetInfeasibleError(
+                        f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
+                        f"P_min = {format_bytes(min_peak)} ({min_peak} bytes); P_none = {format_bytes(none_peak)}",
+                        min_peak_bytes=min_peak,
+                        budget_bytes=target,
+                    )
+                report("cheapest plan within the budget", 1, 2)
+                chosen, run = _fit(problem, verifier, target, none_peak, prof.step_flops, low)
+            except _RecomputeFailed as failed:
+                excluded[failed.module] = failed.reason
+                continue
+            break
+        else:
+            raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
+    finally:
+        verifier.close()
+    report("done", 2, 2)
+
+    excluded.update({k: v for k, v in cands.excluded.items() if k not in excluded})
+    return Plan(
+        budget_bytes=target,
+        predicted_peak_bytes=run.peak_bytes,
+        start_bytes=prof.start_bytes,
+        none_peak_bytes=none_peak,
+        min_peak_bytes=min_peak,
+        checkpointed={o.module: Choice(o.mode, o.save_ops) for o in sorted(chosen, key=lambda o: o.fwd_end)},
+        extra_compute_s=sum(o.cost_s for o in chosen) if timed else None,
+        extra_flops=max(0, run.step_flops - prof.step_flops),
+        step_time_s=prof.step_time_s,
+        excluded=excluded,
+        model_type=type(model).__name__,
+        fingerprint=fingerprint(model),
+        device=prof.device,
+        budget=str(budget),
+        planning_time_s=time.perf_counter() - started,
+    )
+
+
+def _fit(
+    problem: Problem, verifier: _Verifier, target: int, none_peak: int, base_flops: int, low: tuple[list[Option], _Run]
+) -> tuple[list[Option], _Run]:
+    """Cheapest verified plan within ``target``: solve, run on fake tensors, tighten."""
+    if target >= none_peak:
+        return [], _Run(none_peak, base_flops)
+    bound = target
+    for _ in range(_MAX_TIGHTENING):
+        sol = problem.min_cost(bound)
+        if sol is None:
+            break
+        run = verifier.run(sol.chosen)
+        if run.peak_bytes <= target:
+            return sol.chosen, run
+        bound -= run.peak_bytes - target + _MiB // 4  # the model under-estimated by this much
+    return low  # the lowest-peak plan, which verified within P_min <= target

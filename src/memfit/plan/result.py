@@ -1,0 +1,114 @@
+"""The :class:`Plan`: what to recompute, what it predicts, and how it was made. Plain data,
+saved and loaded as versioned JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import PlanError
+
+__all__ = ["Plan", "Choice", "PLAN_FORMAT", "fingerprint"]
+
+PLAN_FORMAT = "memfit.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one module is recomputed."""
+
+    mode: str
+    """``"full"``: checkpoint the whole module; ``"selective"``: keep the outputs of
+    ``save_ops`` (aten op names) and recompute the rest."""
+    save_ops: tuple[str, ...] = ()
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Identifies a model's structure: module names and types, parameter shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, mod in model.named_modules():
+        h.update(f"{name}:{type(mod).__name__};".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Plan:
+    """What :func:`memfit.plan` chose. Memory in bytes, times in seconds."""
+
+    budget_bytes: int
+    """The bound on the step's whole peak that the plan meets."""
+    predicted_peak_bytes: int
+    """Peak of the step with the plan applied, verified by running it on fake tensors."""
+    start_bytes: int
+    """Live bytes when the step begins (parameters, optimizer state, inputs)."""
+    none_peak_bytes: int
+    """``P_none``: the peak with nothing recomputed."""
+    min_peak_bytes: int
+    """``P_min``: the lowest peak memfit can reach for this step."""
+    checkpointed: dict[str, Choice]
+    """Qualified module names and how each is recomputed."""
+    extra_compute_s: float | None
+    """Predicted recompute time per step (from measured module times; None on fake tensors)."""
+    extra_flops: int
+    """Recomputed FLOPs per step, counted by running the plan (0 for pointwise and CPU ops
+    without a FLOP formula)."""
+    step_time_s: float | None
+    """The unplanned step's measured time, for scale."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Modules memfit would not recompute, with the reason."""
+    model_type: str = ""
+    fingerprint: str = ""
+    device: str = "cpu"
+    budget: str = ""
+    """The budget as given."""
+    planning_time_s: float = 0.0
+
+    @property
+    def extra_compute_fraction(self) -> float | None:
+        """Predicted recompute time as a fraction of the unplanned step time."""
+        if self.extra_compute_s is None or not self.step_time_s:
+            return None
+        return self.extra_compute_s / self.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["checkpointed"] = {k: {"mode": c.mode, "save_ops": list(c.save_ops)} for k, c in self.checkpointed.items()}
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError("not a memfit plan: the JSON has no \"format\": \"memfit.plan\"")
+        version = data.get("version")
+        if not isinstance(version, int) or version > PLAN_VERSION:
+            raise PlanError(f"plan format version {version!r} is newer than this memfit reads ({PLAN_VERSION}); upgrade memfit")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        try:
+            body["checkpointed"] = {
+                k: Choice(v["mode"], tuple(v.get("save_ops", ()))) for k, v in body.get("checkpointed", {}).items()
+            }
+            plan = cls(**body)
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise PlanError(f"plan JSON is missing or has malformed fields ({exc})") from exc
+        for name, c in plan.checkpointed.items():
+            if c.mode not in ("full", "selective"):
+                raise PlanError(f"plan JSON: module {name!r} has unknown mode {c.mode!r}")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise PlanError(f"plan JSON does not parse: {exc}") from exc
+        return cls.from_dict(data)
