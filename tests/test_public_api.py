@@ -11,6 +11,13 @@ EXPECTED = {
     "Tick",
     "Category",
     "Phase",
+    "plan",
+    "Plan",
+    "Choice",
+    "Budget",
+    "parse_budget",
+    "apply",
+    "remove",
     "Workload",
     "load_target",
     "parse_bytes",
@@ -21,6 +28,8 @@ EXPECTED = {
     "ForwardError",
     "LossError",
     "BudgetError",
+    "BudgetInfeasibleError",
+    "PlanError",
 }
 
 
@@ -35,5 +44,9 @@ def test_every_public_name_exists():
 
 
 def test_errors_share_one_base():
-    for name in ("TargetError", "WorkloadError", "ForwardError", "LossError", "BudgetError"):
+    for name in ("TargetError", "WorkloadError", "ForwardError", "LossError", "BudgetError", "BudgetInfeasibleError", "PlanError"):
         assert issubclass(getattr(memfit, name), memfit.MemfitError)
+
+
+def test_budget_infeasible_is_a_value_error():
+    assert issubclass(memfit.BudgetInfeasibleError, ValueError)

@@ -76,3 +76,10 @@ def test_optimizer_implementation_choice():
     fake_opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
     _torch_compat.pin_optimizer_impl(fake_opt, opt)
     assert isinstance(fake_opt.param_groups[0]["foreach"], bool)
+
+
+def test_running_stats_detection():
+    assert _torch_compat.updates_running_stats(torch.nn.BatchNorm2d(3))
+    assert _torch_compat.updates_running_stats(torch.nn.InstanceNorm1d(3, track_running_stats=True))
+    assert not _torch_compat.updates_running_stats(torch.nn.BatchNorm2d(3).eval())
+    assert not _torch_compat.updates_running_stats(torch.nn.LayerNorm(3))

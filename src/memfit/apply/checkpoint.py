@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.errors import PlanError
+from memfit.measure import _torch_compat
 
 __all__ = ["apply_choices", "remove", "applied_choices", "last_recompute"]
 
@@ -58,7 +59,11 @@ class _Pair:
 
 
 class _BufferGuard:
-    """Watches which buffers the forward mutates, and hides them from the recompute."""
+    """Watches which buffers the forward mutates, and hides them from the recompute.
+
+    A bumped version counter catches in-place updates (``num_batches_tracked.add_(1)``);
+    BatchNorm's kernels update ``running_mean``/``running_var`` without bumping it on some
+    backends, so normalisation layers tracking running statistics are always covered."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -70,7 +75,12 @@ class _BufferGuard:
         try:
             yield
         finally:
-            self.mutated = [(m, k) for (m, k), v in before.items() if m._buffers.get(k) is not None and m._buffers[k]._version != v]
+            self.mutated = [
+                (m, k)
+                for (m, k), v in before.items()
+                if m._buffers.get(k) is not None
+                and (m._buffers[k]._version != v or _torch_compat.updates_running_stats(m))
+            ]
 
     @contextlib.contextmanager
     def recompute(self, name: str) -> Iterator[None]:

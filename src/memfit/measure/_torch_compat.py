@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl"]
+__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl", "updates_running_stats"]
 
 
 def new_fake_mode() -> Any:
@@ -74,3 +74,11 @@ def pin_optimizer_impl(fake_opt: torch.optim.Optimizer, real_opt: torch.optim.Op
         params = [p for p in group["params"]]
         _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable", False)), use_fused=False)
         fake_group["foreach"] = foreach
+
+
+def updates_running_stats(module: torch.nn.Module) -> bool:
+    """Whether a forward of ``module`` updates running statistics (BatchNorm, InstanceNorm
+    with ``track_running_stats``): their common base class is private."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return isinstance(module, _NormBase) and module.training and bool(module.track_running_stats)

@@ -47,14 +47,18 @@ def measure_step_peak(
     batch_size: int | None = None,
     sizes: Mapping[str, Any] | None = None,
     device: str = "cpu",
+    plan_path: str | None = None,
     timeout: float = 900,
 ) -> dict[str, Any]:
-    """Measure one step of ``target`` in a fresh subprocess.
+    """Measure one step of ``target`` in a fresh subprocess, with the plan saved at
+    ``plan_path`` applied if given.
 
     Returns a dict with ``step_peak_bytes`` (peak over the step's start), ``start_bytes``
     (RSS or allocated bytes before the step) and ``method``.
     """
     cmd = [sys.executable, "-m", "memfit.measure.groundtruth", target, "--device", device]
+    if plan_path is not None:
+        cmd += ["--plan", str(plan_path)]
     if batch_size is not None:
         cmd += ["--batch-size", str(batch_size)]
     for k, v in (sizes or {}).items():
@@ -75,6 +79,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--size", action="append", default=[])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--plan", help="a plan JSON to apply first")
     ns = parser.parse_args(argv)
 
     import torch
@@ -85,6 +90,11 @@ def _main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     work = load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
     model = work.model.to(ns.device)
+    if ns.plan:
+        import memfit
+
+        with open(ns.plan) as f:
+            memfit.apply(model, memfit.Plan.from_json(f.read()))
     args, kwargs = split_inputs(work.inputs)
     args, kwargs = torch.utils._pytree.tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     optimizer = work.make_optimizer()
