@@ -214,3 +214,9 @@ def test_misuse_is_refused_clearly():
     with pytest.raises(memfit.PlanError, match="made for another model"):
         memfit.apply(model, other)
     assert "forward" not in model.fc1.__dict__
+
+
+def test_selective_recompute_with_batchnorm_inside():
+    work = zoo.build("resnet", image_size=16, base=8, batch_size=4)
+    plan = _plan(layer1__0=Choice("selective", ("convolution",)), layer2=Choice("full"), stem=Choice("selective", ("convolution",)))
+    _equivalent(work.model, work.inputs, work.loss_fn, plan)

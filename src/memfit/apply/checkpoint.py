@@ -18,7 +18,6 @@ What plain checkpointing gets wrong and this layer fixes:
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,24 +108,36 @@ def _call(fn: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _checkpointed(module: nn.Module, name: str, inner: Callable[..., Any], mode: str, save_ops: tuple[str, ...]) -> Callable[..., Any]:
-    guard = _BufferGuard(module)
-    policy = _policy(frozenset(save_ops)) if mode == "selective" else None
+class _CheckpointedForward:
+    """The ``forward`` memfit puts on a chosen module.
 
-    def context_fn() -> tuple[Any, Any]:
-        if policy is None:
-            return guard.forward(), guard.recompute(name)
-        sac_forward, sac_recompute = create_selective_checkpoint_contexts(policy)
-        return _Pair(sac_forward, guard.forward()), _Pair(sac_recompute, guard.recompute(name))
+    A callable object rather than a closure: ``copy.deepcopy(model)`` (an EMA copy, a
+    fake-tensor copy) then gets a forward bound to the copied module, not the original."""
 
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, module: nn.Module, name: str, original: Any, mode: str, save_ops: tuple[str, ...]) -> None:
+        self.module = module
+        self.name = name
+        self.original = original  # the instance-level forward it replaced, or None
+        self.choice = (mode, save_ops)
+        self.guard = _BufferGuard(module)
+        self.policy = _policy(frozenset(save_ops)) if mode == "selective" else None
+
+    def _inner(self) -> Callable[..., Any]:
+        return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+
+    def _context_fn(self) -> tuple[Any, Any]:
+        if self.policy is None:
+            return self.guard.forward(), self.guard.recompute(self.name)
+        sac_forward, sac_recompute = create_selective_checkpoint_contexts(self.policy)
+        # The guard's buffer clones must happen outside SAC's mode, which would otherwise
+        # see a clone in the recompute that the forward never ran.
+        return _Pair(self.guard.forward(), sac_forward), _Pair(self.guard.recompute(self.name), sac_recompute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self._inner()
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return inner(*args, **kwargs)
-        return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
-
-    forward._memfit_choice = (mode, save_ops)  # type: ignore[attr-defined]
-    return forward
+        return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn)
 
 
 def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] | None:
@@ -134,7 +145,7 @@ def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] 
     applied = model.__dict__.get(_APPLIED)
     if applied is None:
         return None
-    return {name: model.get_submodule(name).forward._memfit_choice for name in applied}
+    return {name: model.get_submodule(name).forward.choice for name in applied}
 
 
 def apply_choices(model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...]]]) -> nn.Module:
@@ -151,8 +162,10 @@ def apply_choices(model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...
     originals: dict[str, Any] = {}
     for name, (mode, save_ops) in choices.items():
         mod = modules[name]
-        originals[name] = mod.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-        mod.forward = _checkpointed(mod, name, mod.forward, mode, tuple(save_ops))
+        original = mod.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+        originals[name] = original
+        own = None if original is _NO_INSTANCE_FORWARD else original
+        mod.forward = _CheckpointedForward(mod, name, own, mode, tuple(save_ops))
     model.__dict__[_APPLIED] = originals
     return model
 

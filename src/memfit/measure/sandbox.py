@@ -50,6 +50,9 @@ class Sandbox:
                 yield
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
@@ -68,6 +71,8 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
     saved_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # Plain Python attributes a forward may bump (call counters, step flags).
+    saved_attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _SCALARS}) for m in model.modules()]
     for p in params:
         p.grad = None  # a steady-state step starts after zero_grad(set_to_none=True)
     try:
@@ -94,6 +99,8 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
                     current[k] = value
         for g, saved in zip(optimizer.param_groups, saved_groups):
             g.update(saved)
+        for m, attrs in saved_attrs:
+            m.__dict__.update(attrs)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -1,0 +1,183 @@
+"""memfit.plan: budgets, P_min/P_none, verified peaks, exclusions, JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_same, snapshot
+from torch import nn
+
+import memfit
+from memfit import Budget, BudgetError, BudgetInfeasibleError, Plan, PlanError, parse_budget, zoo
+
+SMALL_GPT = dict(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256, batch_size=8)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("6GiB", Budget(bytes=6 * 2**30)),
+        ("800MB", Budget(bytes=800 * 10**6)),
+        (12345, Budget(bytes=12345)),
+        ("50%", Budget(fraction=0.5)),
+        ("0.25", Budget(fraction=0.25)),
+        (0.75, Budget(fraction=0.75)),
+        (0.0, Budget(fraction=0.0)),
+        ("100%", Budget(fraction=1.0)),
+    ],
+)
+def test_parse_budget(value, expected):
+    assert parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "150%", 1.5, -0.1, float("nan"), 0, -5, None, True, "0MB", [1]])
+def test_bad_budgets(bad):
+    with pytest.raises(BudgetError):
+        parse_budget(bad)
+
+
+def test_fraction_resolves_between_min_and_none():
+    assert Budget(fraction=0.5).resolve(100, 300) == 200
+    assert Budget(fraction=0.0).resolve(100, 300) == 100
+    assert Budget(bytes=7).resolve(100, 300) == 7
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    work = zoo.build("gpt", **SMALL_GPT)
+    opt = work.make_optimizer()
+    prof = memfit.profile(work.model, work.inputs, optimizer=opt)
+    return work, opt, prof
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_plans_meet_their_budget(gpt, fraction):
+    work, opt, prof = gpt
+    plan = memfit.plan(work.model, work.inputs, fraction, optimizer=opt, profile=prof)
+    assert plan.none_peak_bytes == prof.peak_bytes
+    assert plan.min_peak_bytes < plan.none_peak_bytes
+    assert plan.budget_bytes == int(plan.min_peak_bytes + fraction * (plan.none_peak_bytes - plan.min_peak_bytes))
+    assert plan.min_peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.start_bytes == prof.start_bytes
+    if fraction < 1.0:
+        assert plan.checkpointed and plan.extra_compute_s > 0
+    else:
+        assert not plan.checkpointed and plan.extra_compute_s == 0
+    # antichain: never a module and one of its ancestors
+    names = list(plan.checkpointed)
+    assert not any(a != b and (b.startswith(a + ".") or a == "") for a in names for b in names)
+
+
+def test_lower_budgets_cost_more(gpt):
+    work, opt, prof = gpt
+    costs = [memfit.plan(work.model, work.inputs, f, optimizer=opt, profile=prof).extra_compute_s for f in (0.75, 0.25, 0.0)]
+    assert costs[0] <= costs[1] <= costs[2]
+
+
+def test_predicted_peak_is_the_planned_step_on_fake_tensors(gpt):
+    work, opt, prof = gpt
+    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    import copy
+
+    model = copy.deepcopy(work.model)
+    memfit.apply(model, plan)
+    again = memfit.profile(model, work.inputs, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), fake=True)
+    assert again.peak_bytes == plan.predicted_peak_bytes
+    real = memfit.profile(model, work.inputs, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    assert real.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_planning_changes_nothing():
+    torch.manual_seed(0)
+    work = zoo.build("resnet", image_size=16, base=8, batch_size=4)
+    opt = work.make_optimizer()
+    before = snapshot(work.model, opt)
+    memfit.plan(work.model, work.inputs, "50%", loss_fn=work.loss_fn, optimizer=opt)
+    assert_same(before, snapshot(work.model, opt))
+
+
+def test_infeasible_budget_states_p_min(gpt):
+    work, opt, prof = gpt
+    before = snapshot(work.model, opt)
+    with pytest.raises(BudgetInfeasibleError) as info:
+        memfit.plan(work.model, work.inputs, 1024, optimizer=opt, profile=prof)
+    assert "P_min" in str(info.value) and info.value.min_peak_bytes > 1024
+    assert isinstance(info.value, ValueError)
+    assert_same(before, snapshot(work.model, opt))
+
+
+class Moody(nn.Module):
+    """Mutates Python state in forward, so its recompute (the next call) saves tensors of
+    another shape than its forward did, which checkpointing cannot replay. It holds much
+    of the step's activations, so a plan wants to recompute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 1024)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        cut = self.calls % 2
+        h = self.fc(x)[:, : 1024 - cut]
+        return nn.functional.pad(torch.tanh(h).pow(2), (0, cut))
+
+
+class WithMoody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+        self.moody = Moody()
+        self.b = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU())
+
+    def forward(self, x):
+        return self.b(self.moody(self.a(x)))
+
+
+def test_non_reproducible_module_is_excluded_with_a_reason():
+    torch.manual_seed(0)
+    model, x = WithMoody(), torch.randn(2048, 256)
+    plan = memfit.plan(model, x, 0.0)
+    assert "moody" not in plan.checkpointed and "" not in plan.checkpointed
+    assert "moody" in plan.excluded and "not reproducible" in plan.excluded["moody"]
+    memfit.apply(model, plan)
+    model(x).sum().backward()  # the plan trains without error
+
+
+def test_json_round_trip_and_bad_files(gpt, tmp_path):
+    work, opt, prof = gpt
+    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    with pytest.raises(PlanError, match="does not parse"):
+        Plan.from_json(plan.to_json()[:-20])
+    data = json.loads(plan.to_json())
+    data["version"] = 99
+    with pytest.raises(PlanError, match="newer"):
+        Plan.from_json(json.dumps(data))
+    with pytest.raises(PlanError, match="not a memfit plan"):
+        Plan.from_json("{}")
+    data = json.loads(plan.to_json())
+    del data["budget_bytes"]
+    with pytest.raises(PlanError, match="missing or has malformed"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_plan_refuses_a_model_with_a_plan_applied(gpt):
+    work, opt, prof = gpt
+    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    memfit.apply(work.model, plan)
+    try:
+        with pytest.raises(PlanError, match="already has a plan"):
+            memfit.plan(work.model, work.inputs, 0.5, optimizer=opt)
+    finally:
+        memfit.remove(work.model)
+
+
+def test_fake_planning_needs_no_times():
+    work = zoo.build("gpt", **SMALL_GPT)
+    plan = memfit.plan(work.model, work.inputs, 0.5, fake=True)
+    assert plan.extra_compute_s is None and plan.device == "fake:cpu"
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
