@@ -141,7 +141,8 @@ def test_non_reproducible_module_is_excluded_with_a_reason():
     model, x = WithMoody(), torch.randn(2048, 256)
     plan = memfit.plan(model, x, 0.0)
     assert "moody" not in plan.checkpointed and "" not in plan.checkpointed
-    assert "moody" in plan.excluded and "not reproducible" in plan.excluded["moody"]
+    reasons = [why for name, why in plan.excluded.items() if name.startswith("moody")]
+    assert reasons and all("not reproducible" in why for why in reasons)
     memfit.apply(model, plan)
     model(x).sum().backward()  # the plan trains without error
 

@@ -83,3 +83,11 @@ def test_running_stats_detection():
     assert _torch_compat.updates_running_stats(torch.nn.InstanceNorm1d(3, track_running_stats=True))
     assert not _torch_compat.updates_running_stats(torch.nn.BatchNorm2d(3).eval())
     assert not _torch_compat.updates_running_stats(torch.nn.LayerNorm(3))
+
+
+def test_written_arguments():
+    x, y = torch.randn(3), torch.randn(3)
+    assert _torch_compat.written_arguments(torch.ops.aten.add_.Tensor, (x, y), {}) == [x]
+    assert _torch_compat.written_arguments(torch.ops.aten.add.Tensor, (x, y), {}) == []
+    out = torch.empty(3)
+    assert _torch_compat.written_arguments(torch.ops.aten.add.out, (x, y), {"out": out})[0] is out

@@ -3,6 +3,8 @@
     memfit profile gpt                       # where the memory of a step goes
     memfit profile gpt --batch-size 64 --device fake   # a step too big for this machine
     memfit profile path/to/train.py:workload --json profile.json
+    memfit plan gpt --budget 50%             # what to recompute to fit a budget
+    memfit plan gpt --budget 400MiB --json plan.json
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
 
@@ -82,6 +84,26 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import progress_bar, render_plan
+
+    budget = memfit.parse_budget(ns.budget)  # bad budgets fail before any work
+    work = _workload(ns)
+    fake = ns.device == "fake"
+    model, inputs = _on_device(work, "cpu" if fake else ns.device)
+    with progress_bar(console, f"planning {work.name}") as progress:
+        plan = memfit.plan(
+            model, inputs, budget, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, progress=progress
+        )
+    plan.budget = ns.budget
+    console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
+    render_plan(plan, console)
+    if ns.json:
+        Path(ns.json).write_text(plan.to_json())
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
 def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
     table = Table(title="memfit zoo (random weights, nothing downloaded)", title_justify="left")
     table.add_column("name")
@@ -93,21 +115,50 @@ def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
+    import tempfile
+
     from memfit.measure.groundtruth import measure_step_peak
-    from memfit.report.console import render_groundtruth, render_profile
+    from memfit.measure.timing import median_step_time
+    from memfit.report.console import progress_bar, render_before_after, render_groundtruth, render_plan, render_profile
 
     console.rule(f"[bold]1. Where the memory of a training step goes: zoo '{zoo.DEFAULT}' on cpu")
     work = zoo.build(zoo.DEFAULT)
-    prof = _profile(work, "cpu", console)
+    optimizer = work.make_optimizer()
+    with progress_bar(console, f"profiling {work.name}") as progress:
+        prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=optimizer, progress=progress)
     render_profile(prof, console, title=f"{work.name} (batch {work.meta['batch_size']})")
-
-    console.rule("[bold]2. Checked against the machine")
     with console.status("measuring the same step in a fresh process (RSS high-water mark)"):
         measured = measure_step_peak(zoo.DEFAULT)
     render_groundtruth(prof, measured, console)
 
+    console.rule("[bold]2. Fit it in 50% of the way from the lowest reachable peak to no plan")
+    with progress_bar(console, "planning") as progress:
+        plan = memfit.plan(work.model, work.inputs, "50%", loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, progress=progress)
+    render_plan(plan, console, top=8)
+
+    console.rule("[bold]3. Applied to the model, measured")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(plan.to_json())
+        with console.status("measuring the planned step in a fresh process"):
+            planned = measure_step_peak(zoo.DEFAULT, plan_path=str(path))
+    with console.status("timing steps without and with the plan"):
+        before_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)
+        memfit.apply(work.model, plan)
+        after_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)
+        memfit.remove(work.model)
+    after_peak = plan.start_bytes + planned["step_peak_bytes"]
+    render_before_after(
+        [
+            ("no plan", prof.peak_bytes, prof.start_bytes + measured["step_peak_bytes"], before_s),
+            (f"plan at 50% ({memfit.format_bytes(plan.budget_bytes)})", plan.predicted_peak_bytes, after_peak, after_s),
+        ],
+        console,
+    )
+    console.print("measured peak = tensors alive at the start + the step's RSS rise over it (fresh process)")
+
     big = 8 * work.meta["batch_size"]
-    console.rule(f"[bold]3. A step too big to try: batch {big} on fake tensors (no memory used)")
+    console.rule(f"[bold]4. A step too big to try: batch {big} on fake tensors (no memory used)")
     big_work = zoo.build(zoo.DEFAULT, batch_size=big)
     big_prof = _profile(big_work, "fake", console)
     console.print(
@@ -116,7 +167,17 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
         f"activations at the peak {memfit.format_bytes(big_prof.breakdown['activations'])}"
     )
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"profile": prof.to_dict(ledger=False), "measured": measured}))
+        Path(ns.json).write_text(
+            json.dumps(
+                {
+                    "profile": prof.to_dict(ledger=False),
+                    "measured": measured,
+                    "plan": plan.to_dict(),
+                    "planned_measured": planned,
+                    "step_time_s": {"no_plan": before_s, "plan": after_s},
+                }
+            )
+        )
     return 0
 
 
@@ -136,6 +197,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the profile as JSON")
     p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
+    target_args(p)
+    p.add_argument("--budget", required=True, help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5)")
+    p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: plan on fake tensors")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("zoo", help="list the built-in models")
     p.set_defaults(func=_cmd_zoo)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl", "updates_running_stats"]
+__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl", "updates_running_stats", "written_arguments"]
 
 
 def new_fake_mode() -> Any:
@@ -82,3 +82,15 @@ def updates_running_stats(module: torch.nn.Module) -> bool:
     from torch.nn.modules.batchnorm import _NormBase
 
     return isinstance(module, _NormBase) and module.training and bool(module.track_running_stats)
+
+
+def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """Arguments an aten op writes in place (``Tensor(a!)`` in its schema)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i])
+    return out

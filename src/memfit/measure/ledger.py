@@ -64,6 +64,9 @@ class Block:
     """Tick of its free, ``None`` if it outlived the step."""
     savers: tuple[str, ...] = ()
     """Innermost modules whose ops saved it for backward."""
+    mutated: bool = False
+    """Written in place by a later op in the forward (a ReLU(inplace=True), say): an op
+    output that is mutated cannot be kept by selective recompute."""
 
     def alive_at(self, tick: int) -> bool:
         return self.born <= tick and (self.died is None or self.died > tick)
@@ -189,7 +192,7 @@ class Ledger:
     @classmethod
     def from_dict(cls, data: dict) -> Ledger:
         blocks = [
-            Block(**{**b, "category": Category(b["category"]), "phase": Phase(b["phase"]), "savers": tuple(b.get("savers", ()))})
+            Block(**{**b, "category": Category(b["category"]), "phase": Phase(b["phase"]), "savers": tuple(b.get("savers", ()))})  # noqa: E501
             for b in data["blocks"]
         ]
         ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]

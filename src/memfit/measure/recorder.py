@@ -70,6 +70,7 @@ class _Record:
     born: int
     died: int | None = None
     savers: dict[str, None] = field(default_factory=dict)  # ordered set
+    mutated: bool = False
 
 
 class Recorder(TorchDispatchMode):
@@ -170,6 +171,8 @@ class Recorder(TorchDispatchMode):
         self._op = str(func.overloadpacket.__name__)
         first = len(self.ticks)
         inputs = {id(s) for s in map(_storage, _tensors((*args, *kwargs.values()))) if s is not None}
+        if self.scope.phase is Phase.FORWARD:
+            self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
         out = func(*args, **kwargs)
         for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
             s = _storage(t)
@@ -184,6 +187,13 @@ class Recorder(TorchDispatchMode):
         if self.scope.phase is Phase.FORWARD:
             self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
         return out
+
+    def _mark_mutated(self, written: list[Any]) -> None:
+        for t in _tensors(written):
+            s = _storage(t)
+            idx = None if s is None else self._live.get(id(s))
+            if idx is not None:
+                self.records[idx].mutated = True
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -209,5 +219,5 @@ class Recorder(TorchDispatchMode):
         blocks = []
         for i, r in enumerate(self.records):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
-            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers)))
+            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers), r.mutated))
         return Ledger(blocks, list(self.ticks), sorted(self.spans, key=lambda s: (s.start, -s.end)), list(self.ops))

@@ -87,7 +87,8 @@ def build_candidates(
     exclude: dict[str, str] | None = None,
     max_selective: int = 3,
 ) -> Candidates:
-    """Options for every module called once in the step, except those in ``exclude``.
+    """Options for every module called once in the step, except those in ``exclude``
+    (a module name excludes the module; ``"name:selective"`` only its selective options).
 
     ``forward_time`` maps module names to measured forward seconds (``None`` where only
     estimates exist, as on fake tensors).
@@ -161,17 +162,21 @@ def build_candidates(
         options.append(Option(name, "full", (), full_freed, transient, total_est * scale, flops_total, fe, bs))
 
         # Selective: keep the outputs of the op types with the most compute per byte kept.
+        if f"{name}:selective" in excluded:
+            continue
         by_type: dict[str, list[int]] = defaultdict(list)
         for i in my_ops:
             if op_bytes[i]:
                 by_type[ledger.ops[i].op].append(i)
+        # SAC refuses to keep an output that is later written in place.
+        unkeepable = {ledger.ops[born_op[b.id]].op for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)] if b.mutated and b.id in born_op}
         if len(by_type) < 2:
             continue
         op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others if b.id in born_op}
         kept = {k: sum(b.nbytes for b in freeable + temps if op_of_block.get(b.id) == k) for k in by_type}
         density = {k: sum(est[i] for i in ids) / max(1, kept[k]) for k, ids in by_type.items()}
-        ranked = sorted(by_type, key=lambda k: -density[k])
-        for k in range(1, min(max_selective, len(ranked) - 1) + 1):
+        ranked = sorted((k for k in by_type if k not in unkeepable), key=lambda k: -density[k])
+        for k in range(1, min(max_selective, len(by_type) - 1, len(ranked)) + 1):
             save = tuple(sorted(ranked[:k]))
             freed = sum(b.nbytes for b in freeable if op_of_block.get(b.id) not in save)
             # SAC caches every output of a saved op until the recompute, even ones that

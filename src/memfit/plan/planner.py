@@ -36,7 +36,7 @@ from memfit.workload import default_optimizer, split_inputs
 
 __all__ = ["plan"]
 
-_MAX_EXCLUSIONS = 8
+_MAX_EXCLUSIONS = 16
 _MAX_TIGHTENING = 6
 _MiB = 2**20
 
@@ -80,7 +80,9 @@ class _Verifier:
             culprit = last_recompute()
             if culprit in choices:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise _RecomputeFailed(culprit, f"recompute not reproducible: {type(exc).__name__}: {first}"[:300]) from exc
+                mode = choices[culprit][0]
+                key = culprit if mode == "full" else f"{culprit}:selective"
+                raise _RecomputeFailed(key, f"{mode} recompute not reproducible: {type(exc).__name__}: {first}"[:300]) from exc
             raise
         finally:
             remove(self.box.model)

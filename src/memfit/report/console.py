@@ -15,9 +15,10 @@ from rich.table import Table
 
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
+from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
-__all__ = ["render_profile", "render_groundtruth", "progress_bar", "sparkline"]
+__all__ = ["render_profile", "render_groundtruth", "render_plan", "render_before_after", "progress_bar", "sparkline"]
 
 _BARS = " ▁▂▃▄▅▆▇█"
 _PHASE_STYLE = {Phase.FORWARD: "cyan", Phase.BACKWARD: "magenta", Phase.OPTIMIZER: "yellow", Phase.START: "white"}
@@ -141,3 +142,52 @@ def render_groundtruth(profile: Profile, measured: dict, console: Console) -> No
         f"step peak over start: predicted [bold]{format_bytes(predicted)}[/], measured [bold]{format_bytes(actual)}[/] "
         f"({how}, fresh process): error [bold]{err:+.2f}%[/]"
     )
+
+
+def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
+    """What is recomputed, the predicted peak against budget and no-plan peak, the cost."""
+    fits = plan.predicted_peak_bytes <= plan.budget_bytes
+    console.print(
+        f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({plan.budget}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
+        + ("[green]fits[/]" if fits else "[red]over[/]")
+        + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
+    )
+    if plan.extra_compute_s is not None and plan.step_time_s:
+        cost = f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
+    else:
+        cost = "time not measured (fake tensors)"
+    console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
+    if not plan.checkpointed:
+        console.print("nothing to recompute: the step already fits")
+    else:
+        table = Table(title=f"Recomputed modules ({len(plan.checkpointed)})", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("module", overflow="fold")
+        table.add_column("recompute")
+        table.add_column("keeps outputs of", overflow="fold")
+        for i, (name, choice) in enumerate(plan.checkpointed.items()):
+            if i == top:
+                table.add_row(f"... and {len(plan.checkpointed) - top} more", "", "")
+                break
+            table.add_row(name or "(root)", choice.mode, ", ".join(choice.save_ops) or "-")
+        console.print(table)
+    failed = {k: v for k, v in plan.excluded.items() if "not reproducible" in v}
+    for name, why in failed.items():
+        console.print(f"[yellow]excluded[/] {name}: {why}", highlight=False)
+    console.print(f"planned in {plan.planning_time_s:.1f} s")
+
+
+def render_before_after(rows: list[tuple[str, int | None, int | None, float | None]], console: Console) -> None:
+    """``rows`` of (label, predicted peak, measured peak, step time)."""
+    table = Table(title="Before and after", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("", "predicted peak", "measured peak", "step time"):
+        table.add_column(col, justify="right" if col else "left")
+    base = rows[0][3]
+    for label, pred, meas, secs in rows:
+        slow = f" ({secs / base - 1:+.1%})" if secs and base and secs is not base else ""
+        table.add_row(
+            label,
+            format_bytes(pred) if pred is not None else "-",
+            format_bytes(meas) if meas is not None else "-",
+            f"{secs:.3f} s{slow}" if secs is not None else "-",
+        )
+    console.print(table)
