@@ -182,3 +182,25 @@ def test_fake_planning_needs_no_times():
     plan = memfit.plan(work.model, work.inputs, 0.5, fake=True)
     assert plan.extra_compute_s is None and plan.device == "fake:cpu"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_fewer_recomputed_flops_than_every_other_block():
+    # the target: at the memory "checkpoint every other block" reaches, memfit
+    # recomputes at most 70% of its FLOPs
+    import copy
+
+    from memfit.apply.checkpoint import apply_choices
+    from memfit.plan.baselines import blocks, every_other_block
+
+    work = zoo.build("gpt", **SMALL_GPT)
+    opt = work.make_optimizer()
+    base = memfit.profile(work.model, work.inputs, optimizer=opt, fake=True)
+    model = copy.deepcopy(work.model)
+    apply_choices(model, every_other_block(model))
+    assert len(blocks(model)) == SMALL_GPT["n_layer"]
+    hand = memfit.profile(model, work.inputs, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), fake=True)
+    hand_flops = hand.step_flops - base.step_flops
+    assert hand_flops > 0
+    plan = memfit.plan(work.model, work.inputs, hand.peak_bytes, optimizer=opt, profile=base)
+    assert plan.predicted_peak_bytes <= hand.peak_bytes
+    assert plan.extra_flops <= 0.7 * hand_flops

@@ -2,10 +2,12 @@
 
 1. Profile the step (or take a profile): the ledger and measured module times.
 2. Build candidates (every module called once; full or selective recompute) and the MILP.
-3. ``P_min``: solve for the lowest model peak, then run that plan on fake tensors for the
+3. ``P_min``: solve for the lowest model peak, then run that plan for the
    exact figure. ``P_none`` is the profile's peak. A fractional budget resolves between them.
-4. Solve for the cheapest plan under the budget and verify it on fake tensors; if the
-   verified peak is over, tighten the bound by the overshoot and solve again.
+4. Solve for the cheapest plan under the budget and verify it by running it (on fake
+   tensors when planning from a fake profile, else on the real model, whose state is
+   restored); if the verified peak is over, tighten the bound by the overshoot and
+   solve again.
 5. A module whose recompute fails while verifying (different saved tensors, an error) is
    excluded with the reason, and planning starts over without it.
 """
@@ -24,7 +26,7 @@ from torch import nn
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove
 from memfit.errors import BudgetInfeasibleError, PlanError
 from memfit.measure.profile import Profile, Progress, profile as measure_profile, record_step
-from memfit.measure.sandbox import fake_sandbox
+from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import train_step
 from memfit.plan.budget import parse_budget
@@ -55,11 +57,16 @@ class _RecomputeFailed(Exception):
 
 
 class _Verifier:
-    """Runs plans on a fake-tensor copy of the step: exact peak, no memory used."""
+    """Runs plans on the step and records its exact peak: on a fake-tensor copy (no memory
+    used) when planning from a fake profile, else on the real model inside a sandbox
+    (faster for models of many tiny ops, whose fake dispatch dominates)."""
 
-    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, *, fake: bool
+    ) -> None:
         self._stack = ExitStack()
-        self.box = self._stack.enter_context(fake_sandbox(model, args, kwargs, optimizer))
+        sandbox = fake_sandbox if fake else real_sandbox
+        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer))
         self.loss_fn = loss_fn
         self.runs = 0
         if not self.box.optimizer.state:  # measure steady state: the optimizer's state exists
@@ -139,7 +146,7 @@ def plan(
     none_peak = prof.peak_bytes
     excluded: dict[str, str] = {}
 
-    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer)
+    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake)
     try:
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded)
@@ -193,7 +200,7 @@ def plan(
 def _fit(
     problem: Problem, verifier: _Verifier, target: int, none_peak: int, base_flops: int, low: tuple[list[Option], _Run]
 ) -> tuple[list[Option], _Run]:
-    """Cheapest verified plan within ``target``: solve, run on fake tensors, tighten."""
+    """Cheapest verified plan within ``target``: solve, run it, tighten."""
     if target >= none_peak:
         return [], _Run(none_peak, base_flops)
     bound = target

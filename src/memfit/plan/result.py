@@ -45,7 +45,7 @@ class Plan:
     budget_bytes: int
     """The bound on the step's whole peak that the plan meets."""
     predicted_peak_bytes: int
-    """Peak of the step with the plan applied, verified by running it on fake tensors."""
+    """Peak of the step with the plan applied, verified by running the planned step (on fake tensors, or on the real model, restored after)."""
     start_bytes: int
     """Live bytes when the step begins (parameters, optimizer state, inputs)."""
     none_peak_bytes: int
