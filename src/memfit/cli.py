@@ -93,7 +93,14 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
-            model, inputs, budget, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, progress=progress
+            model,
+            inputs,
+            budget,
+            loss_fn=work.loss_fn,
+            optimizer=work.make_optimizer(),
+            fake=fake,
+            objective=ns.objective,
+            progress=progress,
         )
     plan.budget = ns.budget
     console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
@@ -202,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     target_args(p)
     p.add_argument("--budget", required=True, help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5)")
     p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: plan on fake tensors")
+    p.add_argument("--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan)
 

@@ -3,18 +3,21 @@ model, optimizer and RNG as they were (see :mod:`memfit.measure.sandbox`)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.measure.sandbox import real_sandbox
 from memfit.measure.step import train_step
 from memfit.workload import split_inputs
 
-__all__ = ["median_step_time"]
+__all__ = ["median_step_time", "selective_overhead_s"]
 
 
 def _sync(device: torch.device) -> None:
@@ -38,3 +41,44 @@ def median_step_time(
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, *, repeats: int = 2) -> float:
+    """Seconds selective recompute adds per forward op on this host, measured on the model.
+
+    SAC runs a Python dispatch mode over a module's forward (caching what it keeps) and
+    again over its recompute; on a host with slow Python that, more than the recomputed
+    kernels, can be its cost. Timed as one forward under SAC's caching mode (policy:
+    recompute everything) against a plain forward, without grad, state restored.
+    """
+    args, kwargs = split_inputs(inputs)
+    device = next(model.parameters()).device
+    counter = _OpCounter()
+
+    def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def forward(mode: Any) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad(), mode:
+            box.model(*box.args, **box.kwargs)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    with real_sandbox(model, args, kwargs, optimizer) as box:
+        with counter:
+            box.model(*box.args, **box.kwargs)
+        plain = min(forward(contextlib.nullcontext()) for _ in range(repeats))
+        cached = min(forward(create_selective_checkpoint_contexts(policy)[0]) for _ in range(repeats))
+    return max(0.0, (cached - plain) / max(counter.ops, 1))
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))

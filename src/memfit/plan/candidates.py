@@ -22,23 +22,53 @@ from dataclasses import dataclass
 
 from memfit.measure.ledger import Category, Ledger, Phase, Span
 
-__all__ = ["Option", "Candidates", "build_candidates", "DeviceRates"]
+__all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples"]
 
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Throughputs turning FLOPs and bytes into estimated seconds where no time was
-    measured, and splitting a measured module time among its ops. Round figures for the
-    device class; only their ratio matters when a measured time is split."""
+    """Turns an op's FLOPs, output bytes and count into estimated seconds: to split a
+    measured module time among its ops, or to stand in for time where none was measured."""
 
     flops_per_s: float
     bytes_per_s: float
+    seconds_per_op: float = 0.0
+    """Fixed cost of launching any op (dispatcher, Python, kernel launch)."""
+
+    def estimate(self, flops: float, nbytes: float, ops: float = 1.0) -> float:
+        return flops / self.flops_per_s + nbytes / self.bytes_per_s + ops * self.seconds_per_op
 
     @staticmethod
     def for_device(device: str) -> DeviceRates:
+        """Round figures for the device class, used where nothing was measured."""
         if "cuda" in device:
-            return DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12)  # H100-class bf16/fp32-TF32, HBM3
-        return DeviceRates(flops_per_s=100e9, bytes_per_s=10e9)  # a few CPU cores, fp32
+            return DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12, seconds_per_op=5e-6)  # H100-class, HBM3
+        return DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, seconds_per_op=10e-6)  # a few CPU cores, fp32
+
+    @staticmethod
+    def fit(samples: list[tuple[float, float, float, float]], fallback: DeviceRates) -> DeviceRates:
+        """Least-squares (non-negative) fit of ``seconds = flops/F + bytes/B + ops*c`` to
+        measured ``(seconds, flops, bytes, ops)`` of leaf modules: the device's real balance
+        between matmuls, memory-bound ops and per-op overhead. Falls back where the
+        samples cannot pin a coefficient down."""
+        import numpy as np
+        from scipy.optimize import nnls
+
+        rows = [(f, b, n) for t, f, b, n in samples if t > 0]
+        if len(rows) < 3:
+            return fallback
+        a = np.array(rows, dtype=np.float64)
+        y = np.array([t for t, *_ in samples if t > 0])
+        scale = a.max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls(a / scale, y)
+        coef = coef / scale
+        inv = [1.0 / c if c > 0 else None for c in coef[:2]]
+        return DeviceRates(
+            flops_per_s=float(inv[0] or fallback.flops_per_s),
+            bytes_per_s=float(inv[1] or fallback.bytes_per_s),
+            seconds_per_op=float(coef[2]),
+        )
 
 
 @dataclass(frozen=True)
@@ -86,12 +116,15 @@ def build_candidates(
     calls: dict[str, int],
     exclude: dict[str, str] | None = None,
     max_selective: int = 3,
+    op_overhead_s: float = 0.0,
 ) -> Candidates:
     """Options for every module called once in the step, except those in ``exclude``
     (a module name excludes the module; ``"name:selective"`` only its selective options).
 
     ``forward_time`` maps module names to measured forward seconds (``None`` where only
-    estimates exist, as on fake tensors).
+    estimates exist, as on fake tensors). ``op_overhead_s`` is what a Python dispatch mode
+    adds per op on this host: selective recompute pays it twice for each forward op (in
+    the forward and in the recompute).
     """
     spans = _span_map(ledger)
     excluded = dict(exclude or {})
@@ -154,7 +187,7 @@ def build_candidates(
 
         # Estimated seconds per forward op call of M, scaled to M's measured forward time.
         my_ops = [i for m, ids in ops_by_module.items() if m is not None and _within(m, name) for i in ids]
-        est = {i: ledger.ops[i].flops / rates.flops_per_s + op_bytes[i] / rates.bytes_per_s for i in my_ops}
+        est = {i: rates.estimate(ledger.ops[i].flops, op_bytes[i]) for i in my_ops}
         total_est = sum(est.values()) or 1e-12
         measured = forward_time.get(name)
         scale = (measured / total_est) if measured else 1.0
@@ -193,7 +226,7 @@ def build_candidates(
                     save,
                     freed - extra,
                     transient,
-                    (total_est - saved_est) * scale,
+                    (total_est - saved_est) * scale + 2 * len(my_ops) * op_overhead_s,
                     flops_total - saved_flops,
                     fe,
                     bs,
@@ -213,3 +246,31 @@ def _peak_of(blocks: list, start: int, end: int) -> int:
         live += delta[t]
         peak = max(peak, live)
     return peak
+
+
+def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[tuple[float, float, float, float]]:
+    """``(seconds, flops, output bytes, ops)`` of each timed module whose ops all run in
+    it directly (no child module ran an op): the data :meth:`DeviceRates.fit` fits."""
+    op_bytes = _op_bytes(ledger)
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for i, op in enumerate(ledger.ops):
+        if op.module is not None:
+            acc = per[op.module]
+            acc[0] += op.flops
+            acc[1] += op_bytes[i]
+            acc[2] += 1
+    parents = {m.rpartition(".")[0] for m in per if m}
+    return [(forward_time[m], f, b, n) for m, (f, b, n) in per.items() if m not in parents and forward_time.get(m)]
+
+
+def _op_bytes(ledger: Ledger) -> list[int]:
+    """Bytes each forward op call allocated."""
+    out = [0] * len(ledger.ops)
+    owner = [-1] * len(ledger.ticks)
+    for i, op in enumerate(ledger.ops):
+        for t in range(op.first, op.end):
+            owner[t] = i
+    for b in ledger.blocks:
+        if b.born >= 0 and owner[b.born] >= 0:
+            out[owner[b.born]] += b.nbytes
+    return out

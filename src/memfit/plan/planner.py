@@ -29,8 +29,9 @@ from memfit.measure.profile import Profile, Progress, profile as measure_profile
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import train_step
+from memfit.measure.timing import selective_overhead_s
 from memfit.plan.budget import parse_budget
-from memfit.plan.candidates import DeviceRates, Option, build_candidates
+from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem
 from memfit.units import format_bytes
@@ -39,6 +40,11 @@ from memfit.workload import default_optimizer, split_inputs
 __all__ = ["plan"]
 
 _MAX_EXCLUSIONS = 16
+_OBJECTIVES: dict[str, Callable[[Option], float]] = {
+    "time": lambda o: o.cost_s,
+    # 1 ms of estimated time weighs like 1 MFLOP: it only separates options of equal FLOPs
+    "flops": lambda o: o.cost_flops + 1e9 * o.cost_s,
+}
 _MAX_TIGHTENING = 6
 _MiB = 2**20
 
@@ -105,6 +111,7 @@ def plan(
     optimizer: torch.optim.Optimizer | None = None,
     fake: bool = False,
     profile: Profile | None = None,
+    objective: str = "time",
     progress: Progress | None = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
@@ -116,6 +123,10 @@ def plan(
             ``P_min + f * (P_none - P_min)``.
         fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes).
         profile: a profile of this step to plan from, instead of measuring a new one.
+        objective: what extra compute to minimise: ``"time"`` (recompute time estimated from
+            the module times measured on this device, including selective recompute's
+            per-op overhead) or ``"flops"`` (recomputed FLOPs, ties broken by time; a
+            device-independent proxy, e.g. when planning a GPU run on a CPU).
 
     Returns:
         A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
@@ -126,6 +137,8 @@ def plan(
     """
     started = time.perf_counter()
     spec = parse_budget(budget)
+    if objective not in _OBJECTIVES:
+        raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
     if not isinstance(model, nn.Module):
         from memfit.errors import WorkloadError
 
@@ -143,14 +156,19 @@ def plan(
     forward_time = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
     calls = {n: m.calls for n, m in prof.modules.items()}
     rates = DeviceRates.for_device(prof.device)
+    if timed:
+        rates = DeviceRates.fit(leaf_samples(ledger, forward_time), rates)
     none_peak = prof.peak_bytes
     excluded: dict[str, str] = {}
+    # What selective recompute's dispatch mode costs per op here (measured on the model;
+    # fake tensors have no time, and their plans weigh FLOPs and bytes only).
+    overhead = selective_overhead_s(model, inputs, optimizer) if timed else 0.0
 
     verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake)
     try:
         for _ in range(_MAX_EXCLUSIONS):
-            cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded)
-            problem = Problem(ledger.curve(), ledger.start_bytes, cands.options)
+            cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
+            problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective])
             try:
                 report("lowest reachable peak", 0, 2)
                 lowest = problem.min_peak()
@@ -193,6 +211,7 @@ def plan(
         fingerprint=fingerprint(model),
         device=prof.device,
         budget=str(budget),
+        objective=objective,
         planning_time_s=time.perf_counter() - started,
     )
 

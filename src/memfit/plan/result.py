@@ -68,6 +68,8 @@ class Plan:
     device: str = "cpu"
     budget: str = ""
     """The budget as given."""
+    objective: str = "time"
+    """What the plan minimised: estimated recompute ``"time"`` or recomputed ``"flops"``."""
     planning_time_s: float = 0.0
 
     @property

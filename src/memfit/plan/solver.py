@@ -10,13 +10,15 @@ parent makes its children's choice moot.
 
 Two problems share those rows:
 
-- ``min_cost(bound)``: least estimated recompute time with every row <= bound;
+- ``min_cost(bound)``: least cost (estimated recompute time unless told otherwise) with
+  every row <= bound;
 - ``min_peak()``: the lowest reachable model peak, ties broken by cost.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,10 @@ class Solution:
     cost_s: float
 
 
+def _seconds(option: Option) -> float:
+    return option.cost_s
+
+
 def _ancestors(name: str) -> list[str]:
     out = []
     while name:
@@ -47,7 +53,9 @@ def _ancestors(name: str) -> list[str]:
 class Problem:
     """Rows and columns built once per (curve, options); solved for any bound."""
 
-    def __init__(self, curve: list[int], start_bytes: int, options: list[Option]) -> None:
+    def __init__(
+        self, curve: list[int], start_bytes: int, options: list[Option], cost: Callable[[Option], float] | None = None
+    ) -> None:
         self.options = options
         self.curve = np.asarray(curve, dtype=np.float64)
         self.start_bytes = start_bytes
@@ -93,7 +101,7 @@ class Problem:
             row[cols] = 1
             path_rows.append(row)
         self._paths = np.array(path_rows) if path_rows else np.zeros((0, len(options)))
-        self._cost = np.array([o.cost_s for o in options])
+        self._cost = np.array([(cost or _seconds)(o) for o in options])
 
     def model_peak(self, chosen: list[Option]) -> int:
         """Peak the model predicts for a set of options (at least the start bytes).
