@@ -43,17 +43,17 @@ def median_step_time(
     return statistics.median(times)
 
 
-def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, *, repeats: int = 2) -> float:
+def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, *, forward_ops: int) -> float:
     """Seconds selective recompute adds per forward op on this host, measured on the model.
 
     SAC runs a Python dispatch mode over a module's forward (caching what it keeps) and
     again over its recompute; on a host with slow Python that, more than the recomputed
     kernels, can be its cost. Timed as one forward under SAC's caching mode (policy:
-    recompute everything) against a plain forward, without grad, state restored.
+    recompute everything) against a plain one, without grad, state restored;
+    ``forward_ops`` is the number of aten ops in a forward (from the ledger).
     """
     args, kwargs = split_inputs(inputs)
     device = next(model.parameters()).device
-    counter = _OpCounter()
 
     def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -67,18 +67,6 @@ def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.O
         return time.perf_counter() - t0
 
     with real_sandbox(model, args, kwargs, optimizer) as box:
-        with counter:
-            box.model(*box.args, **box.kwargs)
-        plain = min(forward(contextlib.nullcontext()) for _ in range(repeats))
-        cached = min(forward(create_selective_checkpoint_contexts(policy)[0]) for _ in range(repeats))
-    return max(0.0, (cached - plain) / max(counter.ops, 1))
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+        plain = forward(contextlib.nullcontext())  # warm already: the profile ran steps
+        cached = forward(create_selective_checkpoint_contexts(policy)[0])
+    return max(0.0, (cached - plain) / max(forward_ops, 1))
