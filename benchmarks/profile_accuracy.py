@@ -51,7 +51,9 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
         del model, real, fake, work
-    head = f"torch {torch.__version__}, {ns.device}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    head = (
+        f"torch {torch.__version__}, {ns.device}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
     text = head + "\n\n" + "\n".join(rows) + "\n"
     print(text)
     if ns.out:

@@ -27,7 +27,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt,resnet,bert-base,gpt2")
     ns = parser.parse_args()
-    print("| model | hand plan | peak | recompute FLOPs | est. recompute time | memfit peak | memfit FLOPs | ratio | memfit est. time | ratio |")
+    print(
+        "| model | hand plan | peak | recompute FLOPs | est. recompute time | memfit peak | memfit FLOPs | ratio | memfit est. time | ratio |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in ns.models.split(","):
         work = zoo.build(name)
@@ -37,7 +39,9 @@ def main() -> None:
             model = copy.deepcopy(work.model)
             choices = hand(model)
             apply_choices(model, choices)
-            fake = memfit.profile(model, work.inputs, loss_fn=work.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), fake=True)
+            fake = memfit.profile(
+                model, work.inputs, loss_fn=work.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), fake=True
+            )
             flops = fake.step_flops - real.step_flops
             est = sum(real.modules[n].forward_time_s for n in choices)
             plan = memfit.plan(work.model, work.inputs, fake.peak_bytes, loss_fn=work.loss_fn, optimizer=opt, profile=real)

@@ -39,3 +39,17 @@ def test_fake_prediction_matches_too():
     measured = measure_step_peak("resnet")
     error = (prof.step_peak_bytes - measured["step_peak_bytes"]) / measured["step_peak_bytes"]
     assert abs(error) < 0.03, f"predicted {prof.step_peak_bytes}, measured {measured['step_peak_bytes']} ({error:+.2%})"
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_planned_step_stays_within_budget(name, tmp_path):
+    # the planner issue's bar: measured peak <= budget (3% allowance for allocator noise)
+    # and predicted within 5% of measured, in a fresh process with the plan applied
+    work = zoo.build(name)
+    plan = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
+    assert plan.checkpointed
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    measured = plan.start_bytes + measure_step_peak(name, plan_path=str(path))["step_peak_bytes"]
+    assert measured <= plan.budget_bytes * 1.03, f"{name}: measured {measured} over budget {plan.budget_bytes}"
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.05

@@ -218,5 +218,7 @@ def test_misuse_is_refused_clearly():
 
 def test_selective_recompute_with_batchnorm_inside():
     work = zoo.build("resnet", image_size=16, base=8, batch_size=4)
-    plan = _plan(layer1__0=Choice("selective", ("convolution",)), layer2=Choice("full"), stem=Choice("selective", ("convolution",)))
+    plan = _plan(
+        layer1__0=Choice("selective", ("convolution",)), layer2=Choice("full"), stem=Choice("selective", ("convolution",))
+    )
     _equivalent(work.model, work.inputs, work.loss_fn, plan)

@@ -3,17 +3,17 @@
 from memfit import Block, Category, Ledger, Phase, Tick
 from memfit.measure.ledger import START_TICK, ancestors
 
-F, B, O = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
+F, B, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
 
 
 def _ledger() -> Ledger:
-    ticks = [Tick(F, "a", "mm"), Tick(F, "a.b", "relu"), Tick(B, "a", "mm"), Tick(B, "a", "free"), Tick(O, None, "add")]
+    ticks = [Tick(F, "a", "mm"), Tick(F, "a.b", "relu"), Tick(B, "a", "mm"), Tick(B, "a", "free"), Tick(OPT, None, "add")]
     blocks = [
         Block(0, 100, Category.PARAMETER, Phase.START, None, START_TICK, None),
         Block(1, 40, Category.ACTIVATION, F, "a", 0, 3, ("a",)),
         Block(2, 30, Category.TEMPORARY, F, "a.b", 1, 2),
         Block(3, 100, Category.GRADIENT, B, "a", 2, None),
-        Block(4, 5, Category.TEMPORARY, O, None, 4, None),
+        Block(4, 5, Category.TEMPORARY, OPT, None, 4, None),
     ]
     return Ledger(blocks, ticks)
 
@@ -30,7 +30,7 @@ def test_curve_peak_breakdown():
     assert bd[Category.TEMPORARY] == 0  # the temporary died at the peak tick
     assert sum(bd.values()) == led.peak_bytes
     assert led.end_bytes == 205
-    assert led.phase_peaks() == {Phase.START: 100, F: 170, B: 240, O: 205}
+    assert led.phase_peaks() == {Phase.START: 100, F: 170, B: 240, OPT: 205}
 
 
 def test_empty_step_peaks_at_start():

@@ -220,7 +220,11 @@ def test_full_recompute_costs_the_measured_forward_time():
     prof = memfit.profile(work.model, work.inputs)
     times = {n: m.forward_time_s for n, m in prof.modules.items()}
     cands = build_candidates(
-        prof.ledger, times, rates=DeviceRates.for_device("cpu"), calls={n: m.calls for n, m in prof.modules.items()}, op_overhead_s=1e-3
+        prof.ledger,
+        times,
+        rates=DeviceRates.for_device("cpu"),
+        calls={n: m.calls for n, m in prof.modules.items()},
+        op_overhead_s=1e-3,
     )
     full = {o.module: o for o in cands.options if o.mode == "full"}
     assert "transformer.h.1" in full

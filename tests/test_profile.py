@@ -55,7 +55,10 @@ def test_tied_weights_and_views_count_once():
 
 
 def test_fake_matches_real_exactly():
-    for name, sizes in (("gpt", dict(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=512)), ("resnet", dict(image_size=16, base=8))):
+    for name, sizes in (
+        ("gpt", dict(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=512)),
+        ("resnet", dict(image_size=16, base=8)),
+    ):
         work = zoo.build(name, batch_size=4, **sizes)
         real = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn)
         fake = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, fake=True)

@@ -44,7 +44,15 @@ def test_every_public_name_exists():
 
 
 def test_errors_share_one_base():
-    for name in ("TargetError", "WorkloadError", "ForwardError", "LossError", "BudgetError", "BudgetInfeasibleError", "PlanError"):
+    for name in (
+        "TargetError",
+        "WorkloadError",
+        "ForwardError",
+        "LossError",
+        "BudgetError",
+        "BudgetInfeasibleError",
+        "PlanError",
+    ):
         assert issubclass(getattr(memfit, name), memfit.MemfitError)
 
 

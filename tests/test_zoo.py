@@ -13,7 +13,9 @@ SMALL = {
     "mlp-deep": dict(depth=4, width=64, batch_size=8),
     "heavy": dict(n_ops=600, ops_per_block=60, batch_size=2),
     "resnet": dict(image_size=16, base=8, batch_size=4),
-    "bert-base": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, seq_len=16, batch_size=2),
+    "bert-base": dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, seq_len=16, batch_size=2
+    ),
     "gpt2": dict(n_layer=2, n_embd=64, n_head=2, seq_len=16, batch_size=2),
     "resnet152": dict(depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], embedding_size=16, image_size=32, batch_size=2),
 }

@@ -1,3 +1,5 @@
-from memfit.cli import main
 import sys
+
+from memfit.cli import main
+
 sys.exit(main())

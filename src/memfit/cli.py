@@ -140,7 +140,9 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
 
     console.rule("[bold]2. Fit it in 50% of the way from the lowest reachable peak to no plan")
     with progress_bar(console, "planning") as progress:
-        plan = memfit.plan(work.model, work.inputs, "50%", loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, progress=progress)
+        plan = memfit.plan(
+            work.model, work.inputs, "50%", loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, progress=progress
+        )
     render_plan(plan, console, top=8)
 
     console.rule("[bold]3. Applied to the model, measured")
@@ -196,7 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     def target_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("target", help="zoo model name (see `memfit zoo`) or path/to/file.py:function returning a memfit.Workload")
         p.add_argument("--batch-size", type=int, help="batch size of the example inputs")
-        p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="zoo model size, e.g. n_layer=24 (repeatable)")
+        p.add_argument(
+            "--size", action="append", default=[], metavar="KEY=VALUE", help="zoo model size, e.g. n_layer=24 (repeatable)"
+        )
 
     p = sub.add_parser("profile", help="measure where the memory of one training step goes")
     target_args(p)
@@ -209,7 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     target_args(p)
     p.add_argument("--budget", required=True, help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5)")
     p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: plan on fake tensors")
-    p.add_argument("--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs")
+    p.add_argument(
+        "--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan)
 

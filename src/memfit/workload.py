@@ -47,9 +47,7 @@ class Workload:
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise WorkloadError(f"Workload.loss_fn must be callable, got {type(self.loss_fn).__name__}")
         if self.optimizer is not None and not callable(self.optimizer):
-            raise WorkloadError(
-                f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}"
-            )
+            raise WorkloadError(f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}")
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -77,8 +77,7 @@ class _BufferGuard:
             self.mutated = [
                 (m, k)
                 for (m, k), v in before.items()
-                if m._buffers.get(k) is not None
-                and (m._buffers[k]._version != v or _torch_compat.updates_running_stats(m))
+                if m._buffers.get(k) is not None and (m._buffers[k]._version != v or _torch_compat.updates_running_stats(m))
             ]
 
     @contextlib.contextmanager

@@ -183,7 +183,9 @@ class Ledger:
 
     def to_dict(self) -> dict:
         return {
-            "blocks": [{**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks],
+            "blocks": [
+                {**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks
+            ],
             "ticks": [[t.phase.value, t.module, t.op] for t in self.ticks],
             "spans": [[s.module, s.phase.value, s.start, s.end, list(s.inputs)] for s in self.spans],
             "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import ForwardError, LossError, MemfitError, WorkloadError
+from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox

@@ -132,7 +132,10 @@ def fake_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
         fake_model = copy.deepcopy(model, memo)
     except Exception as exc:
         raise WorkloadError(f"cannot copy the model to fake tensors ({type(exc).__name__}: {exc})") from exc
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fakes[p] for p in g["params"]]} for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [fakes[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     # ``defaults`` can hold entries the constructor does not take (AdamW's
     # decoupled_weight_decay); every group carries its full settings anyway.
     accepted = inspect.signature(type(optimizer).__init__).parameters

@@ -202,7 +202,11 @@ def build_candidates(
             if op_bytes[i]:
                 by_type[ledger.ops[i].op].append(i)
         # SAC refuses to keep an output that is later written in place.
-        unkeepable = {ledger.ops[born_op[b.id]].op for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)] if b.mutated and b.id in born_op}
+        unkeepable = {
+            ledger.ops[born_op[b.id]].op
+            for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]
+            if b.mutated and b.id in born_op
+        }
         if len(by_type) < 2:
             continue
         op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others if b.id in born_op}

@@ -25,7 +25,8 @@ from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove
 from memfit.errors import BudgetInfeasibleError, PlanError
-from memfit.measure.profile import Profile, Progress, profile as measure_profile, record_step
+from memfit.measure.profile import Profile, Progress, record_step
+from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import train_step

@@ -90,7 +90,7 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise PlanError("not a memfit plan: the JSON has no \"format\": \"memfit.plan\"")
+            raise PlanError('not a memfit plan: the JSON has no "format": "memfit.plan"')
         version = data.get("version")
         if not isinstance(version, int) or version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this memfit reads ({PLAN_VERSION}); upgrade memfit")

@@ -153,7 +153,9 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
     )
     if plan.extra_compute_s is not None and plan.step_time_s:
-        cost = f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
+        cost = (
+            f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
+        )
     else:
         cost = "time not measured (fake tensors)"
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")

@@ -8,7 +8,6 @@ from torch.nn import functional as F
 
 from memfit.workload import Workload
 
-
 # -- mlp-deep: 100 x (Linear(1024) + ReLU), batch 128 -----------------------------------------
 
 
