@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 
-import torch
+from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
 from memfit import zoo
@@ -59,12 +58,7 @@ def main() -> None:
             )
             print(row, flush=True)
             rows.append(row)
-    head = f"torch {torch.__version__}, cpu, {platform.machine()}, {torch.get_num_threads()} threads"
-    text = head + "\n\n" + "\n".join(rows) + "\n"
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
+    emit(rows, "cpu", ns.out)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ figure is the step's peak over its start (on CUDA, the absolute peak too).
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
+from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
 from memfit import zoo
@@ -51,14 +51,7 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
         del model, real, fake, work
-    head = (
-        f"torch {torch.__version__}, {ns.device}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    )
-    text = head + "\n\n" + "\n".join(rows) + "\n"
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
+    emit(rows, ns.device, ns.out)
 
 
 if __name__ == "__main__":

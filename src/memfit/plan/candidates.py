@@ -130,17 +130,7 @@ def build_candidates(
     excluded = dict(exclude or {})
     options: list[Option] = []
 
-    # Bytes each op call allocated, and the op that allocated each block.
-    born_op: dict[int, int] = {}
-    op_bytes = [0] * len(ledger.ops)
-    tick_owner = [-1] * len(ledger.ticks)
-    for i, op in enumerate(ledger.ops):
-        for t in range(op.first, op.end):
-            tick_owner[t] = i
-    for b in ledger.blocks:
-        if b.born >= 0 and tick_owner[b.born] >= 0:
-            born_op[b.id] = tick_owner[b.born]
-            op_bytes[tick_owner[b.born]] += b.nbytes
+    op_bytes, born_op = _allocations(ledger)
 
     order = sorted(ledger.blocks, key=lambda b: b.born)
     borns = [b.born for b in order]
@@ -255,7 +245,7 @@ def _peak_of(blocks: list, start: int, end: int) -> int:
 def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[tuple[float, float, float, float]]:
     """``(seconds, flops, output bytes, ops)`` of each timed module whose ops all run in
     it directly (no child module ran an op): the data :meth:`DeviceRates.fit` fits."""
-    op_bytes = _op_bytes(ledger)
+    op_bytes, _ = _allocations(ledger)
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for i, op in enumerate(ledger.ops):
         if op.module is not None:
@@ -267,14 +257,16 @@ def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[
     return [(forward_time[m], f, b, n) for m, (f, b, n) in per.items() if m not in parents and forward_time.get(m)]
 
 
-def _op_bytes(ledger: Ledger) -> list[int]:
-    """Bytes each forward op call allocated."""
-    out = [0] * len(ledger.ops)
+def _allocations(ledger: Ledger) -> tuple[list[int], dict[int, int]]:
+    """Bytes each forward op call allocated, and the op call that allocated each block."""
+    op_bytes = [0] * len(ledger.ops)
+    born_op: dict[int, int] = {}
     owner = [-1] * len(ledger.ticks)
     for i, op in enumerate(ledger.ops):
         for t in range(op.first, op.end):
             owner[t] = i
     for b in ledger.blocks:
         if b.born >= 0 and owner[b.born] >= 0:
-            out[owner[b.born]] += b.nbytes
-    return out
+            born_op[b.id] = owner[b.born]
+            op_bytes[owner[b.born]] += b.nbytes
+    return op_bytes, born_op
