@@ -163,3 +163,28 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     predicted = data["profile"]["step_peak_bytes"]
     measured = data["measured"]["step_peak_bytes"]
     assert abs(predicted - measured) / measured < 0.03
+
+
+def test_plan_prints_and_writes_a_plan(tmp_path, capsys):
+    import memfit
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--batch-size", "4", *SMALL, "--budget", "50%", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted peak" in text and "no plan" in text and "predicted extra compute" in text
+    plan = memfit.Plan.from_json(out.read_text())
+    assert plan.budget == "50%" and plan.predicted_peak_bytes <= plan.budget_bytes < plan.none_peak_bytes
+    assert "Recomputed modules" in text and next(iter(plan.checkpointed)) in text
+
+
+@pytest.mark.parametrize(
+    "budget, needle",
+    [
+        ("lots", "cannot parse byte amount 'lots'"),
+        ("150%", "fraction must be in [0, 1]"),
+        ("1KiB", "below the lowest peak memfit can reach for this step, P_min ="),
+    ],
+)
+def test_plan_bad_budgets_are_one_line(budget, needle, capsys):
+    assert main(["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", budget]) == 2
+    assert needle in _error_line(capsys)
