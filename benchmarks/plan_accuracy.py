@@ -20,7 +20,7 @@ from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
 from memfit import zoo
-from memfit.measure.groundtruth import measure_step_peak
+from memfit.bench.child import measure_step_peak
 
 MiB = 2**20
 

@@ -2,7 +2,7 @@
 
 On CPU the ground truth is the process's RSS high-water mark over the step, with
 MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the OS (see
-memfit/measure/groundtruth.py). The issue's bar: within 3% on zoo models with over
+memfit/bench/child.py). The issue's bar: within 3% on zoo models with over
 ~100 MiB of activations. These are the default zoo sizes, as `memfit profile` runs them.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 import memfit
 from memfit import zoo
-from memfit.measure.groundtruth import measure_step_peak
+from memfit.bench.child import measure_step_peak
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS ground truth reads /proc")
 

@@ -7,7 +7,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.measure.groundtruth import measure_step_peak
+from memfit.bench.child import measure_step_peak
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

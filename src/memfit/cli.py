@@ -5,6 +5,7 @@
     memfit profile path/to/train.py:workload --json profile.json
     memfit plan gpt --budget 50%             # what to recompute to fit a budget
     memfit plan gpt --budget 400MiB --json plan.json
+    memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
 
@@ -50,12 +51,18 @@ def _workload(ns: argparse.Namespace) -> memfit.Workload:
     return memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
 
 
+def _require_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu or fake")
+
+
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
     import torch
     from torch.utils._pytree import tree_map
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu or fake")
+    _require_device(device)
     model = work.model.to(device)
     inputs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.inputs)
     return model, inputs
@@ -111,6 +118,44 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.bench.runner import run_bench
+    from memfit.report.chart import bench_html, pareto_png
+    from memfit.report.console import progress_bar, render_bench
+
+    try:
+        budgets = [float(b) for b in ns.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise MemfitError(f"--budgets takes fractions separated by commas (e.g. 0.25,0.5,0.75), got {ns.budgets!r}") from None
+    for b in budgets:
+        memfit.parse_budget(b)
+    _require_device(ns.device)
+    with progress_bar(console, f"bench {ns.target}") as progress:
+        rows, context = run_bench(
+            ns.target,
+            budgets,
+            batch_size=ns.batch_size,
+            sizes=parse_sizes(ns.size),
+            device=ns.device,
+            steps=ns.steps,
+            compile=not ns.no_compile,
+            progress=progress,
+        )
+    render_bench(rows, context, console)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({**context, "rows": [r.to_dict() for r in rows]}, indent=1))
+        console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        png = pareto_png(rows, context)
+        if ns.plot:
+            Path(ns.plot).write_bytes(png)
+            console.print(f"wrote {ns.plot}")
+        if ns.html:
+            Path(ns.html).write_text(bench_html(rows, context, png))
+            console.print(f"wrote {ns.html}")
+    return 0
+
+
 def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
     table = Table(title="memfit zoo (random weights, nothing downloaded)", title_justify="left")
     table.add_column("name")
@@ -124,7 +169,7 @@ def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
 def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     import tempfile
 
-    from memfit.measure.groundtruth import measure_step_peak
+    from memfit.bench.child import measure_step_peak
     from memfit.measure.timing import median_step_time
     from memfit.report.console import progress_bar, render_before_after, render_groundtruth, render_plan, render_profile
 
@@ -218,6 +263,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("bench", help="memfit's plans against the baselines, each measured in fresh processes")
+    target_args(p)
+    p.add_argument(
+        "--budgets", default="0.25,0.5,0.75", help="budget fractions for memfit and torch.compile (default 0.25,0.5,0.75)"
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median; default 5)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write the memory-vs-throughput chart")
+    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML page")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("zoo", help="list the built-in models")
     p.set_defaults(func=_cmd_zoo)

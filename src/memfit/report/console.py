@@ -18,7 +18,15 @@ from memfit.measure.profile import ModuleStats, Profile
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
-__all__ = ["render_profile", "render_groundtruth", "render_plan", "render_before_after", "progress_bar", "sparkline"]
+__all__ = [
+    "render_profile",
+    "render_groundtruth",
+    "render_plan",
+    "render_before_after",
+    "render_bench",
+    "progress_bar",
+    "sparkline",
+]
 
 _BARS = " ▁▂▃▄▅▆▇█"
 _PHASE_STYLE = {Phase.FORWARD: "cyan", Phase.BACKWARD: "magenta", Phase.OPTIMIZER: "yellow", Phase.START: "white"}
@@ -137,7 +145,7 @@ def render_groundtruth(profile: Profile, measured: dict, console: Console) -> No
     predicted = profile.step_peak_bytes
     actual = measured["step_peak_bytes"]
     err = (predicted - actual) / actual * 100 if actual else float("nan")
-    how = "RSS high-water mark" if measured["method"] == "rss_hwm" else "torch.cuda.max_memory_allocated"
+    how = "RSS high-water mark" if measured["method_used"] == "rss_hwm" else "torch.cuda.max_memory_allocated"
     console.print(
         f"step peak over start: predicted [bold]{format_bytes(predicted)}[/], measured [bold]{format_bytes(actual)}[/] "
         f"({how}, fresh process): error [bold]{err:+.2f}%[/]"
@@ -193,3 +201,40 @@ def render_before_after(rows: list[tuple[str, int | None, int | None, float | No
             f"{secs:.3f} s{slow}" if secs is not None else "-",
         )
     console.print(table)
+
+
+def render_bench(rows: list, context: dict, console: Console) -> None:
+    """Every configuration: measured peak and step time (and its change against no
+    checkpointing), recomputed FLOPs, and for memfit rows the prediction and planning time."""
+    base = next((r.step_time_s for r in rows if r.method == "none" and r.step_time_s), None)
+    failures: list[str] = []
+    table = Table(
+        title=f"{context['target']} on {context['device']} (torch {context['torch']})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("configuration", no_wrap=True)
+    for col in ("peak", "predicted", "step", "vs none", "+FLOPs", "plan"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        if r.error and r.measured_peak_bytes is None:
+            table.add_row(r.label, "[red]failed[/]", "", "", "", "", "")
+            failures.append(f"{r.label}: {r.error}")
+            continue
+        table.add_row(
+            r.label,
+            format_bytes(r.measured_peak_bytes) if r.measured_peak_bytes is not None else "-",
+            format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else "-",
+            f"{r.step_time_s:.3f}s" if r.step_time_s is not None else "-",
+            f"{r.step_time_s / base - 1:+.0%}" if base and r.step_time_s else "-",
+            _flops(r.recompute_flops) if r.recompute_flops is not None else "-",
+            f"{r.plan_time_s:.1f}s" if r.plan_time_s is not None else "-",
+        )
+    console.print(table)
+    for line in failures:
+        console.print(f"[red]failed[/] {line}", highlight=False)
+    console.print(
+        "peak = tensors alive at the step's start + the measured rise over it (fresh process each); "
+        "step = median after warm-up; +FLOPs = recomputed FLOPs (FlopCounterMode, 0 for pointwise ops)"
+    )

@@ -1,0 +1,188 @@
+"""Measure one configuration of a training step in a fresh process: the bench's child.
+
+    python -m memfit.bench.child TARGET --method M --measure memory|time|flops
+        [--batch-size N] [--size K=V] [--device cpu|cuda] [--steps 5]
+
+It prints one JSON object. Methods are those of :mod:`memfit.bench.methods`.
+
+memory: on CPU the process's resident-set high-water mark, with
+``MALLOC_MMAP_THRESHOLD_=65536`` (set by :func:`run_child`) so every tensor of 64 KiB or
+more is its own mapping, returned to the OS when freed, and RSS follows live tensor bytes.
+After a warm-up step (which creates the optimizer state) the high-water mark is reset by
+writing ``5`` to ``/proc/self/clear_refs``; the step's peak over its start is
+``VmHWM - VmRSS(before)``. On CUDA, ``max_memory_allocated`` after
+``reset_peak_memory_stats``.
+
+time: the median of ``--steps`` steps after two warm-up steps, without the allocator
+setting (it makes every large allocation fault in fresh pages); synchronised on CUDA.
+
+flops: FlopCounterMode over one step after warm-up; recompute shows up as extra FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["run_child", "measure_step_peak"]
+
+_MMAP_THRESHOLD = "65536"
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise MemfitError(f"/proc/self/status has no {field}: RSS ground truth needs Linux")
+
+
+def run_child(
+    target: str,
+    *,
+    method: str = "none",
+    measure: str = "memory",
+    batch_size: int | None = None,
+    sizes: Mapping[str, Any] | None = None,
+    device: str = "cpu",
+    steps: int = 5,
+    timeout: float = 1800,
+) -> dict[str, Any]:
+    """Run the child for one (method, measure); its JSON, or ``{"error": ...}``."""
+    cmd = [sys.executable, "-m", "memfit.bench.child", target, "--method", method, "--measure", measure]
+    cmd += ["--device", device, "--steps", str(steps)]
+    if batch_size is not None:
+        cmd += ["--batch-size", str(batch_size)]
+    for k, v in (sizes or {}).items():
+        cmd += ["--size", f"{k}={v!r}"]
+    env = dict(os.environ)
+    if measure == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+    return {"error": tail[0]}
+
+
+def measure_step_peak(
+    target: str,
+    *,
+    batch_size: int | None = None,
+    sizes: Mapping[str, Any] | None = None,
+    device: str = "cpu",
+    plan_path: str | None = None,
+    timeout: float = 1800,
+) -> dict[str, Any]:
+    """The physical peak of one step of ``target`` (with the plan at ``plan_path`` applied,
+    if given), measured in a fresh process: ``step_peak_bytes`` (over the step's start),
+    ``start_bytes`` and ``method``."""
+    out = run_child(
+        target,
+        method=f"plan:{plan_path}" if plan_path else "none",
+        batch_size=batch_size,
+        sizes=sizes,
+        device=device,
+        timeout=timeout,
+    )
+    if "error" in out:
+        raise MemfitError(f"ground-truth run of {target} failed: {out['error']}")
+    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memfit.bench.child")
+    parser.add_argument("target")
+    parser.add_argument("--method", default="none")
+    parser.add_argument("--measure", default="memory", choices=["memory", "time", "flops"])
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--size", action="append", default=[])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=5)
+    ns = parser.parse_args(argv)
+    try:
+        out = _measure(ns)
+    except Exception as exc:  # a configuration that fails is a result, reported as such
+        first = (str(exc).strip().splitlines() or [""])[0]
+        out = {"error": f"{type(exc).__name__}: {first}"[:500]}
+    out.update(target=ns.target, method=ns.method, measure=ns.measure)
+    print(json.dumps(out))
+    return 0
+
+
+def _measure(ns: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memfit.bench.methods import setup
+    from memfit.cli import parse_sizes
+    from memfit.measure.step import train_step
+    from memfit.workload import load_target, split_inputs
+
+    torch.manual_seed(0)
+    work = load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+    model = setup(ns.method, work.model.to(ns.device))
+    args, kwargs = split_inputs(work.inputs)
+    args, kwargs = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    optimizer = work.make_optimizer()
+
+    def step() -> None:
+        train_step(model, args, kwargs, work.loss_fn, optimizer)
+
+    def sync() -> None:
+        if ns.device == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: creates the optimizer state (and compiles, for torch.compile)
+    gc.collect()
+    if ns.measure == "time":
+        step()
+        times = []
+        for _ in range(ns.steps):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return {"step_time_s": statistics.median(times), "step_times_s": times}
+    if ns.measure == "flops":
+        with FlopCounterMode(display=False) as counter:
+            step()
+        return {"step_flops": int(counter.get_total_flops())}
+    if ns.device == "cuda":
+        sync()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync()
+        out = {"method_used": "cuda.max_memory_allocated", "start_bytes": before, "peak_bytes": torch.cuda.max_memory_allocated()}
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_bytes("VmRSS")
+        step()
+        out = {"method_used": "rss_hwm", "start_bytes": before, "peak_bytes": _status_bytes("VmHWM")}
+    out["step_peak_bytes"] = out["peak_bytes"] - out["start_bytes"]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,52 @@
+"""The bench harness end to end on a tiny model (seconds): it runs and reports; it asserts
+no speed (benchmarks report, tests check behaviour)."""
+
+from __future__ import annotations
+
+import json
+
+from memfit.bench.methods import applicable
+from memfit.cli import main
+from memfit.zoo import build
+
+TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64}
+
+
+def test_sequential_only_for_chains():
+    assert applicable("sequential", build("mlp-deep", depth=3, width=8).model) is None
+    assert "not an nn.Sequential" in applicable("sequential", build("gpt", **TINY).model)
+
+
+def test_bench_end_to_end(tmp_path, capsys):
+    out, png, page = tmp_path / "bench.json", tmp_path / "b.png", tmp_path / "b.html"
+    argv = ["bench", "mlp-deep", "--size", "depth=4", "--size", "width=64", "--batch-size", "8", "--budgets", "0.5"]
+    assert main([*argv, "--steps", "2", "--no-compile", "--json", str(out), "--plot", str(png), "--html", str(page)]) == 0
+    text = capsys.readouterr().out
+    assert "checkpoint_sequential" in text and "memfit 50%" in text
+    data = json.loads(out.read_text())
+    assert data["format"] == "memfit.bench/1"
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["none", "every", "every-other", "sequential", "memfit"]
+    for r in rows.values():
+        assert r["error"] is None and r["measured_peak_bytes"] > 0 and r["step_time_s"] > 0
+        for key in (
+            "method",
+            "budget",
+            "measured_peak_bytes",
+            "predicted_peak_bytes",
+            "step_time_s",
+            "recompute_flops",
+            "plan_time_s",
+        ):
+            assert key in r
+    # checkpointing a lone Linear recomputes nothing (its input is the checkpoint input);
+    # checkpoint_sequential recomputes whole segments
+    assert rows["none"]["recompute_flops"] == 0 and rows["sequential"]["recompute_flops"] > 0
+    assert rows["memfit"]["predicted_peak_bytes"] > 0 and rows["memfit"]["plan_time_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data:image/png;base64," in page.read_text()
+
+
+def test_bench_rejects_bad_budgets(capsys):
+    assert main(["bench", "gpt", "--budgets", "half"]) == 2
+    assert "--budgets takes fractions" in capsys.readouterr().err
