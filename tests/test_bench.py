@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from memfit.bench.methods import applicable
 from memfit.cli import main
 from memfit.zoo import build
@@ -50,3 +52,24 @@ def test_bench_end_to_end(tmp_path, capsys):
 def test_bench_rejects_bad_budgets(capsys):
     assert main(["bench", "gpt", "--budgets", "half"]) == 2
     assert "--budgets takes fractions" in capsys.readouterr().err
+
+
+def test_named_scenarios_point_at_real_modules():
+    pytest.importorskip("transformers")
+    from memfit.bench.methods import SCENARIOS, setup
+
+    sizes = {
+        "resnet152": {"depths": [1, 1, 1, 1], "hidden_sizes": [16, 32, 64, 128], "embedding_size": 16, "image_size": 32},
+        "bert-base": {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 2,
+            "intermediate_size": 128,
+            "seq_len": 16,
+        },
+    }
+    for model_name, method, _ in SCENARIOS.values():
+        work = build(model_name, batch_size=2, **sizes[model_name])
+        model = setup(method, work.model)  # raises if a named module is missing
+        out = model(**work.inputs)
+        out.loss.backward()
