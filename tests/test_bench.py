@@ -73,3 +73,10 @@ def test_named_scenarios_point_at_real_modules():
         model = setup(method, work.model)  # raises if a named module is missing
         out = model(**work.inputs)
         out.loss.backward()
+
+
+def test_scenario_needs_its_model(capsys):
+    assert main(["bench", "gpt", "--scenario", "bert-per-layer"]) == 2
+    assert "runs on zoo model 'bert-base'" in capsys.readouterr().err
+    assert main(["bench", "gpt", "--scenario", "nope"]) == 2
+    assert "unknown scenario" in capsys.readouterr().err

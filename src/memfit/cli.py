@@ -130,6 +130,14 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
     for b in budgets:
         memfit.parse_budget(b)
     _require_device(ns.device)
+    if ns.scenario:
+        from memfit.bench.methods import SCENARIOS
+
+        if ns.scenario not in SCENARIOS:
+            raise MemfitError(f"unknown scenario {ns.scenario!r}; choose one of {', '.join(SCENARIOS)}")
+        expected = SCENARIOS[ns.scenario][0]
+        if ns.target != expected:
+            raise MemfitError(f"scenario {ns.scenario!r} runs on zoo model {expected!r}, not {ns.target!r}")
     with progress_bar(console, f"bench {ns.target}") as progress:
         rows, context = run_bench(
             ns.target,
@@ -139,6 +147,7 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
             device=ns.device,
             steps=ns.steps,
             compile=not ns.no_compile,
+            scenario=ns.scenario,
             progress=progress,
         )
     render_bench(rows, context, console)
@@ -272,6 +281,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median; default 5)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument(
+        "--scenario", help="a named worked example: resnet152-layer1-layer2 (TARGET resnet152) or bert-per-layer (bert-base)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write the memory-vs-throughput chart")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML page")

@@ -21,7 +21,7 @@ from typing import Any
 
 import memfit
 from memfit.bench.child import run_child
-from memfit.bench.methods import BASELINES, applicable, describe
+from memfit.bench.methods import BASELINES, SCENARIOS, applicable, describe, setup
 from memfit.workload import load_target
 
 __all__ = ["Row", "run_bench", "BENCH_FORMAT"]
@@ -34,9 +34,9 @@ class Row:
     """One configuration, measured."""
 
     method: str
-    """``none``, ``every``, ``every-other``, ``sequential``, ``compile`` or ``memfit``."""
-    budget: float | None
-    """The budget fraction (compile and memfit rows)."""
+    """``none``, ``every``, ``every-other``, ``sequential``, ``compile``, ``recipe`` or ``memfit``."""
+    budget: float | int | None
+    """The budget: a fraction (compile and memfit rows) or bytes (memfit in a scenario)."""
     label: str
     measured_peak_bytes: int | None = None
     predicted_peak_bytes: int | None = None
@@ -58,10 +58,15 @@ def run_bench(
     device: str = "cpu",
     steps: int = 5,
     compile: bool = True,
+    scenario: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[list[Row], dict[str, Any]]:
     """Measure every configuration of ``target``; returns the rows and context (peaks,
-    device, torch version) for reports."""
+    device, torch version) for reports.
+
+    With ``scenario`` (a key of :data:`~memfit.bench.methods.SCENARIOS`) the rows are
+    no checkpointing, the scenario's hand-picked recipe, and memfit planned for the
+    recipe's exact peak (from a fake-tensor run of it): the same memory, compared."""
     import torch
 
     report = progress or (lambda desc, done, total: None)
@@ -74,13 +79,19 @@ def run_bench(
     prof = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer)
     profile_s = time.perf_counter() - t0  # every plan is charged the profile it starts from
 
-    configs: list[tuple[str, float | None, str, str]] = []  # (method, budget, label, child method)
-    for m in BASELINES:
-        if applicable(m, model) is None:
-            configs.append((m, None, describe(m), m))
-    if compile:
-        configs += [("compile", b, f"torch.compile {b:g}", f"compile:{b}") for b in budgets]
-    configs += [("memfit", b, f"memfit {b:.0%}", "") for b in budgets]
+    configs: list[tuple[str, float | int | None, str, str]] = []  # (method, budget, label, child method)
+    if scenario is not None:
+        _, recipe, label = SCENARIOS[scenario]
+        same = _recipe_peak(target, recipe, batch_size, sizes, work)
+        configs += [("none", None, describe("none"), "none"), ("recipe", None, f"recipe: {label}", recipe)]
+        configs += [("memfit", same, f"memfit at {memfit.format_bytes(same)}", "")]
+    else:
+        for m in BASELINES:
+            if applicable(m, model) is None:
+                configs.append((m, None, describe(m), m))
+        if compile:
+            configs += [("compile", b, f"torch.compile {b:g}", f"compile:{b}") for b in budgets]
+        configs += [("memfit", b, f"memfit {b:.0%}", "") for b in budgets]
 
     rows: list[Row] = []
     common = dict(batch_size=batch_size, sizes=sizes, device=device)
@@ -129,3 +140,10 @@ def run_bench(
         "meta": work.meta,
     }
     return rows, context
+
+
+def _recipe_peak(target: str, recipe: str, batch_size: int | None, sizes: Mapping[str, Any] | None, work: Any) -> int:
+    """Exact peak of the step with a hand-picked recipe applied (fake tensors, a fresh copy)."""
+    fresh = load_target(target, batch_size=batch_size, sizes=sizes)
+    model = setup(recipe, fresh.model)
+    return memfit.profile(model, fresh.inputs, loss_fn=fresh.loss_fn, optimizer=fresh.make_optimizer(), fake=True).peak_bytes
