@@ -31,10 +31,11 @@ from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import train_step
 from memfit.measure.timing import selective_overhead_s
+from memfit.plan.baselines import blocks
 from memfit.plan.budget import parse_budget
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples
 from memfit.plan.result import Choice, Plan, fingerprint
-from memfit.plan.solver import Problem
+from memfit.plan.solver import Problem, Solution
 from memfit.units import format_bytes
 from memfit.workload import default_optimizer, split_inputs
 
@@ -174,6 +175,14 @@ def plan(
                 report("lowest reachable peak", 0, 2)
                 lowest = problem.min_peak()
                 low_run = verifier.run(lowest.chosen) if lowest.chosen else _Run(none_peak, prof.step_flops)
+                # The model of the step is conservative (it keeps a checkpointed module's
+                # activations alive through its whole forward), so its minimum can miss the
+                # plain recipe of recomputing every repeated block: try that too.
+                recipe = _every_block(model, cands.options)
+                if recipe and {o.module for o in recipe} != {o.module for o in lowest.chosen}:
+                    recipe_run = verifier.run(recipe)
+                    if recipe_run.peak_bytes < low_run.peak_bytes:
+                        lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
                 min_peak = min(low_run.peak_bytes, none_peak)
                 low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], _Run(none_peak, prof.step_flops))
                 target = spec.resolve(min_peak, none_peak)
@@ -215,6 +224,14 @@ def plan(
         objective=objective,
         planning_time_s=time.perf_counter() - started,
     )
+
+
+def _every_block(model: nn.Module, options: list[Option]) -> list[Option]:
+    """Full recompute of every repeated block, as candidate options (empty if any block
+    is not a candidate)."""
+    full = {o.module: o for o in options if o.mode == "full"}
+    names = blocks(model)
+    return [full[n] for n in names] if names and all(n in full for n in names) else []
 
 
 def _fit(
