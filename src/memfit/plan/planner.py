@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove
-from memfit.errors import BudgetInfeasibleError, PlanError
+from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.profile import Profile, Progress, record_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
@@ -142,8 +142,6 @@ def plan(
     if objective not in _OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
     if not isinstance(model, nn.Module):
-        from memfit.errors import WorkloadError
-
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if applied_choices(model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
