@@ -95,12 +95,7 @@ class Recorder(TorchDispatchMode):
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
         key = (phase, name)
         if entering:
-            ids = []
-            for t in inputs:
-                s = _storage(t)
-                idx = None if s is None else self._live.get(id(s))
-                if idx is not None:
-                    ids.append(idx)
+            ids = [idx for idx in map(self._block_of, inputs) if idx is not None]
             self._open[key].append((len(self.ticks), tuple(dict.fromkeys(ids))))
         elif self._open[key]:
             start, ids = self._open[key].pop()
@@ -120,6 +115,11 @@ class Recorder(TorchDispatchMode):
         self._live[key] = idx
         self._finalizers.append(weakref.finalize(storage, self._free, key))
         return idx
+
+    def _block_of(self, t: torch.Tensor) -> int | None:
+        """Index of the live block ``t``'s storage is, or None if memfit has not seen it."""
+        s = _storage(t)
+        return None if s is None else self._live.get(id(s))
 
     def _tick(self) -> int:
         self.ticks.append(Tick(self.scope.phase, self.scope.module, self._op))
@@ -142,8 +142,7 @@ class Recorder(TorchDispatchMode):
         """Give blocks created during the step their final category (gradients, new
         optimizer state); blocks alive since the start keep theirs."""
         for t in tensors:
-            s = _storage(t)
-            idx = None if s is None else self._live.get(id(s))
+            idx = self._block_of(t)
             if idx is not None and self.records[idx].born != START_TICK:
                 self.records[idx].category = category
 
@@ -190,8 +189,7 @@ class Recorder(TorchDispatchMode):
 
     def _mark_mutated(self, written: list[Any]) -> None:
         for t in _tensors(written):
-            s = _storage(t)
-            idx = None if s is None else self._live.get(id(s))
+            idx = self._block_of(t)
             if idx is not None:
                 self.records[idx].mutated = True
 
