@@ -1,10 +1,18 @@
-"""Shared fixtures: small models that make a step in milliseconds on a CPU."""
+"""Shared fixtures: small models that make a step in milliseconds on a CPU, and helpers
+that train a model with and without a plan and compare the results bitwise."""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+
+import memfit
+from memfit import Choice, Plan
 
 
 class TinyNet(nn.Module):
@@ -69,3 +77,82 @@ def assert_same(a: dict, b: dict) -> None:
                         assert x[i][k] == y[i][k]
         else:
             assert x == y, key
+
+
+# -- training with and without a plan --------------------------------------------------------
+
+
+def make_plan(**checkpointed: Choice) -> Plan:
+    """A hand-made plan; ``a__b=Choice(...)`` names module ``a.b`` (``**{"": ...}`` the root)."""
+    return Plan(
+        budget_bytes=0,
+        predicted_peak_bytes=0,
+        start_bytes=0,
+        none_peak_bytes=0,
+        min_peak_bytes=0,
+        checkpointed={k.replace("__", "."): v for k, v in checkpointed.items()},
+        extra_compute_s=None,
+        extra_flops=0,
+        step_time_s=None,
+    )
+
+
+def train(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    steps: int,
+    seed: int = 0,
+    *,
+    micro_batches: Sequence[Any] | None = None,
+) -> tuple[dict, dict]:
+    """``steps`` AdamW steps; returns the first step's gradients and the final state.
+
+    With ``micro_batches`` (a list of inputs) each step accumulates the gradients of one
+    forward and backward per micro-batch before the optimizer steps (``inputs`` unused)."""
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = [memfit.workload.split_inputs(b) for b in (micro_batches if micro_batches is not None else [inputs])]
+    grads = None
+    for i in range(steps):
+        for args, kwargs in batches:
+            loss_fn(model(*args, **kwargs)).backward()
+        if i == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "opt": [{k: v.clone() for k, v in st.items()} for st in opt.state.values()],
+    }
+    return grads, state
+
+
+def assert_bitwise(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ga, sa), (gb, sb) = a, b
+    assert ga.keys() == gb.keys(), "different parameters got gradients"
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), f"gradient of {n} differs"
+    for key in ("params", "buffers"):
+        assert sa[key].keys() == sb[key].keys()
+        for n in sa[key]:
+            assert torch.equal(sa[key][n], sb[key][n]), f"{key} {n} differs"
+    assert len(sa["opt"]) == len(sb["opt"]), "optimizer state of different parameters"
+    for x, y in zip(sa["opt"], sb["opt"]):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), f"optimizer state {k} differs"
+
+
+def assert_equivalent(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], plan: Plan, steps: int = 3, **train_kwargs: Any
+) -> nn.Module:
+    """Training a copy of ``model`` with ``plan`` applied ends bitwise where training
+    ``model`` without it does: gradients, parameters, buffers and optimizer state.
+    Returns the trained copy (``model`` itself is the reference, trained in place)."""
+    planned = copy.deepcopy(model)
+    reference = train(model, inputs, loss_fn, steps, **train_kwargs)
+    memfit.apply(planned, plan)
+    assert_bitwise(reference, train(planned, inputs, loss_fn, steps, **train_kwargs))
+    return planned

@@ -177,14 +177,4 @@ def test_plan_prints_and_writes_a_plan(tmp_path, capsys):
     assert "Recomputed modules" in text and next(iter(plan.checkpointed)) in text
 
 
-@pytest.mark.parametrize(
-    "budget, needle",
-    [
-        ("lots", "cannot parse byte amount 'lots'"),
-        ("150%", "fraction must be in [0, 1]"),
-        ("1KiB", "below the lowest peak memfit can reach for this step, P_min ="),
-    ],
-)
-def test_plan_bad_budgets_are_one_line(budget, needle, capsys):
-    assert main(["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", budget]) == 2
-    assert needle in _error_line(capsys)
+# bad budgets: test_bad_input.py

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import assert_same, snapshot
 from torch import nn
 
 import memfit
-from memfit import Budget, BudgetError, BudgetInfeasibleError, Plan, PlanError, parse_budget, zoo
+from memfit import Budget, Plan, PlanError, parse_budget, zoo
 
 SMALL_GPT = dict(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256, batch_size=8)
 
@@ -30,12 +28,6 @@ SMALL_GPT = dict(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256, 
 )
 def test_parse_budget(value, expected):
     assert parse_budget(value) == expected
-
-
-@pytest.mark.parametrize("bad", ["lots", "-1GiB", "150%", 1.5, -0.1, float("nan"), 0, -5, None, True, "0MB", [1]])
-def test_bad_budgets(bad):
-    with pytest.raises(BudgetError):
-        parse_budget(bad)
 
 
 def test_fraction_resolves_between_min_and_none():
@@ -98,16 +90,6 @@ def test_planning_changes_nothing():
     assert_same(before, snapshot(work.model, opt))
 
 
-def test_infeasible_budget_states_p_min(gpt):
-    work, opt, prof = gpt
-    before = snapshot(work.model, opt)
-    with pytest.raises(BudgetInfeasibleError) as info:
-        memfit.plan(work.model, work.inputs, 1024, optimizer=opt, profile=prof)
-    assert "P_min" in str(info.value) and info.value.min_peak_bytes > 1024
-    assert isinstance(info.value, ValueError)
-    assert_same(before, snapshot(work.model, opt))
-
-
 class Moody(nn.Module):
     """Mutates Python state in forward, so its recompute (the next call) saves tensors of
     another shape than its forward did, which checkpointing cannot replay. It holds much
@@ -147,23 +129,12 @@ def test_non_reproducible_module_is_excluded_with_a_reason():
     model(x).sum().backward()  # the plan trains without error
 
 
-def test_json_round_trip_and_bad_files(gpt, tmp_path):
+def test_json_round_trip(gpt):
     work, opt, prof = gpt
     plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    with pytest.raises(PlanError, match="does not parse"):
-        Plan.from_json(plan.to_json()[:-20])
-    data = json.loads(plan.to_json())
-    data["version"] = 99
-    with pytest.raises(PlanError, match="newer"):
-        Plan.from_json(json.dumps(data))
-    with pytest.raises(PlanError, match="not a memfit plan"):
-        Plan.from_json("{}")
-    data = json.loads(plan.to_json())
-    del data["budget_bytes"]
-    with pytest.raises(PlanError, match="missing or has malformed"):
-        Plan.from_json(json.dumps(data))
+    # corrupt files and other bad input: test_bad_input.py
 
 
 def test_plan_refuses_a_model_with_a_plan_applied(gpt):

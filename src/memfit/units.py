@@ -25,7 +25,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_AMOUNT = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -50,7 +50,14 @@ def parse_bytes(text: str | int | float) -> int:
             f"cannot parse byte amount {text!r}: expected a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '6GiB' or '800MB'"
         )
-    return int(round(float(match.group(1)) * _UNITS[match.group(2).lower()]))
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    # The sign is parsed so that "-1GiB" is refused as negative rather than as unparsable,
+    # and "1e400" overflows float: refuse both here, not with an OverflowError from int().
+    if value < 0:
+        raise BudgetError(f"byte amount must be >= 0, got {text!r}")
+    if not math.isfinite(value):
+        raise BudgetError(f"byte amount {text!r} is too large to be a number of bytes")
+    return int(round(value))
 
 
 def format_bytes(n: int | float, *, signed: bool = False) -> str:

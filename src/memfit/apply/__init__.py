@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from memfit.apply.checkpoint import apply_choices, remove
+from memfit.apply.checkpoint import apply_choices, remove, unwrap
 from memfit.errors import PlanError
 from memfit.plan.result import Plan, fingerprint
 
@@ -16,14 +16,18 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
     Module names, ``state_dict`` keys, classes and hooks are unchanged. Raises PlanError if
     the plan was made for a model of another structure, or a plan is already applied.
+    ``model`` may also be the model wrapped by ``torch.compile`` or DistributedDataParallel:
+    the plan goes on the module inside (whose names it uses), and the wrapper is returned.
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")
     if not isinstance(model, nn.Module):
         raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
-    if plan.fingerprint and plan.fingerprint != fingerprint(model):
+    inner = unwrap(model)
+    if plan.fingerprint and plan.fingerprint != fingerprint(inner):
         raise PlanError(
             f"this plan was made for another model ({plan.model_type}, fingerprint {plan.fingerprint}); "
-            f"this {type(model).__name__} has fingerprint {fingerprint(model)}: make a plan for it with memfit.plan"
+            f"this {type(inner).__name__} has fingerprint {fingerprint(inner)}: make a plan for it with memfit.plan"
         )
-    return apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
+    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
+    return model

@@ -18,6 +18,8 @@ What plain checkpointing gets wrong and this layer fixes:
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,13 +30,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
 
-__all__ = ["apply_choices", "remove", "applied_choices", "last_recompute"]
+__all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
 
 _APPLIED = "_memfit_applied"
 _NO_INSTANCE_FORWARD = object()
 
-# Name of the module whose recompute began most recently: a recompute error surfaces
-# later, in an unpack hook, and the planner uses this to name the module at fault.
+# Name of the module whose recompute began most recently (or whose checkpointed forward
+# was refused): a recompute error surfaces later, in an unpack hook, and the planner uses
+# this to name the module at fault.
 _last_recompute: list[str | None] = [None]
 
 
@@ -107,6 +110,21 @@ def _call(fn: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def _input_versions(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, int]]:
+    """Every tensor in a call's arguments, with which argument holds it and its version."""
+    from torch.utils._pytree import tree_flatten
+
+    out = []
+    for where, value in [
+        *((f"argument {i}", a) for i, a in enumerate(args)),
+        *((f"keyword {k!r}", v) for k, v in kwargs.items()),
+    ]:
+        leaves, _ = tree_flatten(value)
+        # (inference tensors have no version counter; they cannot be saved for backward anyway)
+        out.extend((where, t, t._version) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference())
+    return out
+
+
 class _CheckpointedForward:
     """The ``forward`` memfit puts on a chosen module.
 
@@ -136,7 +154,29 @@ class _CheckpointedForward:
         inner = self._inner()
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return inner(*args, **kwargs)
-        return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn)
+        if torch.compiler.is_compiling():
+            # Dynamo keeps only a plain function or a functools.partial as context_fn (it
+            # drops a bound method's self), and its own recompute neither re-applies buffer
+            # updates (functionalised) nor needs RNG replay: the plain SAC contexts suffice.
+            # (Passing context_fn=noop_context_fn explicitly fails too: leave it out.)
+            if self.policy is None:
+                return checkpoint(_call, inner, kwargs, *args, use_reentrant=False)
+            sac = functools.partial(create_selective_checkpoint_contexts, self.policy)
+            return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, context_fn=sac)
+        before = _input_versions(args, kwargs)
+        out = checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn)
+        changed = next((where for where, t, version in before if t._version != version), None)
+        if changed is not None:
+            # The recompute runs the forward again on these same tensors, now changed: torch
+            # would recompute from wrong values (silently for keyword arguments, which it does
+            # not save; with an obscure autograd error in backward for positional ones).
+            _last_recompute[0] = self.name  # the planner excludes the module named here
+            raise PlanError(
+                f"module {self.name!r} ({type(self.module).__name__}) changed its input ({changed}) in place, "
+                "so its recompute in backward would start from the changed values: it cannot be checkpointed; "
+                "leave it out of the plan (memfit.plan does)"
+            )
+        return out
 
 
 def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] | None:
@@ -169,16 +209,37 @@ def apply_choices(model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...
     return model
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside ``torch.compile``'s and (Distributed)DataParallel's wrappers.
+
+    A plan names modules as the unwrapped model does (a wrapper adds ``_orig_mod.`` or
+    ``module.``) and is applied there, so ``memfit.apply``/``remove`` accept either. Both
+    wrappers call the inner module at each step, and dynamo's guards on the inner modules'
+    ``forward`` recompile when a plan is applied or removed after ``torch.compile``."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+            continue
+        dynamo = sys.modules.get("torch._dynamo.eval_frame")  # no OptimizedModule before dynamo is imported
+        if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+            model = model._orig_mod
+            continue
+        return model
+
+
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_choices` exactly; raises PlanError if nothing is applied."""
-    originals = model.__dict__.get(_APPLIED)
+    """Undo :func:`apply_choices` exactly; raises PlanError if nothing is applied.
+
+    Takes the model or a wrapper of it (see :func:`unwrap`); returns what it was given."""
+    inner = unwrap(model)
+    originals = inner.__dict__.get(_APPLIED)
     if originals is None:
         raise PlanError("no memfit plan is applied to this model, so there is nothing to remove")
     for name, original in originals.items():
-        mod = model.get_submodule(name)
+        mod = inner.get_submodule(name)
         if original is _NO_INSTANCE_FORWARD:
             mod.__dict__.pop("forward", None)
         else:
             mod.forward = original
-    del model.__dict__[_APPLIED]
+    del inner.__dict__[_APPLIED]
     return model

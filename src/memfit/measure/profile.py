@@ -162,10 +162,28 @@ def _check_devices(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     from torch.utils._pytree import tree_flatten
 
     device = _model_device(model)
+    # One device for the whole model: memfit measures (and bounds) one device's memory, and
+    # a part left on "meta" has no data to run or to restore afterwards.
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        if t.device != device:
+            raise WorkloadError(
+                f"the model is on more than one device: {tensors[0][0]!r} is on {device} but {name!r} is on {t.device}; "
+                "move the whole model to one device"
+            )
     leaves, _ = tree_flatten((args, kwargs))
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.device != device:
             raise WorkloadError(f"an input is on {t.device} but the model is on {device}; move them to one device")
+    return device
+
+
+def check_step(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """Refuse a step that cannot run before running anything: the model on several devices
+    or on another one than its inputs, or nothing to train. Returns the model's device."""
+    device = _check_devices(model, args, kwargs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkloadError("the model has no parameter that requires grad: there is no training step to measure")
     return device
 
 
@@ -229,9 +247,7 @@ def profile(
     if loss_fn is not None and not callable(loss_fn):
         raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     args, kwargs = split_inputs(inputs)
-    device = _check_devices(model, args, kwargs)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise WorkloadError("the model has no parameter that requires grad: there is no training step to measure")
+    device = check_step(model, args, kwargs)
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)

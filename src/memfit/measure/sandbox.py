@@ -51,6 +51,8 @@ class Sandbox:
 
 
 _SCALARS = (int, float, bool, str, type(None))
+_CONTAINERS = (list, dict, set)
+_INTERNALS = frozenset(vars(nn.Module()))  # nn.Module's own dicts (parameters, hooks, ...)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,11 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     # Plain Python attributes a forward may bump (call counters, step flags).
     saved_attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _SCALARS}) for m in model.modules()]
+    # And the contents of plain containers one may fill (a cache list, a memo dict): the
+    # steps would otherwise leave their entries, and the tensors in them, behind.
+    saved_items = [
+        (v, copy.copy(v)) for m in model.modules() for k, v in vars(m).items() if type(v) in _CONTAINERS and k not in _INTERNALS
+    ]
     for p in params:
         p.grad = None  # a steady-state step starts after zero_grad(set_to_none=True)
     try:
@@ -101,6 +108,12 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
             g.update(saved)
         for m, attrs in saved_attrs:
             m.__dict__.update(attrs)
+        for obj, items in saved_items:
+            obj.clear()
+            if isinstance(obj, list):
+                obj.extend(items)
+            else:
+                obj.update(items)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

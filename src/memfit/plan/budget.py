@@ -18,7 +18,8 @@ from memfit.units import parse_bytes
 
 __all__ = ["Budget", "parse_budget"]
 
-_FRACTION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
+# A sign is accepted so that "-50%" is refused as out of range, not as an unparsable byte amount.
+_FRACTION = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ class Option:
     cost_flops: int
     fwd_end: int
     bwd_start: int
+    held_bytes: int = 0
+    """Inputs the checkpoint keeps that would have died before M's backward: alive through
+    the recompute and M's backward (the checkpoint frees them when its last saved
+    tensor is unpacked), on top of what the curve shows there."""
+    bwd_end: int = 0
 
 
 @dataclass
@@ -165,7 +170,7 @@ def build_candidates(
         )
         freeable, temps, others = [], [], []
         for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]:
-            if b.died is not None and fe <= b.died < bs and b.category is not Category.ACTIVATION:
+            if b.died is not None and fe <= b.died < bs:
                 others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
             if b.died is not None and b.died < fe:
                 temps.append(b)
@@ -192,7 +197,7 @@ def build_candidates(
         measured = forward_time.get(name)
         scale = (measured / total_est) if measured else 1.0
         flops_total = sum(ledger.ops[i].flops for i in my_ops)
-        options.append(Option(name, "full", (), full_freed, transient, total_est * scale, flops_total, fe, bs))
+        options.append(Option(name, "full", (), full_freed, transient, total_est * scale, flops_total, fe, bs, held, be))
 
         # Selective: keep the outputs of the op types with the most compute per byte kept.
         if f"{name}:selective" in excluded:
@@ -218,7 +223,10 @@ def build_candidates(
             freed = sum(b.nbytes for b in freeable if op_of_block.get(b.id) not in save)
             # SAC caches every output of a saved op until the recompute, even ones that
             # autograd did not save and that would have been freed sooner.
-            extra = sum(b.nbytes for b in temps + others if op_of_block.get(b.id) in save) + held + bookkeeping
+            # (With early stopping the recompute may never reach those ops, so the cache
+            # lives until the checkpoint is released at the end of M's backward.)
+            cached = sum(b.nbytes for b in temps + others if op_of_block.get(b.id) in save)
+            extra = cached + held + bookkeeping
             if freed - extra <= 0:
                 continue
             saved_est = sum(est[i] for t in save for i in by_type[t])
@@ -234,6 +242,8 @@ def build_candidates(
                     flops_total - saved_flops,
                     fe,
                     bs,
+                    held + cached,
+                    be,
                 )
             )
     return Candidates(options, excluded)

@@ -9,7 +9,8 @@
    restored); if the verified peak is over, tighten the bound by the overshoot and
    solve again.
 5. A module whose recompute fails while verifying (different saved tensors, an error) is
-   excluded with the reason, and planning starts over without it.
+   excluded with the reason, and planning starts over without it. Modules whose forward
+   changes Python state (:mod:`memfit.plan.stateful`) are excluded before the first round.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove
+from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.profile import Profile, Progress, record_step
+from memfit.measure.profile import Profile, Progress, check_step, record_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
@@ -36,6 +37,7 @@ from memfit.plan.budget import parse_budget
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
+from memfit.plan.stateful import stateful_modules
 from memfit.units import format_bytes
 from memfit.workload import default_optimizer, split_inputs
 
@@ -77,9 +79,19 @@ class _Verifier:
         self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer))
         self.loss_fn = loss_fn
         self.runs = 0
-        if not self.box.optimizer.state:  # measure steady state: the optimizer's state exists
-            with Scope(self.box.model) as scope, self.box.active():
-                train_step(self.box.model, self.box.args, self.box.kwargs, loss_fn, self.box.optimizer, scope.set_phase)
+
+    def stateful(self) -> dict[str, str]:
+        """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`). The
+        check's first forward is the warm-up step that creates the optimizer's state when
+        it has none (runs measure steady state): one forward less to pay for."""
+        box = self.box
+
+        def warm_up() -> None:
+            with Scope(box.model) as scope:
+                train_step(box.model, box.args, box.kwargs, self.loss_fn, box.optimizer, scope.set_phase)
+
+        with box.active():
+            return stateful_modules(box.model, box.args, box.kwargs, first=None if box.optimizer.state else warm_up)
 
     def close(self) -> None:
         self._stack.close()
@@ -143,9 +155,20 @@ def plan(
         raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # A compiled or DDP-wrapped model is planned as the module inside: the plan names its
+    # modules, and memfit.apply accepts the wrapper or the module alike.
+    model = unwrap(model)
     if applied_choices(model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
     args, kwargs = split_inputs(inputs)
+    # Before anything runs (with a profile given, nothing else would check the inputs'
+    # device; without trainable parameters the default optimizer fails obscurely).
+    check_step(model, args, kwargs)
+    if profile is not None and not set(profile.modules) <= {name for name, _ in model.named_modules()}:
+        raise PlanError(
+            f"the profile was made for another model ({profile.model_type}, module names that this "
+            f"{type(model).__name__} does not have); profile this model, or plan without profile="
+        )
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     prof = profile or measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress)
@@ -166,6 +189,9 @@ def plan(
 
     verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake)
     try:
+        # Modules that change Python state in forward (a counter, a KV cache): a recompute
+        # would change it again, silently in some cases, so they are never offered.
+        excluded.update(verifier.stateful())
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
             problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective])

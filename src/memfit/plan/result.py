@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -28,11 +28,20 @@ class Choice:
     save_ops: tuple[str, ...] = ()
 
 
+def _class_name(mod: nn.Module) -> str:
+    """The user's class of ``mod``: FSDP2's ``fully_shard`` swaps a module's class for a
+    generated subclass (``FSDPBlock``), which must not make a plan look foreign."""
+    for cls in type(mod).__mro__:
+        if not cls.__module__.startswith("torch.distributed."):
+            return cls.__name__
+    return type(mod).__name__
+
+
 def fingerprint(model: nn.Module) -> str:
     """Identifies a model's structure: module names and types, parameter shapes and dtypes."""
     h = hashlib.sha256()
     for name, mod in model.named_modules():
-        h.update(f"{name}:{type(mod).__name__};".encode())
+        h.update(f"{name}:{_class_name(mod)};".encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     return h.hexdigest()[:16]
@@ -92,9 +101,23 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError('not a memfit plan: the JSON has no "format": "memfit.plan"')
         version = data.get("version")
-        if not isinstance(version, int) or version > PLAN_VERSION:
+        # A version that is not a positive integer is a corrupt file, not a newer format.
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(
+                f"plan JSON has no valid format version (got {version!r}; expected an integer such as {PLAN_VERSION})"
+            )
+        if version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this memfit reads ({PLAN_VERSION}); upgrade memfit")
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        # The dataclass checks no types: a corrupt value would surface later, far from the file.
+        for f in fields(cls):
+            if f.type == "int" and f.name in body and (isinstance(body[f.name], bool) or not isinstance(body[f.name], int)):
+                raise PlanError(f"plan JSON: {f.name} must be an integer, got {body[f.name]!r}")
+        checkpointed = body.get("checkpointed", {})
+        for name, v in checkpointed.items() if isinstance(checkpointed, dict) else ():
+            ops = v.get("save_ops", []) if isinstance(v, dict) else []
+            if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):  # a str would become letters
+                raise PlanError(f"plan JSON: module {name!r} has save_ops {ops!r}; expected a list of aten op names")
         try:
             body["checkpointed"] = {
                 k: Choice(v["mode"], tuple(v.get("save_ops", ()))) for k, v in body.get("checkpointed", {}).items()

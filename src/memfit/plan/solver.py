@@ -2,7 +2,8 @@
 
 Model of the step (see :mod:`memfit.plan.candidates`): memory at tick t under a plan is
 ``curve[t] + sum_j x_j * delta_j(t)``, where option j frees ``freed_j`` bytes over
-``[fwd_end_j, bwd_start_j)`` and adds ``transient_j`` at ``bwd_start_j`` (the recompute).
+``[fwd_end_j, bwd_start_j)``, adds ``transient_j`` at ``bwd_start_j`` (the recompute) and
+keeps the ``held_j`` inputs it holds for the recompute through ``[bwd_start_j, bwd_end_j)``.
 Deltas only change at option boundaries, so one row per segment between boundaries (at
 the segment's highest tick) plus one row per recompute covers every tick exactly.
 At most one option is chosen on any root-to-leaf path of the module tree: a recomputed
@@ -42,6 +43,15 @@ def _seconds(option: Option) -> float:
     return option.cost_s
 
 
+def _delta(option: Option, tick: int) -> int:
+    """What choosing ``option`` changes memory by at ``tick`` (outside its recompute)."""
+    if option.fwd_end <= tick < option.bwd_start:
+        return -option.freed_bytes
+    if option.bwd_start <= tick < option.bwd_end:
+        return option.held_bytes
+    return 0
+
+
 def _ancestors(name: str) -> list[str]:
     out = []
     while name:
@@ -60,14 +70,14 @@ class Problem:
         self.curve = np.asarray(curve, dtype=np.float64)
         self.start_bytes = start_bytes
         n = len(curve)
-        bounds = sorted({0, n, *(o.fwd_end for o in options), *(o.bwd_start for o in options)})
+        bounds = sorted({0, n, *(o.fwd_end for o in options), *(o.bwd_start for o in options), *(o.bwd_end for o in options)})
         bounds = [b for b in bounds if 0 <= b <= n]
         rows_tick: list[int] = []
         for a, b in zip(bounds, bounds[1:]):
             if a < b:
                 rows_tick.append(a + int(np.argmax(self.curve[a:b])))
         seg_of = {t: bisect_left(bounds, t + 1) - 1 for t in rows_tick}
-        # Segment rows: option j is active on segments inside [fwd_end, bwd_start).
+        # Segment rows: option j frees over [fwd_end, bwd_start) and holds over [bwd_start, bwd_end).
         m_seg = len(rows_tick)
         a_rows = np.zeros((m_seg + len(options), len(options)))
         base = np.zeros(m_seg + len(options))
@@ -75,17 +85,16 @@ class Problem:
             base[r] = self.curve[t]
             seg_start = bounds[seg_of[t]]
             for j, o in enumerate(options):
-                if o.fwd_end <= seg_start < o.bwd_start:
-                    a_rows[r, j] -= o.freed_bytes
+                a_rows[r, j] += _delta(o, seg_start)
         # Recompute rows: at bwd_start_j, the memory there plus option j's transient.
         for j, o in enumerate(options):
             r = m_seg + j
             t = min(o.bwd_start, n - 1)
             base[r] = self.curve[t] if n else start_bytes
             for k, other in enumerate(options):
-                if k != j and other.fwd_end <= o.bwd_start < other.bwd_start:
-                    a_rows[r, k] -= other.freed_bytes
-            a_rows[r, j] += o.transient_bytes
+                if k != j:
+                    a_rows[r, k] += _delta(other, o.bwd_start)
+            a_rows[r, j] += o.transient_bytes + o.held_bytes
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.

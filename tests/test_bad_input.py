@@ -1,0 +1,331 @@
+"""Bad input, all in one place: each gives a clear error (a :class:`memfit.MemfitError`
+whose message names what is wrong) and leaves the model and optimizer as they were.
+
+Walks the list: budgets that do not parse, are negative, NaN, above 100% or below the
+lowest reachable peak; inputs the model cannot take; losses that are not a scalar with
+grad; a model on another device than its inputs (or on several); a plan or profile made
+for another model; applying twice and removing what is not applied; plan JSON that is
+corrupt or from a newer memfit; and the CLI's one-line errors for bad budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from conftest import TinyNet, assert_same, make_plan, snapshot
+from torch import nn
+
+import memfit
+from memfit import (
+    BudgetError,
+    BudgetInfeasibleError,
+    Choice,
+    ForwardError,
+    LossError,
+    MemfitError,
+    Plan,
+    PlanError,
+    WorkloadError,
+    parse_budget,
+)
+from memfit.apply.checkpoint import applied_choices
+from memfit.cli import main
+
+
+@pytest.fixture
+def step():
+    """A model with buffers and dropout, its inputs, and an optimizer that has state."""
+    torch.manual_seed(0)
+    model, x = TinyNet(width=16), torch.randn(8, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, x, opt
+
+
+def _refused(step, error: type[MemfitError], match: str, *, inputs=None, **plan_kwargs) -> MemfitError:
+    """memfit.plan on ``step`` raises ``error`` matching ``match`` and changes nothing."""
+    model, x, opt = step
+    plan_kwargs.setdefault("budget", 0.5)
+    before = snapshot(model, opt)
+    with pytest.raises(error, match=match) as info:
+        memfit.plan(model, x if inputs is None else inputs, optimizer=opt, **plan_kwargs)
+    assert isinstance(info.value, MemfitError)
+    assert "\n" not in str(info.value)
+    assert applied_choices(model) is None
+    assert_same(before, snapshot(model, opt))
+    return info.value
+
+
+# -- budgets -------------------------------------------------------------------------------------
+
+_UNPARSABLE = "cannot parse byte amount"
+_FRACTION = r"fraction must be in \[0, 1\]"
+
+BAD_BUDGETS = [
+    ("6 GB of RAM", _UNPARSABLE + " '6 GB of RAM'"),
+    ("abc", _UNPARSABLE + " 'abc'"),
+    ("", _UNPARSABLE),
+    ("nan", _UNPARSABLE + " 'nan'"),
+    ("1.2.3GB", _UNPARSABLE),
+    ("6 GiBs", _UNPARSABLE),
+    (-1, "bytes must be positive, got -1"),
+    (0, "bytes must be positive, got 0"),
+    ("0MB", "bytes must be positive"),
+    ("-1GiB", "must be >= 0, got '-1GiB'"),
+    ("-1", "must be >= 0, got '-1'"),
+    (-0.1, _FRACTION + r".*got -0.1"),
+    ("-50%", _FRACTION + r".*got '-50%'"),
+    (float("nan"), _FRACTION + r".*got nan"),
+    (math.inf, _FRACTION + r".*got inf"),
+    (1.5, _FRACTION + r".*got 1.5"),
+    ("1.5", _FRACTION + r".*got '1.5'"),
+    ("150%", _FRACTION + r".*got '150%'"),
+    ("1e400", "'1e400' is too large"),
+    (None, "budget must be bytes .* or a fraction"),
+    (True, "budget must be bytes .* or a fraction"),
+    ([1], "budget must be bytes .* got list"),
+]
+
+
+@pytest.mark.parametrize("budget, match", BAD_BUDGETS, ids=[repr(b) for b, _ in BAD_BUDGETS])
+def test_bad_budget(step, budget, match):
+    with pytest.raises(BudgetError, match=match):
+        parse_budget(budget)
+    _refused(step, BudgetError, match, budget=budget)
+
+
+def test_budget_below_the_lowest_peak_states_p_min(step):
+    err = _refused(step, BudgetInfeasibleError, r"below the lowest peak .* P_min = .* \(\d+ bytes\); P_none = ", budget=1024)
+    assert err.min_peak_bytes > err.budget_bytes == 1024
+    assert isinstance(err, ValueError) and f"({err.min_peak_bytes} bytes)" in str(err)
+
+
+# -- the step: inputs, loss, devices --------------------------------------------------------------
+
+
+def test_inputs_of_the_wrong_shape(step):
+    _refused(
+        step, ForwardError, r"forward of module 'fc1' \(Linear\) raised RuntimeError: mat1 and mat2", inputs=torch.randn(8, 5)
+    )
+
+
+def test_inputs_of_the_wrong_number(step):
+    x = step[1]
+    _refused(step, ForwardError, r"forward of the root module \(TinyNet\) raised TypeError", inputs=(x, x))
+
+
+def test_inputs_of_the_wrong_kind(step):
+    _refused(step, WorkloadError, "inputs must be a tensor, a tuple .* got set", inputs={1, 2})
+
+
+@pytest.mark.parametrize(
+    "loss_fn, match",
+    [
+        (lambda out: out, r"loss must be a scalar, got a tensor of shape \(8, 16\)"),
+        (lambda out: out.sum().detach(), "loss does not require grad"),
+        (lambda out: out.detach().sum(), "loss does not require grad"),
+        (lambda out: 3.0, "loss must be a tensor, got float"),
+    ],
+    ids=["not-scalar", "detached", "no-grad", "float"],
+)
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_bad_loss(step, loss_fn, match, fake):
+    _refused(step, LossError, match, loss_fn=loss_fn, fake=fake)
+
+
+def test_no_trainable_parameter():
+    model, x = nn.Linear(4, 4).requires_grad_(False), torch.randn(2, 4)
+    before = snapshot(model)
+    with pytest.raises(WorkloadError, match="no parameter that requires grad"):
+        memfit.plan(model, x, 0.5)  # once a ValueError from building the default optimizer
+    assert_same(before, snapshot(model))
+
+
+def test_inputs_on_another_device_than_the_model(step):
+    x = step[1]
+    _refused(step, WorkloadError, "an input is on meta but the model is on cpu", inputs=x.to("meta"))
+    _refused(step, WorkloadError, "an input is on meta but the model is on cpu", inputs=x.to("meta"), fake=True)
+    # with a profile given the planner measures nothing itself: it used to run the step on
+    # the meta input and fail inside torch
+    prof = memfit.profile(step[0], x, optimizer=step[2])
+    _refused(step, WorkloadError, "an input is on meta but the model is on cpu", inputs=(x.to("meta"),), profile=prof)
+
+
+def test_model_on_another_device_than_its_inputs():
+    with pytest.raises(WorkloadError, match="an input is on cpu but the model is on meta"):
+        memfit.plan(TinyNet(width=16).to("meta"), torch.randn(8, 16), 0.5)
+
+
+def test_model_on_several_devices():
+    # it used to fail copying the meta half into the sandbox (NotImplementedError)
+    torch.manual_seed(0)
+    model = TinyNet(width=16)
+    model.fc2.to("meta")
+    fc1 = model.fc1.weight.detach().clone()
+    for call in (lambda: memfit.plan(model, torch.randn(8, 16), 0.5), lambda: memfit.profile(model, torch.randn(8, 16))):
+        with pytest.raises(WorkloadError, match=r"more than one device: 'fc1.weight' is on cpu but 'fc2.weight' is on meta"):
+            call()
+    assert torch.equal(model.fc1.weight, fc1) and model.fc1.weight.grad is None
+
+
+def test_profile_of_another_model(step):
+    other = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    prof = memfit.profile(other, step[1])
+    _refused(step, PlanError, r"the profile was made for another model \(Sequential", profile=prof)
+
+
+# -- plans: another model, applied twice, nothing to remove ---------------------------------------
+
+
+def test_plan_naming_modules_the_model_does_not_have():
+    model = TinyNet(width=16)
+    with pytest.raises(PlanError, match=r"names module 'encoder', which this model does not have"):
+        memfit.apply(model, make_plan(fc1=Choice("full"), encoder=Choice("full")))
+    assert applied_choices(model) is None and "forward" not in model.fc1.__dict__
+
+
+def test_plan_made_for_another_model(step):
+    model, x, opt = step
+    plan = memfit.plan(model, x, 0.0, optimizer=opt)
+    other = TinyNet(width=8)  # same module names, other parameter shapes
+    with pytest.raises(PlanError, match=r"made for another model \(TinyNet, fingerprint [0-9a-f]{16}\); this TinyNet has"):
+        memfit.apply(other, plan)
+    hand = dataclasses.replace(make_plan(fc1=Choice("full")), fingerprint="0123456789abcdef", model_type="GPT")
+    with pytest.raises(PlanError, match=r"made for another model \(GPT, fingerprint 0123456789abcdef\)"):
+        memfit.apply(other, hand)
+    assert applied_choices(other) is None and all("forward" not in m.__dict__ for m in other.modules())
+
+
+def test_unknown_recompute_mode():
+    model = TinyNet(width=16)
+    with pytest.raises(PlanError, match="unknown recompute mode 'partial' for 'fc2'"):
+        memfit.apply(model, make_plan(fc1=Choice("full"), fc2=Choice("partial")))
+    assert applied_choices(model) is None and "forward" not in model.fc1.__dict__
+
+
+def test_apply_twice_keeps_the_first_plan():
+    model = TinyNet(width=16)
+    memfit.apply(model, make_plan(fc1=Choice("full")))
+    with pytest.raises(PlanError, match=r"already applied to this model; call memfit.remove\(model\)"):
+        memfit.apply(model, make_plan(fc2=Choice("full")))
+    assert applied_choices(model) == {"fc1": ("full", ())} and "forward" not in model.fc2.__dict__
+    memfit.remove(model)
+
+
+def test_remove_with_nothing_applied():
+    model = TinyNet(width=16)
+    with pytest.raises(PlanError, match="no memfit plan is applied to this model, so there is nothing to remove"):
+        memfit.remove(model)
+    memfit.apply(model, make_plan(fc1=Choice("full")))
+    memfit.remove(model)
+    with pytest.raises(PlanError, match="nothing to remove"):
+        memfit.remove(model)
+    assert "forward" not in model.fc1.__dict__
+
+
+@pytest.mark.parametrize("what", [None, "not a plan", TinyNet()], ids=["None", "str", "module"])
+def test_apply_arguments_of_the_wrong_kind(what):
+    model = TinyNet(width=16)
+    with pytest.raises(PlanError, match="apply needs a memfit.Plan"):
+        memfit.apply(model, what)
+    with pytest.raises(PlanError, match="apply needs a torch.nn.Module"):
+        memfit.apply("model", make_plan())
+
+
+# -- plan JSON --------------------------------------------------------------------------------------
+
+
+_DELETE = object()
+
+
+def _plan_json(**changes) -> str:
+    data = make_plan(fc1=Choice("full"), bn=Choice("selective", ("native_batch_norm",))).to_dict()
+    for key, value in changes.items():
+        if value is _DELETE:
+            del data[key]
+        else:
+            data[key] = value
+    return json.dumps(data)
+
+
+def test_plan_json_round_trips():
+    plan = Plan.from_json(_plan_json())
+    assert plan.checkpointed == {"fc1": Choice("full"), "bn": Choice("selective", ("native_batch_norm",))}
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        pytest.param("", "does not parse", id="empty"),
+        pytest.param("not json at all", "does not parse", id="not-json"),
+        pytest.param(_plan_json()[:-20], "does not parse", id="truncated"),
+        pytest.param("\x00\xff garbage", "does not parse", id="binary"),
+        pytest.param("null", "not a memfit plan", id="null"),
+        pytest.param("[]", "not a memfit plan", id="list"),
+        pytest.param("{}", "not a memfit plan", id="empty-object"),
+        pytest.param(_plan_json(format="memfit.profile/1"), "not a memfit plan", id="a-profile"),
+        pytest.param(_plan_json(version=_DELETE), r"no valid format version \(got None", id="no-version"),
+        pytest.param(_plan_json(version="1"), r"no valid format version \(got '1'", id="version-string"),
+        pytest.param(_plan_json(version=0), r"no valid format version \(got 0", id="version-0"),
+        pytest.param(_plan_json(budget_bytes=_DELETE), "missing or has malformed fields", id="missing-field"),
+        pytest.param(_plan_json(surprise=1), "missing or has malformed fields", id="unknown-field"),
+        pytest.param(_plan_json(budget_bytes="6GiB"), "budget_bytes must be an integer, got '6GiB'", id="bytes-string"),
+        pytest.param(_plan_json(checkpointed=["fc1"]), "missing or has malformed fields", id="checkpointed-list"),
+        pytest.param(_plan_json(checkpointed={"fc1": "full"}), "missing or has malformed fields", id="choice-string"),
+        pytest.param(_plan_json(checkpointed={"fc1": {"save_ops": []}}), "missing or has malformed fields", id="no-mode"),
+        pytest.param(
+            _plan_json(checkpointed={"fc1": {"mode": "partial"}}), "module 'fc1' has unknown mode 'partial'", id="bad-mode"
+        ),
+        pytest.param(
+            _plan_json(checkpointed={"fc1": {"mode": "selective", "save_ops": "addmm"}}),
+            "module 'fc1' has save_ops 'addmm'",
+            id="save-ops-string",
+        ),
+    ],
+)
+def test_corrupt_plan_json(text, match):
+    with pytest.raises(PlanError, match=match):
+        Plan.from_json(text)
+
+
+def test_plan_json_from_a_newer_memfit():
+    with pytest.raises(PlanError, match=r"plan format version 2 is newer than this memfit reads \(1\); upgrade memfit"):
+        Plan.from_json(_plan_json(version=2))
+
+
+# -- the CLI --------------------------------------------------------------------------------------
+
+SMALL = ["--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=32", "--size", "n_head=2", "--size", "block_size=16"]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("memfit: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "budget, needle",
+    [
+        ("6 GB of RAM", "cannot parse byte amount '6 GB of RAM'"),
+        ("abc", "cannot parse byte amount 'abc'"),
+        ("nan", "cannot parse byte amount 'nan'"),
+        ("-1", "byte amount must be >= 0, got '-1'"),
+        ("-1GiB", "byte amount must be >= 0, got '-1GiB'"),
+        ("-50%", "fraction must be in [0, 1] (or 0%..100%), got '-50%'"),
+        ("1.5", "fraction must be in [0, 1] (or 0%..100%), got '1.5'"),
+        ("150%", "fraction must be in [0, 1] (or 0%..100%), got '150%'"),
+        ("1e400", "'1e400' is too large"),
+        ("1KiB", "below the lowest peak memfit can reach for this step, P_min ="),
+    ],
+)
+def test_cli_bad_budgets_are_one_line(budget, needle, capsys):
+    assert main(["plan", "gpt", *SMALL, f"--budget={budget}"]) == 2
+    assert needle in _one_line_error(capsys)
