@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from memfit.bench.methods import applicable
+import memfit
+from memfit.bench.methods import applicable, setup
 from memfit.cli import main
 from memfit.zoo import build
 
@@ -17,6 +18,19 @@ TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size":
 def test_sequential_only_for_chains():
     assert applicable("sequential", build("mlp-deep", depth=3, width=8).model) is None
     assert "not an nn.Sequential" in applicable("sequential", build("gpt", **TINY).model)
+
+
+def test_plan_then_compile_method(tmp_path):
+    """``plan+compile:PATH``: the plan goes on the model, and the model is compiled after."""
+    import torch
+
+    work = build("gpt", **TINY)
+    plan = memfit.plan(work.model, work.inputs, 0.0, loss_fn=work.loss_fn, fake=True)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    wrapped = setup(f"plan+compile:{path}", work.model)
+    assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule) and wrapped._orig_mod is work.model
+    assert plan.checkpointed and all("forward" in work.model.get_submodule(n).__dict__ for n in plan.checkpointed)
 
 
 def test_bench_end_to_end(tmp_path, capsys):

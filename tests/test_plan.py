@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same, snapshot
@@ -24,6 +25,9 @@ SMALL_GPT = dict(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256, 
         (0.75, Budget(fraction=0.75)),
         (0.0, Budget(fraction=0.0)),
         ("100%", Budget(fraction=1.0)),
+        (np.int64(6 * 2**30), Budget(bytes=6 * 2**30)),
+        (np.float32(0.5), Budget(fraction=0.5)),
+        (torch.tensor(0.25).item(), Budget(fraction=0.25)),
     ],
 )
 def test_parse_budget(value, expected):

@@ -78,6 +78,24 @@ def test_optimizer_implementation_choice():
     assert isinstance(fake_opt.param_groups[0]["foreach"], bool)
 
 
+def test_foreach_choice_is_read():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert _torch_compat.uses_foreach(torch.optim.AdamW([p], foreach=True)) is True
+    assert _torch_compat.uses_foreach(torch.optim.AdamW([p], foreach=False)) is False
+    assert _torch_compat.uses_foreach(torch.optim.AdamW([p])) is (p.device.type == "cuda")  # torch's default on CPU: for-loop
+    assert _torch_compat.uses_foreach(torch.optim.AdamW([p], fused=True)) is None
+
+
+def test_batch_statistics_detection():
+    assert _torch_compat.uses_batch_statistics(torch.nn.BatchNorm1d(3))
+    assert _torch_compat.uses_batch_statistics(torch.nn.SyncBatchNorm(3))
+    assert _torch_compat.uses_batch_statistics(torch.nn.LazyBatchNorm2d())
+    assert _torch_compat.uses_batch_statistics(torch.nn.BatchNorm2d(3, track_running_stats=False).eval())
+    assert not _torch_compat.uses_batch_statistics(torch.nn.BatchNorm2d(3).eval())
+    assert not _torch_compat.uses_batch_statistics(torch.nn.InstanceNorm1d(3))
+    assert not _torch_compat.uses_batch_statistics(torch.nn.LayerNorm(3))
+
+
 def test_running_stats_detection():
     assert _torch_compat.updates_running_stats(torch.nn.BatchNorm2d(3))
     assert _torch_compat.updates_running_stats(torch.nn.InstanceNorm1d(3, track_running_stats=True))

@@ -6,6 +6,8 @@ Public API (everything else is internal)::
     prof = memfit.profile(model, inputs)            # where the memory of a step goes
     plan = memfit.plan(model, inputs, "50%")        # what to recompute to fit a budget
     memfit.apply(model, plan)                       # in place, reversible: memfit.remove(model)
+    recipe = memfit.fit(model, inputs, "6GiB")      # the fastest levers that fit (recompute, micro-batches, ...)
+    print(recipe.snippet()); run = recipe.apply(model, optimizer)
 """
 
 from memfit.apply import apply, remove
@@ -21,8 +23,11 @@ from memfit.errors import (
 )
 from memfit.measure.ledger import Block, Category, Ledger, Phase, Tick
 from memfit.measure.profile import ModuleStats, Profile, profile
+from memfit.measure.step import StepOptions
 from memfit.plan.budget import Budget, parse_budget
+from memfit.plan.fit import fit
 from memfit.plan.planner import plan
+from memfit.plan.recipe import Recipe
 from memfit.plan.result import Choice, Plan
 from memfit.units import format_bytes, parse_bytes
 from memfit.workload import Workload, load_target
@@ -40,6 +45,7 @@ __all__ = [
     "Tick",
     "Category",
     "Phase",
+    "StepOptions",
     # plan and apply
     "plan",
     "Plan",
@@ -48,6 +54,9 @@ __all__ = [
     "parse_budget",
     "apply",
     "remove",
+    # every lever
+    "fit",
+    "Recipe",
     # workloads
     "Workload",
     "load_target",

@@ -5,6 +5,7 @@
     memfit profile path/to/train.py:workload --json profile.json
     memfit plan gpt --budget 50%             # what to recompute to fit a budget
     memfit plan gpt --budget 400MiB --json plan.json
+    memfit fit gpt --budget 400MiB --allow amp,bf16   # the fastest memory levers that fit
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
@@ -114,6 +115,33 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     render_plan(plan, console)
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
+def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.plan.fit import fit_budget, parse_allow
+    from memfit.report.console import progress_bar, render_fit
+
+    budget = fit_budget(ns.budget)  # bad budgets and lever names fail before any work
+    parse_allow(ns.allow)
+    work = _workload(ns)
+    model, inputs = _on_device(work, ns.device)
+    with progress_bar(console, f"fitting {work.name}") as progress:
+        recipe = memfit.fit(
+            model,
+            inputs,
+            budget,
+            loss_fn=work.loss_fn,
+            optimizer=work.make_optimizer(),
+            allow=ns.allow,
+            set_to_none=not ns.keep_grads,
+            progress=progress,
+        )
+    recipe.budget = ns.budget
+    render_fit(recipe, console, title=work.name, path=ns.json or "recipe.json")
+    if ns.json:
+        Path(ns.json).write_text(recipe.to_json())
         console.print(f"wrote {ns.json}")
     return 0
 
@@ -272,6 +300,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("fit", help="the fastest combination of memory levers (recompute, micro-batches, ...) that fits a budget")
+    target_args(p)
+    p.add_argument("--budget", required=True, help="bytes for the whole step's peak ('6GiB', '800MB')")
+    p.add_argument(
+        "--allow",
+        default="",
+        metavar="LEVERS",
+        help="levers that change the numerics, comma-separated: amp, bf16, foreach, 8bit (default: exact levers only)",
+    )
+    p.add_argument(
+        "--keep-grads", action="store_true", help="the training loop calls zero_grad(set_to_none=False) (weigh switching)"
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="fit measures step times, so no fake device")
+    p.add_argument("--json", metavar="PATH", help="also write the recipe as JSON (memfit.Recipe.from_json reads it)")
+    p.set_defaults(func=_cmd_fit)
 
     p = sub.add_parser("bench", help="memfit's plans against the baselines, each measured in fresh processes")
     target_args(p)

@@ -20,7 +20,17 @@ from torch import nn
 
 from memfit.errors import LossError, TargetError, WorkloadError
 
-__all__ = ["Workload", "load_target", "split_inputs", "default_loss", "check_loss", "default_optimizer"]
+__all__ = [
+    "Workload",
+    "load_target",
+    "split_inputs",
+    "join_inputs",
+    "batch_size_of",
+    "split_micro_batches",
+    "default_loss",
+    "check_loss",
+    "default_optimizer",
+]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -77,6 +87,46 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
     raise WorkloadError(
         f"inputs must be a tensor, a tuple of positional arguments or a dict of keyword arguments, got {type(inputs).__name__}"
     )
+
+
+def join_inputs(args: tuple, kwargs: dict) -> Any:
+    """The inverse of :func:`split_inputs` for what it returns: a tuple of positional
+    arguments, or a dict of keyword arguments."""
+    if kwargs and args:
+        raise WorkloadError("inputs are either positional arguments or keyword arguments, not both")
+    return dict(kwargs) if kwargs else tuple(args)
+
+
+def batch_size_of(args: tuple, kwargs: dict) -> int | None:
+    """The batch size: dim 0 of the first tensor input with at least one dimension
+    (positional before keyword, in order), or None if there is none."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs))
+    return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+
+
+def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
+    """``k`` micro-batches of the inputs: every tensor whose dim 0 is the batch size is
+    cut into ``k`` equal slices along it (views: no copy); anything else is passed whole
+    to every micro-batch (a mask of another shape, a flag)."""
+    from torch.utils._pytree import tree_map
+
+    if k == 1:
+        return [(args, kwargs)]
+    batch = batch_size_of(args, kwargs)
+    if batch is None:
+        raise WorkloadError("no input tensor has a batch dimension to split into micro-batches")
+    if k < 1 or batch % k:
+        raise WorkloadError(f"a batch of {batch} does not split into {k} equal micro-batches")
+    size = batch // k
+
+    def part(i: int) -> Callable[[Any], Any]:
+        return lambda t: (
+            t[i * size : (i + 1) * size] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch else t
+        )
+
+    return [tree_map(part(i), (args, kwargs)) for i in range(k)]
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -5,6 +5,8 @@ every second block, or transformers' own ``gradient_checkpointing_enable`` for e
 block of a transformers model); ``sequential`` (``checkpoint_sequential`` with sqrt(n)
 segments, for models that are an ``nn.Sequential``); ``compile:F`` (``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget = F``); ``plan:PATH`` (a memfit plan);
+``plan+compile:PATH`` (a memfit plan, then ``torch.compile`` with its default budget: how
+the two compose, and the fair counterpart of the compile rows);
 ``modules:A,B`` (full recompute of the named modules, as in hand-picked recipes).
 """
 
@@ -86,11 +88,13 @@ def setup(method: str, model: nn.Module) -> nn.Module:
     if method.startswith("modules:"):
         names = [n for n in method.split(":", 1)[1].split(",") if n]
         return apply_choices(model, {n: ("full", ()) for n in names})
-    if method.startswith("plan:"):
+    if method.startswith(("plan:", "plan+compile:")):
         import memfit
 
-        with open(method.split(":", 1)[1]) as f:
-            return memfit.apply(model, memfit.Plan.from_json(f.read()))
+        kind, path = method.split(":", 1)
+        with open(path) as f:
+            model = memfit.apply(model, memfit.Plan.from_json(f.read()))
+        return torch.compile(model) if kind == "plan+compile" else model
     raise MemfitError(f"unknown method {method!r}")
 
 

@@ -34,7 +34,8 @@ class Row:
     """One configuration, measured."""
 
     method: str
-    """``none``, ``every``, ``every-other``, ``sequential``, ``compile``, ``recipe`` or ``memfit``."""
+    """``none``, ``every``, ``every-other``, ``sequential``, ``compile``, ``recipe``, ``memfit``
+    or ``memfit+compile`` (the memfit plan of the same budget, then ``torch.compile``)."""
     budget: float | int | None
     """The budget: a fraction (compile and memfit rows) or bytes (memfit in a scenario)."""
     label: str
@@ -92,14 +93,23 @@ def run_bench(
         if compile:
             configs += [("compile", b, f"torch.compile {b:g}", f"compile:{b}") for b in budgets]
         configs += [("memfit", b, f"memfit {b:.0%}", "") for b in budgets]
+        if compile:
+            configs += [("memfit+compile", b, f"memfit {b:.0%} + compile", "") for b in budgets]
 
     rows: list[Row] = []
     common = dict(batch_size=batch_size, sizes=sizes, device=device)
     base_flops: int | None = None
+    plans: dict[Any, Path] = {}  # budget -> the memfit row's plan, which memfit+compile rows reuse
     with tempfile.TemporaryDirectory() as tmp:
         for i, (method, budget, label, child_method) in enumerate(configs):
             report(label, i, len(configs))
             row = Row(method, budget, label)
+            if method == "memfit+compile":
+                if budget not in plans:
+                    row.error = "no memfit plan at this budget"
+                    rows.append(row)
+                    continue
+                child_method = f"plan+compile:{plans[budget]}"
             if method == "memfit":
                 t0 = time.perf_counter()
                 try:
@@ -112,6 +122,7 @@ def run_bench(
                 row.predicted_peak_bytes = plan.predicted_peak_bytes
                 path = Path(tmp) / f"plan-{i}.json"
                 path.write_text(plan.to_json())
+                plans[budget] = path
                 child_method = f"plan:{path}"
             mem = run_child(target, method=child_method, measure="memory", **common)
             if "error" in mem:
@@ -122,7 +133,7 @@ def run_bench(
             timing = run_child(target, method=child_method, measure="time", steps=steps, **common)
             row.step_time_s = timing.get("step_time_s")
             row.error = timing.get("error")
-            if method != "compile":  # compiled kernels run below FlopCounterMode's dispatch
+            if "compile" not in method:  # compiled kernels run below FlopCounterMode's dispatch
                 flops = run_child(target, method=child_method, measure="flops", **common).get("step_flops")
                 if method == "none":
                     base_flops = flops

@@ -12,7 +12,16 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-__all__ = ["new_fake_mode", "is_fake", "op_flops", "pin_optimizer_impl", "updates_running_stats", "written_arguments"]
+__all__ = [
+    "new_fake_mode",
+    "is_fake",
+    "op_flops",
+    "pin_optimizer_impl",
+    "uses_foreach",
+    "updates_running_stats",
+    "uses_batch_statistics",
+    "written_arguments",
+]
 
 
 def new_fake_mode() -> Any:
@@ -74,6 +83,34 @@ def pin_optimizer_impl(fake_opt: torch.optim.Optimizer, real_opt: torch.optim.Op
         params = [p for p in group["params"]]
         _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable", False)), use_fused=False)
         fake_group["foreach"] = foreach
+
+
+def uses_foreach(optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether the optimizer's step takes the foreach implementation (its flag, or torch's
+    default for these parameters when the flag is None); None when it has no such choice
+    (no ``foreach`` setting, fused, or groups that differ)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    seen = set()
+    for group in optimizer.param_groups:
+        if "foreach" not in group or group.get("fused"):
+            return None
+        flag = group["foreach"]
+        if flag is None:
+            _, flag = _default_to_fused_or_foreach(
+                list(group["params"]), bool(group.get("differentiable", False)), use_fused=False
+            )
+        seen.add(bool(flag))
+    return seen.pop() if len(seen) == 1 else None
+
+
+def uses_batch_statistics(module: torch.nn.Module) -> bool:
+    """Whether a forward of ``module`` normalises with statistics of the batch it is given
+    (BatchNorm, SyncBatchNorm and their lazy variants in training, or without running
+    statistics): then a micro-batch is normalised differently from the whole batch."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return isinstance(module, _BatchNorm) and (module.training or not module.track_running_stats)
 
 
 def updates_running_stats(module: torch.nn.Module) -> bool:

@@ -28,8 +28,8 @@ from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
-from memfit.measure.step import train_step
-from memfit.workload import default_optimizer, split_inputs
+from memfit.measure.step import StepOptions
+from memfit.workload import default_optimizer, split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
 
@@ -75,6 +75,8 @@ class Profile:
     step_flops: int = 0
     """FLOPs of the whole step (FlopCounterMode's formulas), the loss included."""
     meta: dict[str, Any] = field(default_factory=dict)
+    step: StepOptions = field(default_factory=StepOptions)
+    """How the measured step ran (micro-batches, autocast, ...); the default is the usual step."""
 
     @property
     def peak_bytes(self) -> int:
@@ -127,6 +129,7 @@ class Profile:
             "step_flops": self.step_flops,
             "modules": [asdict(m) for m in self.modules.values()],
             "meta": self.meta,
+            "step": self.step.to_dict(),
         }
         if ledger:
             out["ledger"] = self.ledger.to_dict()
@@ -149,6 +152,7 @@ class Profile:
             model_type=data["model"],
             step_flops=data.get("step_flops", 0),
             meta=data.get("meta", {}),
+            step=StepOptions.from_dict(data.get("step", {})),
         )
 
 
@@ -192,7 +196,7 @@ def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase
     the module that raised."""
     try:
         with sandbox.active():
-            train_step(sandbox.model, sandbox.args, sandbox.kwargs, loss_fn, sandbox.optimizer, on_phase or scope.set_phase)
+            sandbox.step(loss_fn, on_phase or scope.set_phase)
     except MemfitError:
         raise
     except Exception as exc:
@@ -214,6 +218,7 @@ def profile(
     optimizer: torch.optim.Optimizer | None = None,
     fake: bool = False,
     progress: Progress | None = None,
+    step: StepOptions | None = None,
 ) -> Profile:
     """Measure one steady-state training step of ``model`` on ``inputs``.
 
@@ -227,6 +232,9 @@ def profile(
         fake: run on fake tensors (FakeTensorMode): exact memory with no memory used
             and no time measured, for steps that do not fit on this machine.
         progress: optional ``progress(description, done, total)`` callback.
+        step: how the step runs (:class:`StepOptions`: micro-batches, autocast, a
+            GradScaler, ``zero_grad(set_to_none=False)``, parameters cast to another
+            dtype, the optimizer's foreach flag); default the usual step.
 
     Returns:
         A :class:`Profile`. The model, its gradients and buffers, the optimizer and
@@ -246,15 +254,19 @@ def profile(
         raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if step is not None and not isinstance(step, StepOptions):
+        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
+    options = step or StepOptions()
     args, kwargs = split_inputs(inputs)
     device = check_step(model, args, kwargs)
+    split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
     total = 2 if fake else 3
 
     with ExitStack() as stack:
-        box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer))
+        box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer, step=options))
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
         if not fake or not box.optimizer.state:
@@ -283,6 +295,7 @@ def profile(
         step_time_s=step_time,
         model_type=type(model).__name__,
         step_flops=sum(flops.values()),
+        step=options,
     )
 
 

@@ -9,13 +9,18 @@ the steps succeeded or raised.
 Fake tensors: a copy of the model whose parameters and buffers are fake tensors (no
 memory), built with ``copy.deepcopy`` seeded with the fake replacements, plus an
 optimizer of the same class and settings over them. The user's objects are never touched.
+
+:class:`~memfit.measure.step.StepOptions` that change what the step runs on are applied
+here: parameters in another dtype (real tensors: a cast copy, built the way the fake one
+is, so the user's model keeps its dtype), the optimizer's ``foreach`` flag, gradients
+alive at the start (a loop with ``zero_grad(set_to_none=False)``) and the GradScaler.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +31,8 @@ from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
 from memfit.measure import _torch_compat
+from memfit.measure.ledger import Phase
+from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
 __all__ = ["Sandbox", "real_sandbox", "fake_sandbox"]
 
@@ -39,6 +46,26 @@ class Sandbox:
     kwargs: dict
     optimizer: torch.optim.Optimizer
     fake_mode: Any = None
+    options: StepOptions = StepOptions()
+    scaler: Any = None
+
+    def step(self, loss_fn: Any, on_phase: Callable[[Phase], None] = lambda phase: None) -> float:
+        """One training step on the sandbox's objects, as its options say (call it inside
+        :meth:`active`)."""
+        o = self.options
+        return train_step(
+            self.model,
+            self.args,
+            self.kwargs,
+            loss_fn,
+            self.optimizer,
+            on_phase,
+            micro_batches=o.micro_batches,
+            loss_scale=o.loss_scale,
+            autocast=o.autocast_dtype,
+            scaler=self.scaler,
+            set_to_none=o.set_to_none,
+        )
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -59,8 +86,45 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _prepare(box: Sandbox) -> Sandbox:
+    """Apply the options that act on the objects: foreach flag, gradients alive at the
+    start, the GradScaler. Called inside the sandbox, whose exit undoes them."""
+    o = box.options
+    if o.foreach is not None:
+        for group in box.optimizer.param_groups:
+            group["foreach"] = o.foreach
+    with box.active():
+        if not o.set_to_none:
+            # zero_grad(set_to_none=False) keeps every gradient allocated between steps
+            for p in box.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        if o.grad_scaler:
+            device = _device(box.model)
+            # A scale of 1: a step whose float16 gradients overflowed would skip the optimizer
+            # (as the first steps of a real run do) and measure a step without it.
+            scale = 1.0
+            box.scaler = FakeGradScaler(device, scale) if box.fake_mode is not None else torch.amp.GradScaler(device.type, scale)
+    return box
+
+
 @contextmanager
-def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer) -> Iterator[Sandbox]:
+def real_sandbox(
+    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, *, step: StepOptions | None = None
+) -> Iterator[Sandbox]:
+    """Steps on the user's own objects, restored afterwards; with ``step.param_dtype``, on
+    a cast copy instead (the user's model is not touched)."""
+    options = step or StepOptions()
+    if options.param_dtype is not None:
+        with _cast_sandbox(model, args, kwargs, optimizer, options) as box:
+            yield box
+        return
     params = list(model.parameters())
     buffers = list(model.buffers())
     saved_params = [_to_host(p) for p in params]
@@ -83,7 +147,7 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
     for p in params:
         p.grad = None  # a steady-state step starts after zero_grad(set_to_none=True)
     try:
-        yield Sandbox(model, args, kwargs, optimizer)
+        yield _prepare(Sandbox(model, args, kwargs, optimizer, options=options))
     finally:
         with torch.no_grad():
             for p, v, g in zip(params, saved_params, saved_grads):
@@ -119,9 +183,79 @@ def real_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.o
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _copy_step(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: torch.optim.Optimizer,
+    tensor: Callable[[torch.Tensor], torch.Tensor],
+    scalar: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[nn.Module, tuple, dict, torch.optim.Optimizer]:
+    """A copy of the model, inputs and optimizer (state included) whose tensors are
+    ``tensor(t)`` (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    copies: dict[nn.Parameter, nn.Parameter] = {}
+    for p in model.parameters():
+        cp = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
+        memo[id(p)] = copies[p] = cp
+    for b in model.buffers():
+        memo[id(b)] = tensor(b)
+    try:
+        new_model = copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise WorkloadError(f"cannot copy the model ({type(exc).__name__}: {exc})") from exc
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [copies[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    # ``defaults`` can hold entries the constructor does not take (AdamW's
+    # decoupled_weight_decay); every group carries its full settings anyway.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    try:
+        new_opt = type(optimizer)(groups, **defaults)
+    except Exception as exc:
+        raise WorkloadError(
+            f"cannot rebuild {type(optimizer).__name__} over copied parameters from its defaults ({exc}); "
+            "profile with real tensors instead"
+        ) from exc
+    for p, st in optimizer.state.items():
+        new_opt.state[copies[p]] = {
+            k: (scalar(v) if v.dim() == 0 else tensor(v)) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in st.items()
+        }
+    _torch_compat.pin_optimizer_impl(new_opt, optimizer)
+    new_args, new_kwargs = tree_map(lambda x: tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    return new_model, new_args, new_kwargs, new_opt
+
+
+def _caster(dtype: torch.dtype | None, base: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``base`` then, for floating-point tensors, a cast to ``dtype`` (as ``model.to(dtype)``
+    and ``x.to(dtype)`` of the inputs would)."""
+    if dtype is None:
+        return base
+    return lambda t: base(t).to(dtype) if t.is_floating_point() else base(t)
+
+
+@contextmanager
+def _cast_sandbox(
+    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, options: StepOptions
+) -> Iterator[Sandbox]:
+    """Real tensors, cast to ``options.param_dtype``, on a copy: the cast is lossy, so the
+    user's own parameters could not be put back bitwise by casting again."""
+    tensor = _caster(options.cast_dtype, lambda t: t.detach().clone())
+    new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, tensor, lambda t: t.detach().clone())
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, options=options))
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 def _fake_state(mode: Any, value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return copy.deepcopy(value)
     if value.numel() == 1 and value.dim() == 0:
         # Scalars such as Adam's `step` are read with .item(); a fake tensor made from a
         # Python number inside the mode keeps its value, one converted from a tensor does not.
@@ -132,44 +266,23 @@ def _fake_state(mode: Any, value: Any) -> Any:
 
 
 @contextmanager
-def fake_sandbox(model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer) -> Iterator[Sandbox]:
+def fake_sandbox(
+    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, *, step: StepOptions | None = None
+) -> Iterator[Sandbox]:
+    options = step or StepOptions()
     mode = _torch_compat.new_fake_mode()
-    memo: dict[int, Any] = {}
-    fakes: dict[nn.Parameter, nn.Parameter] = {}
-    for p in model.parameters():
-        fp = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
-        memo[id(p)] = fakes[p] = fp
-    for b in model.buffers():
-        memo[id(b)] = mode.from_tensor(b)
-    try:
-        fake_model = copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise WorkloadError(f"cannot copy the model to fake tensors ({type(exc).__name__}: {exc})") from exc
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [fakes[p] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
-    # ``defaults`` can hold entries the constructor does not take (AdamW's
-    # decoupled_weight_decay); every group carries its full settings anyway.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    try:
-        fake_opt = type(optimizer)(groups, **defaults)
-    except Exception as exc:
-        raise WorkloadError(
-            f"cannot rebuild {type(optimizer).__name__} over fake parameters from its defaults ({exc}); "
-            "profile with real tensors instead"
-        ) from exc
-    for p, st in optimizer.state.items():
-        fake_opt.state[fakes[p]] = {k: _fake_state(mode, v) for k, v in st.items()}
-    _torch_compat.pin_optimizer_impl(fake_opt, optimizer)
+    dtype = options.cast_dtype
 
-    def fake(x: Any) -> Any:
-        return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        ft = mode.from_tensor(t)
+        if dtype is None or not t.is_floating_point():
+            return ft
+        with mode:
+            return ft.to(dtype)
 
-    fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+    new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, fake, lambda t: _fake_state(mode, t))
     cpu_rng = torch.get_rng_state()
     try:
-        yield Sandbox(fake_model, fake_args, fake_kwargs, fake_opt, mode)
+        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options))
     finally:
         torch.set_rng_state(cpu_rng)  # fake dropout does not draw, but be sure

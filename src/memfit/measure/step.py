@@ -4,20 +4,118 @@ One steady-state step: forward, loss, backward (the model's output stays alive t
 backward, as it does in a loop that writes ``out = model(x); out.loss.backward()``),
 then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Gradients are ``None``
 when it starts and when it ends.
+
+:class:`StepOptions` describes the variants :func:`memfit.fit` weighs (micro-batches,
+autocast with or without a GradScaler, ``zero_grad(set_to_none=False)``, parameters in
+another dtype, the optimizer's foreach flag); the defaults are the step above. The
+sandboxes (:mod:`memfit.measure.sandbox`) apply the options that change the objects the
+step runs on (dtype, foreach, gradients alive at the start, the scaler); :func:`train_step`
+the ones that change the step itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
-from memfit.workload import check_loss, default_loss
+from memfit.workload import check_loss, default_loss, split_micro_batches
 
-__all__ = ["train_step"]
+__all__ = ["train_step", "StepOptions", "FakeGradScaler"]
+
+_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How one training step runs. The defaults are memfit's usual step."""
+
+    micro_batches: int = 1
+    """Forward and backward once per micro-batch (gradients accumulate), then one optimizer step."""
+    loss_scale: float | None = None
+    """Factor on each micro-batch's loss; None: ``1 / micro_batches`` (a mean loss stays the
+    full batch's mean), and no multiplication at all for one micro-batch."""
+    autocast: str | None = None
+    """``"bfloat16"`` or ``"float16"``: forward and loss under ``torch.autocast``."""
+    grad_scaler: bool = False
+    """Backward and optimizer step through a ``torch.amp.GradScaler`` (float16 autocast)."""
+    set_to_none: bool = True
+    """The loop's ``zero_grad(set_to_none=...)``; False keeps gradients allocated between
+    steps, so the measured step starts with them."""
+    param_dtype: str | None = None
+    """Parameters, floating buffers, optimizer state and floating inputs cast to this dtype
+    (``"bfloat16"``): measured on a cast copy, the user's model is not touched."""
+    foreach: bool | None = None
+    """Set the optimizer's ``foreach`` flag for the step; None leaves it as it is."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise WorkloadError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        for name in ("autocast", "param_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise WorkloadError(f"{name} must be one of {', '.join(_DTYPES)} or None, got {value!r}")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.autocast) if self.autocast else None
+
+    @property
+    def cast_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.param_dtype) if self.param_dtype else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepOptions:
+        return cls(**data)
+
+
+class FakeGradScaler:
+    """What ``torch.amp.GradScaler`` does to memory, on fake tensors, which it cannot run:
+    it reads ``found_inf`` with ``.item()`` before stepping (a fake tensor has no value).
+    Same ops, same allocations (a scalar product in backward, in-place unscaling, two
+    scalars per step); the optimizer always steps."""
+
+    def __init__(self, device: torch.device, init_scale: float = 2.0**16) -> None:
+        # Created in the sandbox before the measured step, as a real scaler's are by the warm-up.
+        self._scale = torch.full((), init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), 0, dtype=torch.int32, device=device)
+        self._found_inf: torch.Tensor | None = None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for same in grads.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
+        self._found_inf = found_inf
+        optimizer.step()
+
+    def update(self) -> None:
+        if self._found_inf is not None:
+            torch._amp_update_scale_(self._scale, self._growth_tracker, self._found_inf, 2.0, 0.5, 2000)
+            self._found_inf = None
+
+
+def _device_type(model: nn.Module) -> str:
+    for t in model.parameters():
+        return t.device.type
+    return "cpu"
 
 
 def train_step(
@@ -27,19 +125,38 @@ def train_step(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     optimizer: torch.optim.Optimizer,
     on_phase: Callable[[Phase], None] = lambda phase: None,
+    *,
+    micro_batches: int = 1,
+    loss_scale: float | None = None,
+    autocast: torch.dtype | None = None,
+    scaler: Any = None,
+    set_to_none: bool = True,
 ) -> float:
-    """Run one step; returns the loss value (a float, or nan on fake tensors)."""
-    on_phase(Phase.FORWARD)
-    output = model(*args, **kwargs)
-    loss = check_loss((loss_fn or default_loss)(output))
-    on_phase(Phase.BACKWARD)
-    loss.backward()
-    value = loss.detach()
-    del output, loss
+    """Run one step; returns the loss value (a float, or nan on fake tensors). With
+    micro-batches, the sum of the scaled micro-batch losses (their mean, by default)."""
+    if loss_scale is None and micro_batches > 1:
+        loss_scale = 1.0 / micro_batches
+    total: torch.Tensor | None = None
+    for margs, mkwargs in split_micro_batches(args, kwargs, micro_batches):
+        on_phase(Phase.FORWARD)
+        with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            output = model(*margs, **mkwargs)
+            loss = check_loss((loss_fn or default_loss)(output))
+            if loss_scale is not None:
+                loss = loss * loss_scale
+        on_phase(Phase.BACKWARD)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        value = loss.detach()
+        total = value if total is None else total + value
+        del output, loss
     on_phase(Phase.OPTIMIZER)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
     try:
-        return float(value)
+        return float(total)  # type: ignore[arg-type]
     except Exception:  # fake tensors have no value
         return float("nan")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.measure.sandbox import real_sandbox
-from memfit.measure.step import train_step
+from memfit.measure.step import StepOptions
 from memfit.workload import split_inputs
 
 __all__ = ["median_step_time", "selective_overhead_s"]
@@ -25,24 +25,34 @@ def _sync(device: torch.device) -> None:
 
 
 def median_step_time(
-    model: nn.Module, inputs: Any, loss_fn: Any, optimizer: torch.optim.Optimizer, *, steps: int = 5, warmup: int = 1
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    step: StepOptions | None = None,
 ) -> float:
-    """Median wall time of ``steps`` training steps (synchronised on CUDA)."""
+    """Median wall time of ``steps`` training steps (synchronised on CUDA), run as
+    ``step`` says (default the usual step)."""
     args, kwargs = split_inputs(inputs)
     device = next(model.parameters()).device
     times = []
-    with real_sandbox(model, args, kwargs, optimizer) as box:
+    with real_sandbox(model, args, kwargs, optimizer, step=step) as box:
         for i in range(warmup + steps):
             _sync(device)
             t0 = time.perf_counter()
-            train_step(box.model, box.args, box.kwargs, loss_fn, box.optimizer)
+            box.step(loss_fn)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, *, forward_ops: int) -> float:
+def selective_overhead_s(
+    model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, *, forward_ops: int, step: StepOptions | None = None
+) -> float:
     """Seconds selective recompute adds per forward op on this host, measured on the model.
 
     SAC runs a Python dispatch mode over a module's forward (caching what it keeps) and
@@ -57,15 +67,18 @@ def selective_overhead_s(model: nn.Module, inputs: Any, optimizer: torch.optim.O
     def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    dtype = step.autocast_dtype if step is not None else None
+
     def forward(mode: Any) -> float:
+        cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         _sync(device)
         t0 = time.perf_counter()
-        with torch.no_grad(), mode:
+        with torch.no_grad(), cast, mode:
             box.model(*box.args, **box.kwargs)
         _sync(device)
         return time.perf_counter() - t0
 
-    with real_sandbox(model, args, kwargs, optimizer) as box:
+    with real_sandbox(model, args, kwargs, optimizer, step=step) as box:
         plain = forward(contextlib.nullcontext())  # warm already: the profile ran steps
         cached = forward(create_selective_checkpoint_contexts(policy)[0])
     return max(0.0, (cached - plain) / max(forward_ops, 1))

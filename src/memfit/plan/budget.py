@@ -10,6 +10,7 @@ floats and percentages are fractions.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -56,12 +57,13 @@ def parse_budget(value: object) -> Budget:
         return value
     if isinstance(value, bool) or value is None:
         raise BudgetError(f"budget must be bytes (int or '6GiB') or a fraction in [0, 1] ('50%'), got {value!r}")
-    if isinstance(value, int):
+    # numbers.Integral / Real: numpy and torch scalars (np.int64(6 << 30)) mean what ints and floats do
+    if isinstance(value, numbers.Integral):
         if value <= 0:
             raise BudgetError(f"budget in bytes must be positive, got {value}")
-        return Budget(bytes=value)
-    if isinstance(value, float):
-        return _fraction(value, value)
+        return Budget(bytes=int(value))
+    if isinstance(value, numbers.Real):
+        return _fraction(float(value), value)
     if isinstance(value, str):
         m = _FRACTION.match(value)
         if m and m.group(2):

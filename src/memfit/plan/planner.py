@@ -30,7 +30,7 @@ from memfit.measure.profile import Profile, Progress, check_step, record_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
-from memfit.measure.step import train_step
+from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import parse_budget
@@ -72,11 +72,19 @@ class _Verifier:
     (faster for models of many tiny ops, whose fake dispatch dominates)."""
 
     def __init__(
-        self, model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, *, fake: bool
+        self,
+        model: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        loss_fn: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        fake: bool,
+        step: StepOptions,
     ) -> None:
         self._stack = ExitStack()
         sandbox = fake_sandbox if fake else real_sandbox
-        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer))
+        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer, step=step))
         self.loss_fn = loss_fn
         self.runs = 0
 
@@ -88,7 +96,7 @@ class _Verifier:
 
         def warm_up() -> None:
             with Scope(box.model) as scope:
-                train_step(box.model, box.args, box.kwargs, self.loss_fn, box.optimizer, scope.set_phase)
+                box.step(self.loss_fn, scope.set_phase)
 
         with box.active():
             return stateful_modules(box.model, box.args, box.kwargs, first=None if box.optimizer.state else warm_up)
@@ -127,6 +135,7 @@ def plan(
     profile: Profile | None = None,
     objective: str = "time",
     progress: Progress | None = None,
+    step: StepOptions | None = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
 
@@ -141,6 +150,10 @@ def plan(
             the module times measured on this device, including selective recompute's
             per-op overhead) or ``"flops"`` (recomputed FLOPs, ties broken by time; a
             device-independent proxy, e.g. when planning a GPU run on a CPU).
+        step: how the step runs (:class:`StepOptions`); default the profile's, else the
+            usual step. Plans are verified on this very step. A module called once per
+            micro-batch is called more than once per step, so it is not planned: plan
+            one micro-batch's step instead (what :func:`memfit.fit` does).
 
     Returns:
         A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
@@ -169,9 +182,16 @@ def plan(
             f"the profile was made for another model ({profile.model_type}, module names that this "
             f"{type(model).__name__} does not have); profile this model, or plan without profile="
         )
+    if step is not None and not isinstance(step, StepOptions):
+        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
+    if profile is not None and step is not None and profile.step != step:
+        raise PlanError(f"the profile measured another step ({profile.step}) than step= asks ({step}); pass one of them")
+    options = step or (profile.step if profile is not None else StepOptions())
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    prof = profile or measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress)
+    prof = profile or measure_profile(
+        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options
+    )
     report = progress or (lambda desc, done, total: None)
 
     ledger = prof.ledger
@@ -185,9 +205,9 @@ def plan(
     excluded: dict[str, str] = {}
     # What selective recompute's dispatch mode costs per op here (measured on the model;
     # fake tensors have no time, and their plans weigh FLOPs and bytes only).
-    overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops)) if timed else 0.0
+    overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
 
-    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake)
+    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake, step=options)
     try:
         # Modules that change Python state in forward (a counter, a KV cache): a recompute
         # would change it again, silently in some cases, so they are never offered.

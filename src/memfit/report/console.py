@@ -15,6 +15,7 @@ from rich.table import Table
 
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
+from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
@@ -24,6 +25,7 @@ __all__ = [
     "render_plan",
     "render_before_after",
     "render_bench",
+    "render_fit",
     "progress_bar",
     "sparkline",
 ]
@@ -181,7 +183,10 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
             table.add_row(name or "(root)", choice.mode, ", ".join(choice.save_ops) or "-")
         console.print(table)
     failed = {k: v for k, v in plan.excluded.items() if "not reproducible" in v}
-    for name, why in failed.items():
+    for i, (name, why) in enumerate(failed.items()):
+        if i == top:  # a 32-layer model with a KV cache would list ~65; plan.excluded has them all
+            console.print(f"[yellow]excluded[/] ... and {len(failed) - top} more (see plan.excluded or --json)", highlight=False)
+            break
         console.print(f"[yellow]excluded[/] {name}: {why}", highlight=False)
     console.print(f"planned in {plan.planning_time_s:.1f} s")
 
@@ -238,3 +243,53 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
         "peak = tensors alive at the step's start + the measured rise over it (fresh process each); "
         "step = median after warm-up; +FLOPs = recomputed FLOPs (FlopCounterMode, 0 for pointwise ops)"
     )
+
+
+def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, path: str = "recipe.json") -> None:
+    """The what-if rows (those that fit first, fastest first), why other levers were left
+    out, the chosen recipe predicted against measured, and the snippet for the loop."""
+    base_time = f", {recipe.base_step_time_s:.3f} s/step" if recipe.base_step_time_s is not None else ""
+    console.print(
+        f"[bold]{title or recipe.model_type}[/] on [bold]{recipe.device}[/]: budget [bold]{format_bytes(recipe.budget_bytes)}[/]"
+        f" ({recipe.budget}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
+        highlight=False,
+    )
+    table = Table(title="What if (within the budget first, fastest first)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("configuration", overflow="fold")
+    for col in ("peak", "step", "vs as is", "fits", "measured"):
+        table.add_column(col, justify="right", no_wrap=col != "measured")
+    for row in recipe.what_if:
+        peak = format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-"
+        secs = row.predicted_step_time_s
+        change = f"{secs / recipe.base_step_time_s - 1:+.0%}" if secs is not None and recipe.base_step_time_s else "-"
+        measured = "-"
+        if row.measured_peak_bytes is not None:
+            measured = format_bytes(row.measured_peak_bytes)
+            if row.measured_step_time_s is not None:
+                measured += f", {row.measured_step_time_s:.3f} s"
+        label = f"[bold]{row.label}[/] (chosen)" if row.chosen else row.label
+        table.add_row(
+            label,
+            peak,
+            f"{secs:.3f} s" if secs is not None else "-",
+            change,
+            "[green]yes[/]" if row.fits else ("[red]no[/]" if row.predicted_peak_bytes is not None else "-"),
+            measured if not row.note else (row.note if measured == "-" else f"{measured}; {row.note}"),
+        )
+    console.print(table)
+    for lever, why in recipe.left_out.items():
+        console.print(f"[yellow]left out[/] {lever}: {why}", highlight=False)
+    measured = []
+    if recipe.measured_peak_bytes is not None:
+        measured.append(f"peak measured {format_bytes(recipe.measured_peak_bytes)} (recorder ledger of the real step)")
+    if recipe.measured_step_time_s is not None:
+        predicted = f"predicted {recipe.predicted_step_time_s:.3f} s, " if recipe.predicted_step_time_s is not None else ""
+        measured.append(f"step {predicted}measured {recipe.measured_step_time_s:.3f} s (median of 3 after warm-up)")
+    console.print(
+        f"chosen: [bold]{recipe.summary()}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/]"
+        + (f"; {'; '.join(measured)}" if measured else ""),
+        highlight=False,
+    )
+    console.print("in your training loop:", highlight=False)
+    console.print(recipe.snippet(path), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"fitted in {recipe.fit_time_s:.1f} s")

@@ -1,0 +1,135 @@
+"""Mechanism: put a :class:`~memfit.plan.recipe.Recipe` on the user's model and optimizer,
+and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast).
+
+In place: the recompute plan (undone by :func:`memfit.remove`), parameters cast to
+bfloat16 (not undone: a cast back would not restore the lost bits), the optimizer's
+``foreach`` flag. The loop itself stays the user's; :meth:`AppliedRecipe.step` runs one
+whole step exactly as memfit measured it, for loops that want nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
+from memfit.errors import PlanError
+from memfit.measure.step import train_step
+from memfit.plan.recipe import Recipe
+from memfit.plan.result import fingerprint
+from memfit.workload import default_optimizer, join_inputs, split_inputs, split_micro_batches
+
+__all__ = ["AppliedRecipe", "apply_recipe"]
+
+
+@dataclass
+class AppliedRecipe:
+    """What a training loop needs once a recipe is applied."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    """A ``torch.amp.GradScaler`` (float16 autocast) or None."""
+    micro_batches: int
+    loss_scale: float
+    """Factor on each micro-batch's loss so the accumulated gradient is the full batch's."""
+    set_to_none: bool
+    autocast_dtype: torch.dtype | None
+    param_dtype: torch.dtype | None
+    device_type: str
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` as the recipe says, or a context that does nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def cast(self, inputs: Any) -> Any:
+        """Floating-point input tensors in the parameters' dtype (unchanged without ``bf16``)."""
+        if self.param_dtype is None:
+            return inputs
+        dtype = self.param_dtype
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
+
+    def split(self, inputs: Any) -> list[Any]:
+        """``inputs`` as micro-batches, each in the inputs' own form (a tensor, a tuple, a
+        dict), cast like :meth:`cast`; tensors whose dim 0 is the batch size are cut along it."""
+        args, kwargs = split_inputs(inputs)
+        parts = split_micro_batches(args, kwargs, self.micro_batches)
+        if isinstance(inputs, torch.Tensor):
+            return [self.cast(a[0]) for a, _ in parts]
+        return [self.cast(join_inputs(a, k)) for a, k in parts]
+
+    def step(self, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
+        """One whole training step as memfit measured it (micro-batches, autocast, scaler,
+        optimizer step and zero_grad); returns the loss (the micro-batches' scaled sum)."""
+        args, kwargs = split_inputs(self.cast(inputs))
+        return train_step(
+            self.model,
+            args,
+            kwargs,
+            loss_fn,
+            self.optimizer,
+            micro_batches=self.micro_batches,
+            loss_scale=self.loss_scale if self.micro_batches > 1 else None,
+            autocast=self.autocast_dtype,
+            scaler=self.scaler,
+            set_to_none=self.set_to_none,
+        )
+
+
+def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> AppliedRecipe:
+    """Apply ``recipe`` to ``model`` (and ``optimizer``, default a new AdamW) in place.
+
+    Raises PlanError if the recipe was made for a model of another structure or a plan is
+    already applied. The returned :class:`AppliedRecipe` holds what the loop uses."""
+    if not isinstance(recipe, Recipe):
+        raise PlanError(f"apply_recipe needs a memfit.Recipe, got {type(recipe).__name__}")
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"a recipe applies to a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise PlanError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    inner = unwrap(model)
+    if recipe.fingerprint and recipe.fingerprint != fingerprint(inner):
+        raise PlanError(
+            f"this recipe was made for another model ({recipe.model_type}, fingerprint {recipe.fingerprint}); "
+            f"this {type(inner).__name__} has fingerprint {fingerprint(inner)}: make one for it with memfit.fit"
+        )
+    if recipe.plan is not None and recipe.plan.checkpointed and applied_choices(inner) is not None:
+        raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying a recipe")
+    step = recipe.step
+    if step.foreach is not None and optimizer is not None and any("foreach" not in g for g in optimizer.param_groups):
+        raise PlanError(f"the recipe sets the optimizer's foreach flag, which {type(optimizer).__name__} does not have")
+    # The plan first: it was made (and fingerprinted) on the parameters as they were.
+    if recipe.plan is not None and recipe.plan.checkpointed:
+        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in recipe.plan.checkpointed.items()})
+    dtype = step.cast_dtype
+    if dtype is not None:
+        inner.to(dtype)  # floating parameters and buffers; the Parameter objects stay the same
+        for state in optimizer.state.values() if optimizer is not None else ():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point():
+                    state[key] = value.to(dtype)
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in inner.parameters() if p.requires_grad])
+    if step.foreach is not None:
+        for group in optimizer.param_groups:
+            group["foreach"] = step.foreach
+    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    return AppliedRecipe(
+        model=model,
+        optimizer=optimizer,
+        scaler=torch.amp.GradScaler(device.type) if step.grad_scaler else None,
+        micro_batches=step.micro_batches,
+        loss_scale=recipe.loss_scale,
+        set_to_none=step.set_to_none,
+        autocast_dtype=step.autocast_dtype,
+        param_dtype=dtype,
+        device_type=device.type,
+    )

@@ -1,0 +1,262 @@
+"""The :class:`Recipe`: which memory levers :func:`memfit.fit` chose, what it predicted and
+measured, and what it weighed. Plain data, saved and loaded as versioned JSON; it prints
+as a code snippet for an existing training loop and applies in one call."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from memfit.errors import PlanError
+from memfit.measure.step import StepOptions
+from memfit.plan.result import Plan
+from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from memfit.apply.recipe import AppliedRecipe
+
+__all__ = ["Recipe", "WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS"]
+
+RECIPE_FORMAT = "memfit.recipe"
+RECIPE_VERSION = 1
+
+LEVERS: dict[str, str] = {
+    "recompute": "recompute activations in backward instead of keeping them (memfit.plan)",
+    "microbatch": "split the batch into micro-batches and accumulate their gradients",
+    "set_to_none": "zero_grad(set_to_none=True): no gradients kept between steps",
+    "offload": "keep saved activations in host memory (torch.autograd.graph.save_on_cpu)",
+    "amp": "torch.autocast: bfloat16 on CPU; float16 with a GradScaler on CUDA",
+    "bf16": "parameters, gradients and optimizer state in bfloat16",
+    "foreach": "the optimizer's other implementation (foreach or for-loop), whose step has other temporaries",
+    "8bit": "8-bit optimizer state (bitsandbytes AdamW8bit, torchao low-bit optimizers)",
+}
+"""Every lever memfit knows, with what it does."""
+
+
+@dataclass
+class WhatIf:
+    """One row of the what-if table: a configuration, its predicted (and for the chosen
+    one, measured) peak and step time."""
+
+    label: str
+    levers: tuple[str, ...]
+    predicted_peak_bytes: int | None
+    """Exact peak of the step in this configuration (fake tensors; with recompute, the
+    verified plan's peak)."""
+    predicted_step_time_s: float | None
+    """Measured time of the step in this configuration (median after warm-up), plus the
+    plan's predicted recompute time."""
+    fits: bool
+    measured_peak_bytes: int | None = None
+    measured_step_time_s: float | None = None
+    note: str = ""
+    chosen: bool = False
+
+
+@dataclass
+class Recipe:
+    """What :func:`memfit.fit` chose. Memory in bytes, times in seconds."""
+
+    budget_bytes: int
+    levers: tuple[str, ...]
+    """The levers used, in :data:`LEVERS` order; empty when the step fits as it is."""
+    step: StepOptions
+    """The training step the recipe makes (micro-batches, autocast, dtype, ...)."""
+    plan: Plan | None
+    """What to recompute, or None."""
+    predicted_peak_bytes: int
+    predicted_step_time_s: float | None
+    measured_peak_bytes: int | None
+    """Peak of the recipe's step run on the real model (recorder ledger; model restored after)."""
+    measured_step_time_s: float | None
+    """Median of the recipe's real steps after a warm-up."""
+    base_peak_bytes: int
+    """The step as it is, without any lever."""
+    base_step_time_s: float | None
+    what_if: list[WhatIf] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Levers not used, each with the reason (not allowed, not applicable, not available)."""
+    precision: str = "fp32"
+    """``"fp32"``, ``"amp"`` (autocast) or ``"bf16"`` (parameters cast)."""
+    batch_size: int | None = None
+    inputs_kind: str = "tensor"
+    """How the inputs are passed: ``"tensor"``, ``"args"`` (a tuple) or ``"kwargs"`` (a dict)."""
+    default_loss: bool = False
+    """No ``loss_fn`` was given: the loss was memfit's default (``output.loss``, else the output's sum)."""
+    model_type: str = ""
+    fingerprint: str = ""
+    optimizer_type: str = ""
+    device: str = "cpu"
+    budget: str = ""
+    """The budget as given."""
+    fit_time_s: float = 0.0
+
+    @property
+    def micro_batches(self) -> int:
+        return self.step.micro_batches
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor on each micro-batch's loss (``1 / micro_batches`` for a mean loss, 1 for a sum)."""
+        if self.step.loss_scale is not None:
+            return self.step.loss_scale
+        return 1.0 / self.step.micro_batches
+
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> AppliedRecipe:
+        """Apply the recipe to ``model`` in place (see :func:`memfit.apply.recipe.apply_recipe`)."""
+        from memfit.apply.recipe import apply_recipe
+
+        return apply_recipe(self, model, optimizer)
+
+    # -- the snippet --------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """The levers in words: ``"micro-batches x4 + recompute (3 modules)"``."""
+        return describe(self.levers, self.step, self.plan, optimizer_type=self.optimizer_type) or "no lever"
+
+    def snippet(self, path: str = "recipe.json") -> str:
+        """Lines to paste into an existing training loop; ``path`` is where the recipe's JSON
+        is (``memfit fit ... --json PATH``)."""
+        fits = "fits" if self.predicted_peak_bytes <= self.budget_bytes else "is over"
+        head = (
+            f"# memfit fit: {self.summary()}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"({fits} the budget {format_bytes(self.budget_bytes)})"
+        )
+        if self.predicted_step_time_s is not None:
+            head += f", {self.predicted_step_time_s:.3f} s/step"
+        if not self.levers:
+            return f"{head}\n# the step fits as it is: keep your training loop unchanged\n"
+        k = self.step.micro_batches
+        name = "micro" if k > 1 else "batch"
+        call = {"tensor": f"model({name})", "args": f"model(*{name})", "kwargs": f"model(**{name})"}[self.inputs_kind]
+        scaler = self.step.grad_scaler
+        lines = [
+            head,
+            f'recipe = memfit.Recipe.from_json(open("{path}").read())',
+            "run = recipe.apply(model, optimizer)  # in place" + self._apply_comment(),
+            "optimizer = run.optimizer" + ("  # the same object, foreach flag set" if "foreach" in self.levers else ""),
+        ]
+        if scaler:
+            lines.append("scaler = run.scaler  # torch.amp.GradScaler for float16")
+        lines.append("for batch in loader:  # batch: inputs like the ones memfit measured")
+        if k > 1:
+            lines.append(f"    for micro in run.split(batch):  # {k} micro-batches" + self._batch_comment())
+            indent = "        "
+        else:
+            if "bf16" in self.levers:
+                lines.append("    batch = run.cast(batch)  # floating-point inputs to bfloat16, like the parameters")
+            indent = "    "
+        if self.default_loss:
+            forward = f"loss = default_loss({call})"
+            lines.insert(
+                1, "from memfit.workload import default_loss  # what memfit measured: output.loss, else the output's sum"
+            )
+        else:
+            forward = f"loss = loss_fn({call})"
+        if k > 1:
+            forward += f" * {self.loss_scale:g}"
+            forward += "  # gradients add up to the full batch's" + (" mean" if self.loss_scale != 1 else "")
+        if self.step.autocast:
+            lines.append(f"{indent}with run.autocast():  # torch.autocast(dtype=torch.{self.step.autocast})")
+            lines.append(f"{indent}    {forward}")
+        else:
+            lines.append(f"{indent}{forward}")
+        lines.append(f"{indent}{'scaler.scale(loss).backward()' if scaler else 'loss.backward()'}")
+        if scaler:
+            lines += ["    scaler.step(optimizer)", "    scaler.update()"]
+        else:
+            lines.append("    optimizer.step()")
+        lines.append(f"    optimizer.zero_grad(set_to_none={self.step.set_to_none})")
+        return "\n".join(lines) + "\n"
+
+    def _apply_comment(self) -> str:
+        parts = []
+        if self.plan is not None and self.plan.checkpointed:
+            n = len(self.plan.checkpointed)
+            parts.append(f"recompute {n} module{'s' if n != 1 else ''} (memfit.remove(model) undoes it)")
+        if "bf16" in self.levers:
+            parts.append("parameters cast to bfloat16")
+        return ": " + "; ".join(parts) if parts else ""
+
+    def _batch_comment(self) -> str:
+        if self.batch_size:
+            return f" of {self.batch_size // self.step.micro_batches}" + (", cast to bfloat16" if "bf16" in self.levers else "")
+        return ""
+
+    # -- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["levers"] = list(self.levers)
+        data["step"] = self.step.to_dict()
+        data["plan"] = self.plan.to_dict() if self.plan is not None else None
+        data["what_if"] = [{**asdict(w), "levers": list(w.levers)} for w in self.what_if]
+        return {"format": RECIPE_FORMAT, "version": RECIPE_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Recipe:
+        if not isinstance(data, dict) or data.get("format") != RECIPE_FORMAT:
+            raise PlanError(f'not a memfit recipe: the JSON has no "format": "{RECIPE_FORMAT}"')
+        version = data.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(
+                f"recipe JSON has no valid format version (got {version!r}; expected an integer such as {RECIPE_VERSION})"
+            )
+        if version > RECIPE_VERSION:
+            raise PlanError(
+                f"recipe format version {version!r} is newer than this memfit reads ({RECIPE_VERSION}); upgrade memfit"
+            )
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        try:
+            body["levers"] = tuple(body["levers"])
+            unknown = [lever for lever in body["levers"] if lever not in LEVERS]
+            if unknown:
+                raise PlanError(f"recipe JSON names unknown lever {unknown[0]!r}")
+            body["step"] = StepOptions.from_dict(body["step"])
+            body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
+            body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+            for name in ("budget_bytes", "predicted_peak_bytes", "base_peak_bytes"):
+                if isinstance(body[name], bool) or not isinstance(body[name], int):
+                    raise PlanError(f"recipe JSON: {name} must be an integer, got {body[name]!r}")
+            return cls(**body)
+        except PlanError:
+            raise
+        except Exception as exc:  # a corrupt file: missing keys, wrong types, a bad StepOptions
+            raise PlanError(f"recipe JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise PlanError(f"recipe JSON does not parse: {exc}") from exc
+        return cls.from_dict(data)
+
+
+def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, optimizer_type: str = "") -> str:
+    """Levers in words, in the order of :data:`LEVERS`."""
+    words = []
+    for lever in levers:
+        if lever == "microbatch":
+            words.append(f"micro-batches x{step.micro_batches}")
+        elif lever == "amp":
+            words.append(f"amp ({step.autocast} autocast{' + GradScaler' if step.grad_scaler else ''})")
+        elif lever == "bf16":
+            words.append("bf16 parameters")
+        elif lever == "foreach":
+            words.append(f"{optimizer_type or 'optimizer'} foreach={step.foreach}")
+        elif lever == "set_to_none":
+            words.append("zero_grad(set_to_none=True)")
+        elif lever == "recompute":
+            n = len(plan.checkpointed) if plan is not None else 0
+            words.append(f"recompute ({n} module{'s' if n != 1 else ''})")
+        else:
+            words.append(lever)
+    return " + ".join(words)
