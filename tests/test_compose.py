@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import make_plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import memfit
-from memfit import Choice, Plan
+from memfit import Choice
 from memfit.plan.result import fingerprint
 
 
@@ -51,18 +52,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-def _plan(**checkpointed: Choice) -> Plan:
-    return Plan(
-        budget_bytes=0,
-        predicted_peak_bytes=0,
-        start_bytes=0,
-        none_peak_bytes=0,
-        min_peak_bytes=0,
-        checkpointed={k.replace("__", "."): v for k, v in checkpointed.items()},
-        extra_compute_s=None,
-        extra_flops=0,
-        step_time_s=None,
-    )
+_plan = make_plan  # conftest's hand-made plan
 
 
 # blocks.0 wholly recomputed, blocks.1 keeping its matmuls: both mechanisms.

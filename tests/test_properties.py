@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same, snapshot
+from conftest import assert_same, make_plan, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -100,17 +100,7 @@ def train(model: nn.Module, x: torch.Tensor, steps: int = 2) -> dict:
 
 
 def plan_of(chosen) -> Plan:
-    return Plan(
-        budget_bytes=0,
-        predicted_peak_bytes=0,
-        start_bytes=0,
-        none_peak_bytes=0,
-        min_peak_bytes=0,
-        checkpointed={o.module: Choice(o.mode, o.save_ops) for o in chosen},
-        extra_compute_s=None,
-        extra_flops=0,
-        step_time_s=None,
-    )
+    return make_plan(**{o.module.replace(".", "__"): Choice(o.mode, o.save_ops) for o in chosen})
 
 
 def antichain(options, picks: list[int]):

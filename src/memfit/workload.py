@@ -30,6 +30,7 @@ __all__ = [
     "default_loss",
     "check_loss",
     "default_optimizer",
+    "check_arguments",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -70,6 +71,16 @@ class Workload:
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with torch's defaults: the optimizer most training runs use."""
     return torch.optim.AdamW(params, lr=1e-4)
+
+
+def check_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:
+    """Refuse arguments of the wrong kind before anything runs (profile, plan, fit)."""
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:

@@ -29,7 +29,7 @@ from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
-from memfit.workload import default_optimizer, split_inputs, split_micro_batches
+from memfit.workload import check_arguments, default_optimizer, split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
 
@@ -248,12 +248,7 @@ def profile(
         >>> p.peak_bytes >= p.start_bytes
         True
     """
-    if not isinstance(model, nn.Module):
-        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_arguments(model, optimizer, loss_fn)
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
     options = step or StepOptions()

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
-from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError, WorkloadError
+from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError
 from memfit.measure import _torch_compat
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
@@ -55,7 +55,15 @@ from memfit.plan.planner import plan as make_plan
 from memfit.plan.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.plan.result import Plan, fingerprint
 from memfit.units import format_bytes
-from memfit.workload import batch_size_of, default_loss, default_optimizer, join_inputs, split_inputs, split_micro_batches
+from memfit.workload import (
+    batch_size_of,
+    check_arguments,
+    default_loss,
+    default_optimizer,
+    join_inputs,
+    split_inputs,
+    split_micro_batches,
+)
 
 __all__ = ["fit", "parse_allow", "fit_budget", "EXACT_LEVERS", "OPT_IN_LEVERS"]
 
@@ -373,12 +381,7 @@ def fit(
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_allow(allow)
-    if not isinstance(model, nn.Module):
-        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_arguments(model, optimizer, loss_fn)
     model = unwrap(model)
     if applied_choices(model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before fitting it")
