@@ -79,6 +79,21 @@ def assert_same(a: dict, b: dict) -> None:
             assert x == y, key
 
 
+# CLI arguments for a zoo gpt small enough that a command runs in seconds.
+SMALL = [
+    "--size",
+    "n_layer=2",
+    "--size",
+    "n_embd=64",
+    "--size",
+    "n_head=4",
+    "--size",
+    "block_size=32",
+    "--size",
+    "vocab_size=512",
+]
+
+
 # -- training with and without a plan --------------------------------------------------------
 
 

@@ -8,21 +8,9 @@ import sys
 import textwrap
 
 import pytest
+from conftest import SMALL
 
 from memfit.cli import main
-
-SMALL = [
-    "--size",
-    "n_layer=2",
-    "--size",
-    "n_embd=64",
-    "--size",
-    "n_head=4",
-    "--size",
-    "block_size=32",
-    "--size",
-    "vocab_size=512",
-]
 
 
 def test_profile_prints_tables_and_writes_json(tmp_path, capsys):

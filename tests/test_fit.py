@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_bitwise, assert_same, snapshot, train
+from conftest import SMALL, assert_bitwise, assert_same, snapshot, train
 from torch import nn
 
 import memfit
@@ -313,19 +313,6 @@ def test_fit_refuses_bad_input():
 
 
 # -- the command line -----------------------------------------------------------------------------
-
-SMALL = [
-    "--size",
-    "n_layer=2",
-    "--size",
-    "n_embd=64",
-    "--size",
-    "n_head=4",
-    "--size",
-    "block_size=32",
-    "--size",
-    "vocab_size=512",
-]
 
 
 def test_cli_fit_prints_the_table_and_writes_a_recipe(tmp_path, capsys):

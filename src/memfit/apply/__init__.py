@@ -6,7 +6,7 @@ from torch import nn
 
 from memfit.apply.checkpoint import apply_choices, remove, unwrap
 from memfit.errors import PlanError
-from memfit.plan.result import Plan, fingerprint
+from memfit.plan.result import Plan, check_fingerprint
 
 __all__ = ["apply", "remove"]
 
@@ -24,10 +24,6 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     inner = unwrap(model)
-    if plan.fingerprint and plan.fingerprint != fingerprint(inner):
-        raise PlanError(
-            f"this plan was made for another model ({plan.model_type}, fingerprint {plan.fingerprint}); "
-            f"this {type(inner).__name__} has fingerprint {fingerprint(inner)}: make a plan for it with memfit.plan"
-        )
+    check_fingerprint(inner, plan.fingerprint, plan.model_type, "plan", "make a plan for it with memfit.plan")
     apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
     return model

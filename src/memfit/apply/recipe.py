@@ -22,7 +22,7 @@ from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.errors import PlanError
 from memfit.measure.step import train_step
 from memfit.plan.recipe import Recipe
-from memfit.plan.result import fingerprint
+from memfit.plan.result import check_fingerprint
 from memfit.workload import default_optimizer, join_inputs, split_inputs, split_micro_batches
 
 __all__ = ["AppliedRecipe", "apply_recipe"]
@@ -96,11 +96,7 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise PlanError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     inner = unwrap(model)
-    if recipe.fingerprint and recipe.fingerprint != fingerprint(inner):
-        raise PlanError(
-            f"this recipe was made for another model ({recipe.model_type}, fingerprint {recipe.fingerprint}); "
-            f"this {type(inner).__name__} has fingerprint {fingerprint(inner)}: make one for it with memfit.fit"
-        )
+    check_fingerprint(inner, recipe.fingerprint, recipe.model_type, "recipe", "make one for it with memfit.fit")
     if recipe.plan is not None and recipe.plan.checkpointed and applied_choices(inner) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying a recipe")
     step = recipe.step

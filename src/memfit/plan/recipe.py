@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.errors import PlanError
 from memfit.measure.step import StepOptions
-from memfit.plan.result import Plan
+from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -202,18 +202,7 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: Any) -> Recipe:
-        if not isinstance(data, dict) or data.get("format") != RECIPE_FORMAT:
-            raise PlanError(f'not a memfit recipe: the JSON has no "format": "{RECIPE_FORMAT}"')
-        version = data.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PlanError(
-                f"recipe JSON has no valid format version (got {version!r}; expected an integer such as {RECIPE_VERSION})"
-            )
-        if version > RECIPE_VERSION:
-            raise PlanError(
-                f"recipe format version {version!r} is newer than this memfit reads ({RECIPE_VERSION}); upgrade memfit"
-            )
-        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        body = read_versioned(data, RECIPE_FORMAT, RECIPE_VERSION, "recipe")
         try:
             body["levers"] = tuple(body["levers"])
             unknown = [lever for lever in body["levers"] if lever not in LEVERS]
@@ -233,11 +222,7 @@ class Recipe:
 
     @classmethod
     def from_json(cls, text: str) -> Recipe:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise PlanError(f"recipe JSON does not parse: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "recipe"))
 
 
 def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, optimizer_type: str = "") -> str:

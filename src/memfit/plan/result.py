@@ -47,6 +47,36 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def parse_json(text: str, what: str) -> Any:
+    """``text`` parsed, or PlanError naming ``what`` file it was meant to be."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise PlanError(f"{what} JSON does not parse: {exc}") from exc
+
+
+def read_versioned(data: Any, fmt: str, version: int, what: str) -> dict[str, Any]:
+    """The body of a ``{"format": fmt, "version": N, ...}`` object that this memfit reads."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise PlanError(f'not a memfit {what}: the JSON has no "format": "{fmt}"')
+    got = data.get("version")
+    # A version that is not a positive integer is a corrupt file, not a newer format.
+    if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+        raise PlanError(f"{what} JSON has no valid format version (got {got!r}; expected an integer such as {version})")
+    if got > version:
+        raise PlanError(f"{what} format version {got!r} is newer than this memfit reads ({version}); upgrade memfit")
+    return {k: v for k, v in data.items() if k not in ("format", "version")}
+
+
+def check_fingerprint(model: nn.Module, made_for: str, model_type: str, what: str, remedy: str) -> None:
+    """PlanError unless a plan or recipe with fingerprint ``made_for`` (empty: hand-made) fits ``model``."""
+    if made_for and made_for != fingerprint(model):
+        raise PlanError(
+            f"this {what} was made for another model ({model_type}, fingerprint {made_for}); "
+            f"this {type(model).__name__} has fingerprint {fingerprint(model)}: {remedy}"
+        )
+
+
 @dataclass
 class Plan:
     """What :func:`memfit.plan` chose. Memory in bytes, times in seconds."""
@@ -98,17 +128,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise PlanError('not a memfit plan: the JSON has no "format": "memfit.plan"')
-        version = data.get("version")
-        # A version that is not a positive integer is a corrupt file, not a newer format.
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PlanError(
-                f"plan JSON has no valid format version (got {version!r}; expected an integer such as {PLAN_VERSION})"
-            )
-        if version > PLAN_VERSION:
-            raise PlanError(f"plan format version {version!r} is newer than this memfit reads ({PLAN_VERSION}); upgrade memfit")
-        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        body = read_versioned(data, PLAN_FORMAT, PLAN_VERSION, "plan")
         # The dataclass checks no types: a corrupt value would surface later, far from the file.
         for f in fields(cls):
             if f.type == "int" and f.name in body and (isinstance(body[f.name], bool) or not isinstance(body[f.name], int)):
@@ -132,8 +152,4 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise PlanError(f"plan JSON does not parse: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "plan"))
