@@ -116,7 +116,9 @@ def antichain(options, picks: list[int]):
     return chosen
 
 
-_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: CI runs the same examples every time (a new counterexample is found by running
+# with --hypothesis-seed, not by chance in someone else's build).
+_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_SETTINGS
@@ -152,7 +154,7 @@ def test_random_plans_are_equivalent_and_their_peak_is_predicted(forest, seed, p
     assert_same(train(copy.deepcopy(model), x), train(planned, x))
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     forest=st.lists(trees, min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
@@ -171,3 +173,12 @@ def test_planned_step_peaks_where_predicted_and_within_budget(forest, seed, frac
     measured = measure_profile(planned, x, loss_fn=loss_fn, optimizer=torch.optim.AdamW(planned.parameters(), lr=1e-2))
     assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
     assert measured.peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.xfail(strict=True, reason="known: the step model under-predicts a checkpointed chain of tanh by ~7% (open work)")
+def test_known_under_prediction_of_a_tanh_chain():
+    # Found by the property test above with a random seed: (181008 measured, 169232 predicted).
+    # memfit.plan verifies every plan by running it, so plans are unaffected; the analytic model is not.
+    test_random_plans_are_equivalent_and_their_peak_is_predicted.hypothesis.inner_test(
+        forest=[("seq", ["tanh", "tanh", "tanh"])], seed=0, picks=[0]
+    )
