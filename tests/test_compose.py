@@ -202,9 +202,7 @@ TIMEOUT_S = 120
 
 def _spawn(worker, tmp_path: Path) -> list[dict]:
     """Run ``worker(rank, tmp_path)`` in WORLD processes; return what each wrote to rank<i>.json."""
-    context = mp.start_processes(
-        _run_then_exit, args=(worker, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    context = mp.start_processes(_run_then_exit, args=(worker, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
