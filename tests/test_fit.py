@@ -15,6 +15,7 @@ import memfit
 from memfit import StepOptions
 from memfit.cli import main
 from memfit.plan.fit import _micro_batching
+from memfit.workload import resize_batch
 
 TOLERANCE = 0.05  # issue 6: predicted within 5% of measured (the ledgers are exact: expect 0)
 
@@ -97,6 +98,7 @@ LEVER_STEPS = {
     "set_to_none=False": StepOptions(set_to_none=False),
     "fp16 autocast + GradScaler": StepOptions(autocast="float16", grad_scaler=True),
     "micro-batches x2 + amp": StepOptions(micro_batches=2, autocast="bfloat16"),
+    "evaluation (inference_mode)": StepOptions(inference=True),
 }
 
 
@@ -113,11 +115,31 @@ def test_each_lever_predicted_peak_matches_measured(name):
     assert _close(predicted.peak_bytes, measured.peak_bytes)
     assert predicted.step == measured.step == step
     base = memfit.profile(model, inputs, optimizer=opt, fake=True)
-    if step.micro_batches > 1 or step.autocast or step.param_dtype:
+    if step.micro_batches > 1 or step.autocast or step.param_dtype or step.inference:
         assert predicted.peak_bytes < 0.8 * base.peak_bytes  # the lever does what it is for
     if not step.set_to_none:
         grads = sum(p.numel() * 4 for p in model.parameters())
         assert predicted.start_bytes == base.start_bytes + grads
+
+
+def test_evaluation_step_runs_in_eval_mode_and_saves_nothing(capsys):
+    model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.5), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = snapshot(model, opt)
+    prof = memfit.profile(model, x, optimizer=opt, step=StepOptions(inference=True))
+    assert_same(before, snapshot(model, opt))
+    assert model.training and model[1].training  # flags restored
+    peak = prof.ledger.breakdown()
+    assert peak["gradients"] == peak["optimizer_state"] == peak["activations"] == 0
+    # Two 32x256 float tensors at once (Linear's output and GELU's; dropout is off in eval mode).
+    assert prof.peak_bytes - prof.start_bytes == 2 * 32 * 256 * 4
+    with pytest.raises(memfit.PlanError, match="inference step saves nothing"):
+        memfit.plan(model, x, 0.5, optimizer=opt, profile=prof)
+    with pytest.raises(memfit.WorkloadError, match="no backward"):
+        StepOptions(inference=True, micro_batches=2)
+    assert main(["profile", "gpt", *SMALL, "--eval"]) == 0
+    assert "evaluation step (torch.inference_mode)" in capsys.readouterr().out
 
 
 def test_micro_batch_plan_predicts_the_accumulated_step():
@@ -340,3 +362,85 @@ def test_cli_fit_bad_input_is_one_line(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("memfit: error: ") and needle in err
+
+
+# -- the largest batch ----------------------------------------------------------------------------
+
+
+def _wide() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # noqa: E731
+    model = nn.Sequential(block(), block(), block(), block())  # activations dominate the peak
+    return model, torch.randn(64, 64)
+
+
+def test_max_batch_is_the_largest_that_fits_and_its_recipe_is_measured():
+    model, x = _wide()
+    opt = _with_state(model, x)
+    before = snapshot(model, opt)
+    fake = lambda b: memfit.profile(model, resize_batch(x, b), optimizer=opt, fake=True).peak_bytes  # noqa: E731
+    budget = fake(64) + 100 * (fake(128) - fake(64)) // 64  # about 100 more samples as it is
+    found = memfit.max_batch(model, x, budget, optimizer=opt)
+    assert_same(before, snapshot(model, opt))
+    plain, recompute = found.limits[0], found.limits[1]
+    assert plain.levers == () and recompute.levers == ("recompute",)
+    # Exact on fake tensors: the largest batch fits, one more does not.
+    assert fake(plain.max_batch) == plain.peak_bytes <= budget < fake(plain.max_batch + 1)
+    assert plain.bytes_per_sample > 0 and plain.measurements <= 6
+    low = lambda b: memfit.plan(model, resize_batch(x, b), 0.0, optimizer=opt, fake=True).min_peak_bytes  # noqa: E731
+    assert low(recompute.max_batch) <= budget < low(recompute.max_batch + 1)
+    assert recompute.max_batch > plain.max_batch  # recompute makes room for more samples
+    assert found.batch_size == recompute.max_batch
+    # The recipe is fit at that batch and measured there: within the budget.
+    assert found.recipe.batch_size == found.batch_size
+    assert "recompute" in found.recipe.levers or "microbatch" in found.recipe.levers
+    assert found.recipe.measured_peak_bytes <= budget
+    eights = memfit.max_batch(model, x, budget, optimizer=opt, multiple_of=8)
+    assert eights.batch_size % 8 == 0 and found.batch_size - 8 < eights.batch_size <= found.batch_size
+
+
+def test_max_batch_refuses_bad_input():
+    model, x = _wide()
+    with pytest.raises(memfit.WorkloadError, match="multiple_of"):
+        memfit.max_batch(model, x, "1GiB", multiple_of=0)
+    with pytest.raises(memfit.BudgetInfeasibleError, match="does not hold even a batch of 1"):
+        memfit.max_batch(model, x, "1KiB")
+    with pytest.raises(memfit.WorkloadError, match="batch dimension"):
+        memfit.max_batch(nn.Linear(3, 3), (torch.tensor(1.0),), "1GiB", loss_fn=lambda out: out.sum())
+
+
+def test_resize_batch_tiles_and_cuts_along_the_batch():
+    ids, mask = torch.arange(6).reshape(3, 2), torch.ones(2)
+    grown = resize_batch({"ids": ids, "mask": mask}, 7)
+    assert grown["ids"][:, 0].tolist() == [0, 2, 4, 0, 2, 4, 0] and grown["mask"] is mask
+    assert resize_batch(ids, 2).tolist() == [[0, 1], [2, 3]]
+    assert isinstance(resize_batch((ids,), 4), tuple)
+
+
+def test_cli_fit_max_batch(capsys):
+    assert main(["fit", "gpt", *SMALL, "--budget", "64MiB", "--max-batch", "--multiple-of", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "largest batch within" in out and "per sample" in out
+    assert main(["fit", "gpt", *SMALL, "--budget", "64MiB", "--max-batch", "--multiple-of", "0"]) == 2
+
+
+def _kinked(fixed: int, per: int, kink: int, extra: int):
+    return lambda b: fixed + per * b + extra * max(0, b - kink)
+
+
+def test_largest_batch_search_is_exact_on_kinked_peaks():
+    """The search around the line's guess finds the largest fitting multiple even when the
+    peak bends (it moves from backward to the optimizer step), in few measurements."""
+    import random
+
+    from memfit.plan.max_batch import _largest
+
+    rng = random.Random(0)
+    for _ in range(300):
+        m = rng.choice([1, 2, 8])
+        per, fixed, kink, extra = rng.randint(1, 1000), rng.randint(0, 10**5), rng.randint(1, 500), rng.randint(0, 3000)
+        peak = _kinked(fixed, per, kink, extra)
+        budget = rng.randint(0, 10**6)
+        got = _largest(peak, budget, rng.randint(1, 300), m)[0]
+        want = max((b for b in range(m, 10**6 // per + m + 1, m) if peak(b) <= budget), default=0)
+        assert got == want

@@ -7,6 +7,7 @@ Public API (everything else is internal)::
     plan = memfit.plan(model, inputs, "50%")        # what to recompute to fit a budget
     memfit.apply(model, plan)                       # in place, reversible: memfit.remove(model)
     recipe = memfit.fit(model, inputs, "6GiB")      # the fastest levers that fit (recompute, micro-batches, ...)
+    big = memfit.max_batch(model, inputs, "6GiB")   # the largest batch that fits, and its recipe
     print(recipe.snippet()); run = recipe.apply(model, optimizer)
 """
 
@@ -26,6 +27,7 @@ from memfit.measure.profile import ModuleStats, Profile, profile
 from memfit.measure.step import StepOptions
 from memfit.plan.budget import Budget, parse_budget
 from memfit.plan.fit import fit
+from memfit.plan.max_batch import BatchLimit, MaxBatch, max_batch
 from memfit.plan.planner import plan
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Choice, Plan
@@ -57,6 +59,9 @@ __all__ = [
     # every lever
     "fit",
     "Recipe",
+    "max_batch",
+    "MaxBatch",
+    "BatchLimit",
     # workloads
     "Workload",
     "load_target",

@@ -69,23 +69,24 @@ def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
     return model, inputs
 
 
-def _profile(work: memfit.Workload, device: str, console: Console) -> memfit.Profile:
+def _profile(work: memfit.Workload, device: str, console: Console, *, inference: bool = False) -> memfit.Profile:
     from memfit.report.console import progress_bar
 
     fake = device == "fake"
     model, inputs = _on_device(work, "cpu" if fake else device)
     optimizer = work.make_optimizer()
+    step = memfit.StepOptions(inference=True) if inference else None
     with progress_bar(console, f"profiling {work.name}") as progress:
-        return memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, progress=progress)
+        return memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step)
 
 
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
     work = _workload(ns)
-    prof = _profile(work, ns.device, console)
+    prof = _profile(work, ns.device, console, inference=ns.eval)
     prof.meta.update({"target": ns.target, **work.meta})
-    render_profile(prof, console, title=work.name, top=ns.top)
+    render_profile(prof, console, title=f"{work.name} (evaluation)" if ns.eval else work.name, top=ns.top)
     if ns.json:
         Path(ns.json).write_text(prof.to_json())
         console.print(f"wrote {ns.json}")
@@ -125,20 +126,23 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
 
     budget = fit_budget(ns.budget)  # bad budgets and lever names fail before any work
     parse_allow(ns.allow)
+    if ns.multiple_of < 1:
+        raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     work = _workload(ns)
     model, inputs = _on_device(work, ns.device)
-    with progress_bar(console, f"fitting {work.name}") as progress:
-        recipe = memfit.fit(
-            model,
-            inputs,
-            budget,
-            loss_fn=work.loss_fn,
-            optimizer=work.make_optimizer(),
-            allow=ns.allow,
-            set_to_none=not ns.keep_grads,
-            progress=progress,
-        )
-    recipe.budget = ns.budget
+    common = dict(loss_fn=work.loss_fn, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads)
+    if ns.max_batch:
+        from memfit.report.console import render_max_batch
+
+        with progress_bar(console, f"largest batch of {work.name}") as progress:
+            found = memfit.max_batch(model, inputs, budget, multiple_of=ns.multiple_of, progress=progress, **common)
+        found.recipe.budget = ns.budget
+        render_max_batch(found, console, title=work.name)
+        recipe = found.recipe
+    else:
+        with progress_bar(console, f"fitting {work.name}") as progress:
+            recipe = memfit.fit(model, inputs, budget, progress=progress, **common)
+        recipe.budget = ns.budget
     render_fit(recipe, console, title=work.name, path=ns.json or "recipe.json")
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
@@ -289,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: fake tensors, no memory used")
     p.add_argument("--json", metavar="PATH", help="also write the profile as JSON")
     p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
+    p.add_argument(
+        "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
+    )
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
@@ -314,6 +321,14 @@ def _parser() -> argparse.ArgumentParser:
         "--keep-grads", action="store_true", help="the training loop calls zero_grad(set_to_none=False) (weigh switching)"
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="fit measures step times, so no fake device")
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="find the largest batch that fits (from how the peak grows with the batch, on fake tensors) and its fastest recipe",
+    )
+    p.add_argument(
+        "--multiple-of", type=int, default=1, metavar="N", help="with --max-batch: batch sizes that are multiples of N"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the recipe as JSON (memfit.Recipe.from_json reads it)")
     p.set_defaults(func=_cmd_fit)
 

@@ -220,3 +220,27 @@ def load_target(target: str, *, batch_size: int | None = None, sizes: Mapping[st
     if not isinstance(workload, Workload):
         raise TargetError(f"{target} returned {type(workload).__name__}; expected a memfit.Workload")
     return workload
+
+
+def resize_batch(inputs: Any, batch: int) -> Any:
+    """``inputs`` with a batch of ``batch``: every tensor whose dim 0 is the batch size is
+    cut or tiled along it (its samples repeated in order), anything else passed as is.
+    Same kind as ``inputs`` (a tensor, a tuple, a dict)."""
+    from torch.utils._pytree import tree_map
+
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise WorkloadError(f"a batch size must be a positive integer, got {batch!r}")
+    args, kwargs = split_inputs(inputs)
+    now = batch_size_of(args, kwargs)
+    if now is None:
+        raise WorkloadError("no input tensor has a batch dimension to resize")
+
+    def resize(t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == now):
+            return t
+        return t[torch.arange(batch, device=t.device) % now]
+
+    if isinstance(inputs, torch.Tensor):
+        return resize(inputs)
+    args, kwargs = tree_map(resize, (args, kwargs))
+    return join_inputs(args, kwargs)

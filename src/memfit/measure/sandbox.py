@@ -65,6 +65,7 @@ class Sandbox:
             autocast=o.autocast_dtype,
             scaler=self.scaler,
             set_to_none=o.set_to_none,
+            inference=o.inference,
         )
 
     @contextmanager

@@ -53,10 +53,18 @@ class StepOptions:
     (``"bfloat16"``): measured on a cast copy, the user's model is not touched."""
     foreach: bool | None = None
     """Set the optimizer's ``foreach`` flag for the step; None leaves it as it is."""
+    inference: bool = False
+    """An evaluation step instead: the model in eval mode, forward and loss under
+    ``torch.inference_mode()``, no backward and no optimizer step."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise WorkloadError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if self.inference and (self.micro_batches > 1 or self.grad_scaler or not self.set_to_none or self.foreach is not None):
+            raise WorkloadError(
+                "an inference step has no backward or optimizer step: micro_batches, grad_scaler, "
+                "set_to_none=False and foreach do not apply to it"
+            )
         for name in ("autocast", "param_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
@@ -131,9 +139,13 @@ def train_step(
     autocast: torch.dtype | None = None,
     scaler: Any = None,
     set_to_none: bool = True,
+    inference: bool = False,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
-    micro-batches, the sum of the scaled micro-batch losses (their mean, by default)."""
+    micro-batches, the sum of the scaled micro-batch losses (their mean, by default).
+    With ``inference``, an evaluation step (see :attr:`StepOptions.inference`)."""
+    if inference:
+        return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast)
     if loss_scale is None and micro_batches > 1:
         loss_scale = 1.0 / micro_batches
     total: torch.Tensor | None = None
@@ -159,4 +171,31 @@ def train_step(
     try:
         return float(total)  # type: ignore[arg-type]
     except Exception:  # fake tensors have no value
+        return float("nan")
+
+
+def _inference_step(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    on_phase: Callable[[Phase], None],
+    autocast: torch.dtype | None,
+) -> float:
+    """Forward and loss as an evaluation loop runs them; the modules' training flags are restored."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        on_phase(Phase.FORWARD)
+        with torch.inference_mode():
+            with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                output = model(*args, **kwargs)
+                loss = (loss_fn or default_loss)(output)
+            del output
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    try:
+        return float(loss)
+    except Exception:  # fake tensors have no value; a loss that is not a scalar
         return float("nan")

@@ -89,7 +89,8 @@ class Option:
     freed_bytes: int
     """Net bytes off the curve from the end of M's forward to the start of its backward."""
     transient_bytes: int
-    """Extra bytes alive while M's forward is recomputed, on top of what it brings back."""
+    """Peak bytes M's recompute has alive at once (what it brings back, its temporaries, the
+    copies below), on top of what is alive just before M's backward with the option taken."""
     cost_s: float
     """Estimated recompute time (measured module time split by op estimates)."""
     cost_flops: int
@@ -100,6 +101,23 @@ class Option:
     the recompute and M's backward (the checkpoint frees them when its last saved
     tensor is unpacked), on top of what the curve shows there."""
     bwd_end: int = 0
+    copies: tuple[tuple[int, int], ...] = ()
+    """``(until_tick, bytes)``: tensors saved inside M that stay alive anyway (the model's
+    output kept by the caller, or saved by an op outside M too) are not freed, yet the
+    recompute makes a second copy of each, alive from ``bwd_start`` until the backward of
+    the op that saved it (e.g. a block ending in tanh or ReLU, whose output the next
+    block also keeps)."""
+
+    kept_by: tuple[tuple[str, int, int], ...] = ()
+    """``(module, until_tick, bytes)``: tensors this option frees that are inputs of a
+    later ``module`` without being saved there; if that module is checkpointed too, its
+    checkpoint keeps them from ``fwd_end`` until its backward ends (``until_tick``)."""
+
+    def extra_at(self, tick: int) -> int:
+        """Bytes this option adds over the unplanned curve at ``tick`` of M's backward."""
+        if not self.bwd_start <= tick < self.bwd_end:
+            return 0
+        return self.held_bytes + sum(n for until, n in self.copies if tick < until)
 
 
 @dataclass
@@ -150,6 +168,22 @@ def build_candidates(
     for i, op in enumerate(ledger.ops):
         ops_by_module[op.module].append(i)
 
+    # Which modules take each block as an input (a checkpoint there would keep it).
+    consumers: dict[int, list[str]] = defaultdict(list)
+    for module, by_phase in spans.items():
+        fwds, bwds = by_phase.get(Phase.FORWARD, []), by_phase.get(Phase.BACKWARD, [])
+        if module and len(fwds) == 1 and len(bwds) == 1:
+            for i in fwds[0].inputs:
+                consumers[i].append(module)
+
+    def kept_by(name: str, freed: list) -> tuple[tuple[str, int, int], ...]:
+        out: dict[tuple[str, int], int] = defaultdict(int)
+        for b in freed:
+            for other in consumers.get(b.id, ()):
+                if not _within(other, name) and not _within(name, other):
+                    out[(other, spans[other][Phase.BACKWARD][0].end)] += b.nbytes
+        return tuple(sorted((m, until, n) for (m, until), n in out.items()))
+
     for name, by_phase in spans.items():
         if name == "":
             continue  # recomputing the whole model at the start of backward frees nothing
@@ -168,20 +202,18 @@ def build_candidates(
         held = sum(
             ledger.blocks[i].nbytes for i in fwd.inputs if ledger.blocks[i].died is not None and ledger.blocks[i].died < bs
         )
-        freeable, temps, others = [], [], []
+        freeable, temps, others, kept_anyway = [], [], [], []
         for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]:
             if b.died is not None and fe <= b.died < bs:
                 others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
             if b.died is not None and b.died < fe:
                 temps.append(b)
-            elif (
-                b.category is Category.ACTIVATION
-                and b.savers
-                and all(_within(s, name) for s in b.savers)
-                and b.died is not None
-                and bs <= b.died <= be
-            ):
+            elif b.category is not Category.ACTIVATION or not any(_within(s, name) for s in b.savers):
+                continue
+            elif all(_within(s, name) for s in b.savers) and b.died is not None and bs <= b.died <= be:
                 freeable.append(b)
+            elif b.died is None or b.died >= bs:
+                kept_anyway.append(b)
         my_ops = [i for m, ids in ops_by_module.items() if m is not None and _within(m, name) for i in ids]
         # Checkpointing keeps Python and C++ bookkeeping per op of the region, which the
         # tensor ledger does not see; a region must free more than that to be worth it.
@@ -189,7 +221,8 @@ def build_candidates(
         full_freed = sum(b.nbytes for b in freeable) - held - bookkeeping
         if full_freed <= 0:
             continue
-        transient = _peak_of(temps, fs, fe)
+        inside = order[bisect_left(borns, fs) : bisect_left(borns, fe)]
+        copy_until = {b.id: _saved_until(b, name, spans, be) for b in kept_anyway}
 
         # Estimated seconds per forward op call of M, scaled to M's measured forward time.
         est = {i: rates.estimate(ledger.ops[i].flops, op_bytes[i]) for i in my_ops}
@@ -197,7 +230,25 @@ def build_candidates(
         measured = forward_time.get(name)
         scale = (measured / total_est) if measured else 1.0
         flops_total = sum(ledger.ops[i].flops for i in my_ops)
-        options.append(Option(name, "full", (), full_freed, transient, total_est * scale, flops_total, fe, bs, held, be))
+        copies = tuple(sorted((copy_until[b.id], b.nbytes) for b in kept_anyway))
+        transient = _recompute_peak(inside, freeable + kept_anyway)
+        options.append(
+            Option(
+                name,
+                "full",
+                (),
+                full_freed,
+                transient,
+                total_est * scale,
+                flops_total,
+                fe,
+                bs,
+                held,
+                be,
+                copies,
+                kept_by(name, freeable),
+            )
+        )
 
         # Selective: keep the outputs of the op types with the most compute per byte kept.
         if f"{name}:selective" in excluded:
@@ -214,7 +265,7 @@ def build_candidates(
         }
         if len(by_type) < 2:
             continue
-        op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others if b.id in born_op}
+        op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others + kept_anyway if b.id in born_op}
         kept = {k: sum(b.nbytes for b in freeable + temps if op_of_block.get(b.id) == k) for k in by_type}
         density = {k: sum(est[i] for i in ids) / max(1, kept[k]) for k, ids in by_type.items()}
         ranked = sorted((k for k in by_type if k not in unkeepable), key=lambda k: -density[k])
@@ -237,24 +288,50 @@ def build_candidates(
                     "selective",
                     save,
                     freed - extra,
-                    transient,
+                    _recompute_peak([b for b in inside if op_of_block.get(b.id) not in save], freeable + kept_anyway),
                     (total_est - saved_est) * scale + 2 * len(my_ops) * op_overhead_s,
                     flops_total - saved_flops,
                     fe,
                     bs,
                     held + cached,
                     be,
+                    # SAC hands back its cached output instead of a copy
+                    tuple(sorted((copy_until[b.id], b.nbytes) for b in kept_anyway if op_of_block.get(b.id) not in save)),
+                    kept_by(name, [b for b in freeable if op_of_block.get(b.id) not in save]),
                 )
             )
     return Candidates(options, excluded)
 
 
-def _peak_of(blocks: list, start: int, end: int) -> int:
-    """Highest sum of ``blocks`` alive at once within ``[start, end)``."""
+def _saved_until(block, name: str, spans: dict[str, dict[Phase, list[Span]]], be: int) -> int:
+    """When the recomputed copy of ``block`` dies: after the backward of the modules inside
+    ``name`` that saved it (the checkpoint hands each recomputed tensor to its op once)."""
+    ends = []
+    for s in block.savers:
+        if not _within(s, name):
+            continue
+        bwd = spans.get(s, {}).get(Phase.BACKWARD, [])
+        ends.append(bwd[0].end if s != name and len(bwd) == 1 else be)
+    return min(max(ends, default=be), be)
+
+
+def _recompute_peak(again: list, saved: list) -> int:
+    """Peak bytes alive at once while M's forward is replayed in its backward.
+
+    The replay allocates the blocks of ``again`` (those M's forward allocated, in birth
+    order, less SAC's cached outputs) and frees its temporaries as the forward did. The
+    non-reentrant checkpoint stops the replay once the last tensor saved for backward is
+    back (the last of ``saved`` made again), so later ops do not run."""
+    ids = {b.id for b in again}
+    stop = max((b.born for b in saved if b.id in ids), default=None)
+    if stop is None:
+        return 0
     delta: dict[int, int] = defaultdict(int)
-    for b in blocks:
-        delta[b.born] += b.nbytes
-        delta[b.died] -= b.nbytes
+    for b in again:
+        if b.born <= stop:
+            delta[b.born] += b.nbytes
+            if b.died is not None and b.died <= stop:
+                delta[b.died] -= b.nbytes
     live = peak = 0
     for t in sorted(delta):
         live += delta[t]

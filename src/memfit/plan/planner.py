@@ -187,6 +187,11 @@ def plan(
     if profile is not None and step is not None and profile.step != step:
         raise PlanError(f"the profile measured another step ({profile.step}) than step= asks ({step}); pass one of them")
     options = step or (profile.step if profile is not None else StepOptions())
+    if options.inference:
+        raise PlanError(
+            "an inference step saves nothing for backward, so recomputing frees nothing: plan the training step "
+            "(a profile without StepOptions(inference=True))"
+        )
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     prof = profile or measure_profile(

@@ -2,12 +2,14 @@
 
 Model of the step (see :mod:`memfit.plan.candidates`): memory at tick t under a plan is
 ``curve[t] + sum_j x_j * delta_j(t)``, where option j frees ``freed_j`` bytes over
-``[fwd_end_j, bwd_start_j)``, adds ``transient_j`` at ``bwd_start_j`` (the recompute) and
-keeps the ``held_j`` inputs it holds for the recompute through ``[bwd_start_j, bwd_end_j)``.
+``[fwd_end_j, bwd_start_j)``, adds ``transient_j`` just before ``bwd_start_j`` (the recompute) and
+keeps the ``held_j`` inputs it holds for the recompute through ``[bwd_start_j, bwd_end_j)``,
+with the recomputed copies of tensors that stay alive anyway until their op's backward.
 Deltas only change at option boundaries, so one row per segment between boundaries (at
 the segment's highest tick) plus one row per recompute covers every tick exactly.
 At most one option is chosen on any root-to-leaf path of the module tree: a recomputed
-parent makes its children's choice moot.
+parent makes its children's choice moot. Two options interact when a tensor one frees is
+the input of the other's module, whose checkpoint then keeps it: a pair column adds it back.
 
 Two problems share those rows:
 
@@ -47,9 +49,7 @@ def _delta(option: Option, tick: int) -> int:
     """What choosing ``option`` changes memory by at ``tick`` (outside its recompute)."""
     if option.fwd_end <= tick < option.bwd_start:
         return -option.freed_bytes
-    if option.bwd_start <= tick < option.bwd_end:
-        return option.held_bytes
-    return 0
+    return option.extra_at(tick)
 
 
 def _ancestors(name: str) -> list[str]:
@@ -60,80 +60,122 @@ def _ancestors(name: str) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class _Pair:
+    """Options ``i`` and ``k`` both chosen: ``nbytes`` that ``i`` frees stay alive over
+    ``[start, end)`` because ``k``'s checkpoint keeps them as its input."""
+
+    i: int
+    k: int
+    start: int
+    end: int
+    nbytes: int
+
+    def delta(self, tick: int) -> int:
+        return self.nbytes if self.start <= tick < self.end else 0
+
+
+def _pairs(options: list[Option]) -> list[_Pair]:
+    by_module: dict[str, list[int]] = {}
+    for j, o in enumerate(options):
+        by_module.setdefault(o.module, []).append(j)
+    return [
+        _Pair(i, k, o.fwd_end, until, nbytes)
+        for i, o in enumerate(options)
+        for module, until, nbytes in o.kept_by
+        for k in by_module.get(module, [])
+    ]
+
+
 class Problem:
-    """Rows and columns built once per (curve, options); solved for any bound."""
+    """Rows and columns built once per (curve, options); solved for any bound.
+
+    Columns are the options, then one per interacting pair (:class:`_Pair`), which the
+    constraint ``x_i + x_k - y <= 1`` forces to 1 when both are chosen (nothing rewards
+    a pair column, so it is never 1 otherwise)."""
 
     def __init__(
         self, curve: list[int], start_bytes: int, options: list[Option], cost: Callable[[Option], float] | None = None
     ) -> None:
         self.options = options
+        self.pairs = _pairs(options)
         self.curve = np.asarray(curve, dtype=np.float64)
         self.start_bytes = start_bytes
-        n = len(curve)
-        bounds = sorted({0, n, *(o.fwd_end for o in options), *(o.bwd_start for o in options), *(o.bwd_end for o in options)})
-        bounds = [b for b in bounds if 0 <= b <= n]
-        rows_tick: list[int] = []
-        for a, b in zip(bounds, bounds[1:]):
-            if a < b:
-                rows_tick.append(a + int(np.argmax(self.curve[a:b])))
-        seg_of = {t: bisect_left(bounds, t + 1) - 1 for t in rows_tick}
-        # Segment rows: option j frees over [fwd_end, bwd_start) and holds over [bwd_start, bwd_end).
-        m_seg = len(rows_tick)
-        a_rows = np.zeros((m_seg + len(options), len(options)))
-        base = np.zeros(m_seg + len(options))
+        n, n_opt = len(curve), len(options)
+        cols: list[Callable[[int], int]] = [lambda t, o=o: _delta(o, t) for o in options]
+        cols += [p.delta for p in self.pairs]
+        ticks = {0, n, *(t for o in options for t in (o.fwd_end, o.bwd_start, o.bwd_end, *(u for u, _ in o.copies)))}
+        ticks |= {t for p in self.pairs for t in (p.start, p.end)}
+        bounds = sorted(b for b in ticks if 0 <= b <= n)
+        # Segment rows: every column is constant between two boundaries, so the segment's
+        # highest tick bounds all of it.
+        rows_tick = [a + int(np.argmax(self.curve[a:b])) for a, b in zip(bounds, bounds[1:]) if a < b]
+        seg_start = {t: bounds[bisect_left(bounds, t + 1) - 1] for t in rows_tick}
+        # Recompute rows: the memory just before M's backward (its freed bytes still off the
+        # curve, its held inputs already on it) plus the recompute's own peak.
+        recompute_tick = [min(o.bwd_start, n) - 1 for o in options]
+        a_rows = np.zeros((len(rows_tick) + n_opt, len(cols)))
+        base = np.zeros(len(rows_tick) + n_opt)
         for r, t in enumerate(rows_tick):
             base[r] = self.curve[t]
-            seg_start = bounds[seg_of[t]]
-            for j, o in enumerate(options):
-                a_rows[r, j] += _delta(o, seg_start)
-        # Recompute rows: at bwd_start_j, the memory there plus option j's transient.
-        for j, o in enumerate(options):
-            r = m_seg + j
-            t = min(o.bwd_start, n - 1)
-            base[r] = self.curve[t] if n else start_bytes
-            for k, other in enumerate(options):
-                if k != j:
-                    a_rows[r, k] += _delta(other, o.bwd_start)
-            a_rows[r, j] += o.transient_bytes + o.held_bytes
+            a_rows[r] = [col(seg_start[t]) for col in cols]
+        for j, (o, t) in enumerate(zip(options, recompute_tick)):
+            r = len(rows_tick) + j
+            base[r] = self.curve[t] if t >= 0 else start_bytes
+            a_rows[r] = [col(t) for col in cols]
+            a_rows[r, j] += o.transient_bytes
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.
         by_module: dict[str, list[int]] = {}
         for j, o in enumerate(options):
             by_module.setdefault(o.module, []).append(j)
-        path_rows = []
+        link_rows = []
         for name in by_module:
-            cols = list(by_module[name])
+            cols_on_path = list(by_module[name])
             for anc in _ancestors(name):
-                cols += by_module.get(anc, [])
-            row = np.zeros(len(options))
-            row[cols] = 1
-            path_rows.append(row)
-        self._paths = np.array(path_rows) if path_rows else np.zeros((0, len(options)))
-        self._cost = np.array([(cost or _seconds)(o) for o in options])
+                cols_on_path += by_module.get(anc, [])
+            row = np.zeros(len(cols))
+            row[cols_on_path] = 1
+            link_rows.append(row)
+        for q, p in enumerate(self.pairs):
+            row = np.zeros(len(cols))
+            row[[p.i, p.k]] = 1
+            row[n_opt + q] = -1
+            link_rows.append(row)
+        self._links = np.array(link_rows) if link_rows else np.zeros((0, len(cols)))
+        self._cost = np.array([(cost or _seconds)(o) for o in options] + [0.0] * len(self.pairs))
+
+    def _columns(self, chosen: list[Option]) -> np.ndarray:
+        x = [1.0 if o in chosen else 0.0 for o in self.options]
+        return np.array(x + [x[p.i] * x[p.k] for p in self.pairs])
 
     def model_peak(self, chosen: list[Option]) -> int:
         """Peak the model predicts for a set of options (at least the start bytes).
 
         A recompute row whose option is not chosen reads the plain memory at that tick,
         which its segment's row already bounds, so every row can be taken as is."""
-        x = np.array([1.0 if o in chosen else 0.0 for o in self.options])
-        mem = self._base + (self._rows @ x if len(self.options) else 0.0)
+        mem = self._base + (self._rows @ self._columns(chosen) if self._rows.shape[1] else 0.0)
         return int(max(float(mem.max()) * _MiB if len(mem) else 0.0, self.start_bytes))
 
     def _constraints(self, bound_mib: float | None) -> list[LinearConstraint]:
-        """Path rows and memory rows; with no bound, memory rows are ``<= z`` for an extra
-        last column ``z`` (the peak being minimised)."""
+        """Link rows (one option per path, pair columns) and memory rows; with no bound,
+        memory rows are ``<= z`` for an extra last column ``z`` (the peak being minimised)."""
         extra = bound_mib is None
         cons = []
-        if len(self._paths):
-            paths = np.hstack([self._paths, np.zeros((len(self._paths), 1))]) if extra else self._paths
-            cons.append(LinearConstraint(paths, -np.inf, 1))
+        if len(self._links):
+            links = np.hstack([self._links, np.zeros((len(self._links), 1))]) if extra else self._links
+            cons.append(LinearConstraint(links, -np.inf, 1))
         if extra:
             cons.append(LinearConstraint(np.hstack([self._rows, -np.ones((self._rows.shape[0], 1))]), -np.inf, -self._base))
         else:
             cons.append(LinearConstraint(self._rows, -np.inf, bound_mib - self._base))
         return cons
+
+    def _integrality(self) -> np.ndarray:
+        # Options are 0/1; a pair column is continuous: its link row and memory rows
+        # already pin it to x_i * x_k at an optimum.
+        return np.concatenate([np.ones(len(self.options)), np.zeros(len(self.pairs))])
 
     def min_cost(self, bound_bytes: int) -> Solution | None:
         """Cheapest options keeping every row within ``bound_bytes``; None if impossible."""
@@ -143,7 +185,7 @@ class Problem:
         res = milp(
             c=self._cost + 1e-9,  # the epsilon prefers fewer options among equal costs
             constraints=self._constraints(bound_bytes / _MiB),
-            integrality=np.ones(n),
+            integrality=self._integrality(),
             bounds=Bounds(0, 1),
             options={"time_limit": 30.0},
         )
@@ -157,11 +199,12 @@ class Problem:
         if n == 0:
             return Solution([], self.model_peak([]), 0.0)
         cost_scale = 1e-6 / max(float(self._cost.sum()), 1e-12)  # far below 1 MiB of peak
+        width = len(self._cost)
         res = milp(
             c=np.concatenate([self._cost * cost_scale, [1.0]]),
             constraints=self._constraints(None),
-            integrality=np.concatenate([np.ones(n), [0]]),
-            bounds=Bounds(np.concatenate([np.zeros(n), [0]]), np.concatenate([np.ones(n), [np.inf]])),
+            integrality=np.concatenate([self._integrality(), [0]]),
+            bounds=Bounds(np.zeros(width + 1), np.concatenate([np.ones(width), [np.inf]])),
             options={"time_limit": 30.0},
         )
         if res.x is None:

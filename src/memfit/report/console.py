@@ -15,6 +15,7 @@ from rich.table import Table
 
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
+from memfit.plan.max_batch import MaxBatch
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
@@ -26,6 +27,7 @@ __all__ = [
     "render_before_after",
     "render_bench",
     "render_fit",
+    "render_max_batch",
     "progress_bar",
     "sparkline",
 ]
@@ -120,6 +122,11 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     console.print(table)
 
     timed = profile.time_source == "measured"
+    if profile.step.inference:
+        console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
+        if timed:
+            console.print(f"step time {profile.step_time_s:.3f} s (one step after warm-up, measured on {profile.device})")
+        return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
     show_type = console.width >= 100  # names matter more than types on a narrow terminal
     mods.add_column("module", overflow="fold")
@@ -243,6 +250,31 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
         "peak = tensors alive at the step's start + the measured rise over it (fresh process each); "
         "step = median after warm-up; +FLOPs = recomputed FLOPs (FlopCounterMode, 0 for pointwise ops)"
     )
+
+
+def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = None) -> None:
+    """How each lever set's peak grows with the batch, and the largest batch each fits."""
+    console.print(
+        f"[bold]{title or found.recipe.model_type}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
+        f"[bold]{found.batch_size}[/] (example batch {found.example_batch}; searched in {found.search_time_s:.1f} s)",
+        highlight=False,
+    )
+    table = Table(title="Peak = fixed + per sample x batch (fake tensors)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("levers", overflow="fold")
+    for col in ("fixed", "per sample", "line says", "largest batch", "peak there", "measurements"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for lim in found.limits:
+        table.add_row(
+            lim.label,
+            format_bytes(lim.fixed_bytes),
+            format_bytes(lim.bytes_per_sample),
+            str(lim.predicted_batch),
+            f"[bold]{lim.max_batch}[/]" if lim.max_batch == found.batch_size else str(lim.max_batch),
+            format_bytes(lim.peak_bytes) if lim.max_batch else "-",
+            str(lim.measurements),
+        )
+    console.print(table)
+    console.print(f"the fastest recipe at batch {found.batch_size}, measured:")
 
 
 def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, path: str = "recipe.json") -> None:

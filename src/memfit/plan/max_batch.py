@@ -1,0 +1,271 @@
+"""``memfit.max_batch``: the largest batch whose training step fits a budget, and the
+fastest recipe for it, found without running a step that does not fit.
+
+For each set of levers that changes how memory grows with the batch (as it is; recompute
+at its lowest reachable peak; with ``allow``, autocast or bfloat16 parameters, each also
+with recompute), the step's peak is a function of the batch size. Two exact fake-tensor
+measurements (the example batch and twice it) give the bytes per sample and the fixed
+bytes; the line predicts the largest batch under the budget. Fake-tensor measurements
+at the prediction and one sample-step above it confirm it (a peak can move from the
+backward to the optimizer step, so the line is a guess until checked); where it is off,
+a bisection between a batch that fits and one that does not settles it. No real tensor
+of a batch that does not fit is ever allocated.
+
+The largest batch over the lever sets is then handed to :func:`memfit.fit`, which picks the
+fastest recipe at that batch and measures it for real: the verification step. Micro-
+batching is left to that recipe: it makes the effective batch as large as one likes, so
+the batch here is what one forward and backward hold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.apply.checkpoint import unwrap
+from memfit.errors import BudgetInfeasibleError, WorkloadError
+from memfit.measure.profile import Progress, check_step
+from memfit.measure.profile import profile as measure_profile
+from memfit.measure.step import StepOptions
+from memfit.plan.fit import fit, fit_budget, parse_allow
+from memfit.plan.planner import plan as make_plan
+from memfit.plan.recipe import Recipe
+from memfit.units import format_bytes
+from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, split_inputs
+
+__all__ = ["max_batch", "MaxBatch", "BatchLimit"]
+
+_LIMIT = 1 << 20  # a step whose peak does not grow with the batch stops here
+
+
+@dataclass(frozen=True)
+class BatchLimit:
+    """How one set of levers scales with the batch, and the largest batch it fits."""
+
+    levers: tuple[str, ...]
+    max_batch: int
+    """0: not even a batch of ``multiple_of`` fits."""
+    bytes_per_sample: int
+    fixed_bytes: int
+    predicted_batch: int
+    """What the line through two measurements predicted, before the checks."""
+    peak_bytes: int
+    """The exact (fake-tensor) peak at ``max_batch``; 0 when it is 0."""
+    measurements: int
+
+    @property
+    def label(self) -> str:
+        return " + ".join(self.levers) or "as it is"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "levers": list(self.levers),
+            "max_batch": self.max_batch,
+            "bytes_per_sample": self.bytes_per_sample,
+            "fixed_bytes": self.fixed_bytes,
+            "predicted_batch": self.predicted_batch,
+            "peak_bytes": self.peak_bytes,
+            "measurements": self.measurements,
+        }
+
+
+@dataclass
+class MaxBatch:
+    budget_bytes: int
+    batch_size: int
+    example_batch: int
+    limits: list[BatchLimit]
+    recipe: Recipe
+    """The fastest recipe at ``batch_size``, measured for real."""
+    search_time_s: float
+    multiple_of: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "batch_size": self.batch_size,
+            "example_batch": self.example_batch,
+            "limits": [lim.to_dict() for lim in self.limits],
+            "recipe": self.recipe.to_dict(),
+            "search_time_s": self.search_time_s,
+            "multiple_of": self.multiple_of,
+        }
+
+
+def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int) -> tuple[int, int, int, int, int]:
+    """Largest multiple of ``multiple`` whose ``peak`` is within ``budget``:
+    ``(batch, peak there, bytes per sample, fixed bytes, predicted batch)``."""
+    seen: dict[int, int] = {}
+
+    def at(b: int) -> int:
+        if b not in seen:
+            seen[b] = peak(b)
+        return seen[b]
+
+    b1 = max(multiple, start // multiple * multiple)
+    b2 = b1 + max(multiple, b1)
+    slope = (at(b2) - at(b1)) / (b2 - b1)
+    fixed = at(b1) - slope * b1
+    guess = _LIMIT if slope <= 0 else int((budget - fixed) // slope)
+    guess = max(multiple, min(_LIMIT, guess) // multiple * multiple)
+    # Gallop from the guess (usually right, or a step off) to a bracket: lo fits (0:
+    # nothing does), hi does not (None: the cap fits).
+    step = multiple
+    if at(guess) <= budget:
+        lo, hi = guess, None
+        while lo + step <= _LIMIT and at(lo + step) <= budget:
+            lo, step = lo + step, step * 2
+        if lo + step <= _LIMIT:
+            hi = lo + step
+    else:
+        lo, hi = 0, guess
+        while hi - step >= multiple and at(hi - step) > budget:
+            hi, step = hi - step, step * 2
+        lo = hi - step if hi - step >= multiple else 0  # fits, or nothing checked fits yet
+    if hi is None:  # fits at the cap: the peak does not grow with the batch
+        return lo, at(lo), round(slope), round(fixed), guess
+    while hi - lo > multiple:  # bisect on multiples
+        mid = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
+        if at(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo, (at(lo) if lo else 0), round(slope), round(fixed), guess
+
+
+def max_batch(
+    model: nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    allow: str | Iterable[str] | None = None,
+    set_to_none: bool = True,
+    multiple_of: int = 1,
+    progress: Progress | None = None,
+) -> MaxBatch:
+    """The largest batch whose training step peaks within ``budget``, with the fastest recipe for it.
+
+    Args:
+        model, inputs, loss_fn, optimizer: the step, as for :func:`memfit.profile`; ``inputs``
+            is an example batch: every tensor whose dim 0 is its batch size is tiled or cut
+            to the batch sizes tried.
+        budget: bytes bounding the whole step's peak (``"6GiB"``).
+        allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``), as for :func:`memfit.fit`.
+        set_to_none: what the training loop calls now, as for :func:`memfit.fit`.
+        multiple_of: only batch sizes that are multiples of this (8 for tensor cores, say).
+
+    Returns:
+        A :class:`MaxBatch`: the batch size, how each lever set scales (bytes per sample,
+        fixed bytes, its largest batch) and the :class:`Recipe` at that batch, measured.
+        The model, its gradients and buffers, the optimizer and the RNG are left as they were.
+
+    Raises:
+        BudgetInfeasibleError: not even a batch of ``multiple_of`` fits with the levers allowed.
+    """
+    started = time.perf_counter()
+    target = fit_budget(budget)
+    allowed = parse_allow(allow)
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    check_arguments(model, optimizer, loss_fn)
+    model = unwrap(model)
+    args, kwargs = split_inputs(inputs)
+    device = check_step(model, args, kwargs)
+    example = batch_size_of(args, kwargs)
+    if example is None:
+        raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    report = progress or (lambda desc, done, total: None)
+    cuda = device.type == "cuda"
+
+    precisions = {"": StepOptions()}
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if "amp" in allowed and dtypes == {torch.float32}:
+        precisions["amp"] = StepOptions(autocast="float16" if cuda else "bfloat16", grad_scaler=cuda)
+    if "bf16" in allowed and dtypes == {torch.float32}:
+        precisions["bf16"] = StepOptions(param_dtype="bfloat16")
+
+    def plain(step: StepOptions) -> Callable[[int], int]:
+        def peak(b: int) -> int:
+            report(f"fake-tensor profile at batch {b}", 0, 0)
+            batch = resize_batch(inputs, b)
+            return measure_profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step).peak_bytes
+
+        return peak
+
+    def recomputed(step: StepOptions) -> Callable[[int], int]:
+        def peak(b: int) -> int:
+            report(f"lowest recompute peak at batch {b}", 0, 0)
+            batch = resize_batch(inputs, b)
+            return make_plan(model, batch, 0.0, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step).min_peak_bytes
+
+        return peak
+
+    limits = []
+    for name, step in precisions.items():
+        for recompute in (False, True):
+            counted: list[int] = []
+            measure = (recomputed if recompute else plain)(step)
+
+            def counting(b: int, measure: Callable[[int], int] = measure, counted: list[int] = counted) -> int:
+                counted.append(b)
+                return measure(b)
+
+            best, peak, slope, fixed, guess = _largest(counting, target, example, multiple_of)
+            levers = tuple(x for x in (("recompute",) if recompute else ()) + ((name,) if name else ()))
+            limits.append(BatchLimit(levers, best, slope, fixed, guess, peak, len(counted)))
+
+    batch = max(lim.max_batch for lim in limits)
+    if batch == 0:
+        lowest = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple_of)
+        raise BudgetInfeasibleError(
+            f"budget {format_bytes(target)} does not hold even a batch of {multiple_of}: the lowest peak there is about "
+            f"{format_bytes(lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of)} ({lowest.label})",
+            min_peak_bytes=lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of,
+            budget_bytes=target,
+        )
+    # The fastest recipe at that batch, measured (fit runs it for real). fit plans on real
+    # tensors, whose figures can differ from the fake ones by a few bytes: a batch that
+    # then does not fit steps down.
+    for _ in range(3):
+        report(f"fastest recipe at batch {batch}", 0, 0)
+        try:
+            recipe = fit(
+                model,
+                resize_batch(inputs, batch),
+                target,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                allow=allowed,
+                set_to_none=set_to_none,
+                progress=progress,
+            )
+            break
+        except BudgetInfeasibleError:
+            if batch <= multiple_of:
+                raise
+            batch -= multiple_of
+    else:
+        raise BudgetInfeasibleError(
+            f"no recipe fits batch {batch + multiple_of} or the two below it when measured, though fake tensors said so",
+            min_peak_bytes=target + 1,
+            budget_bytes=target,
+        )
+    recipe.budget = str(budget)
+    return MaxBatch(
+        budget_bytes=target,
+        batch_size=batch,
+        example_batch=example,
+        limits=limits,
+        recipe=recipe,
+        search_time_s=time.perf_counter() - started,
+        multiple_of=multiple_of,
+    )
