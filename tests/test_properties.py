@@ -197,6 +197,10 @@ def test_planned_step_peaks_where_predicted_and_within_budget(forest, seed, frac
             [3877, 224],
             id="adjacent-checkpoints",
         ),
+        # (176400, 181008): selective recompute keeping tanh: the replay runs up to the
+        # tanh (SAC hands its output back from the cache), not only to the last tensor it
+        # makes again.
+        pytest.param([("seq", ["dropout", "dropout", "tanh"])], [1], id="replay-runs-to-a-cached-output"),
     ],
 )
 def test_known_counterexamples(forest, picks):

@@ -108,10 +108,13 @@ class Option:
     the op that saved it (e.g. a block ending in tanh or ReLU, whose output the next
     block also keeps)."""
 
-    kept_by: tuple[tuple[str, int, int], ...] = ()
-    """``(module, until_tick, bytes)``: tensors this option frees that are inputs of a
-    later ``module`` without being saved there; if that module is checkpointed too, its
-    checkpoint keeps them from ``fwd_end`` until its backward ends (``until_tick``)."""
+    pairs: tuple[tuple[str, int, int, int], ...] = ()
+    """``(module, start, end, bytes)``: what changes over ``[start, end)`` if ``module`` is
+    checkpointed too. A tensor this option frees that is the other module's input without
+    being saved there stays alive, kept by the other checkpoint (``+bytes`` from
+    ``fwd_end`` until the other's backward ends). A tensor this option makes a copy of
+    because the other module saves it dies when the other checkpoint lets its inputs go
+    (``-bytes`` from the end of its backward to when it died without either)."""
 
     def extra_at(self, tick: int) -> int:
         """Bytes this option adds over the unplanned curve at ``tick`` of M's backward."""
@@ -131,6 +134,14 @@ def _span_map(ledger: Ledger) -> dict[str, dict[Phase, list[Span]]]:
     out: dict[str, dict[Phase, list[Span]]] = defaultdict(lambda: defaultdict(list))
     for s in ledger.spans:
         out[s.module][s.phase].append(s)
+    return out
+
+
+def ancestors_and_self(name: str) -> list[str]:
+    out = [name]
+    while name:
+        name = name.rpartition(".")[0]
+        out.append(name)
     return out
 
 
@@ -176,13 +187,28 @@ def build_candidates(
             for i in fwds[0].inputs:
                 consumers[i].append(module)
 
-    def kept_by(name: str, freed: list) -> tuple[tuple[str, int, int], ...]:
-        out: dict[tuple[str, int], int] = defaultdict(int)
+    def bwd_end(module: str) -> int | None:
+        fwds, bwds = spans.get(module, {}).get(Phase.FORWARD, []), spans.get(module, {}).get(Phase.BACKWARD, [])
+        return bwds[0].end if module and len(fwds) == 1 and len(bwds) == 1 else None
+
+    def pairs(name: str, fe: int, be: int, freed: list, copied: list) -> tuple[tuple[str, int, int, int], ...]:
+        out: dict[tuple[str, int, int], int] = defaultdict(int)
         for b in freed:
             for other in consumers.get(b.id, ()):
                 if not _within(other, name) and not _within(name, other):
-                    out[(other, spans[other][Phase.BACKWARD][0].end)] += b.nbytes
-        return tuple(sorted((m, until, n) for (m, until), n in out.items()))
+                    out[(other, fe, spans[other][Phase.BACKWARD][0].end)] += b.nbytes
+        for b in copied:
+            outside = [s for s in b.savers if not _within(s, name)]
+            if not outside or b.died is None or b.died > be:
+                continue  # kept by the caller: no other checkpoint lets it go
+            # Every module holding all outside savers whose checkpoint would take b in.
+            for other in ancestors_and_self(outside[0]):
+                end = bwd_end(other)
+                if end is None or _within(name, other) or not all(_within(s, other) for s in outside):
+                    continue
+                if b.id in spans[other][Phase.FORWARD][0].inputs and end < b.died:
+                    out[(other, end, b.died)] -= b.nbytes
+        return tuple(sorted((m, a, z, n) for (m, a, z), n in out.items() if n))
 
     for name, by_phase in spans.items():
         if name == "":
@@ -246,7 +272,7 @@ def build_candidates(
                 held,
                 be,
                 copies,
-                kept_by(name, freeable),
+                pairs(name, fe, be, freeable, kept_anyway),
             )
         )
 
@@ -297,7 +323,13 @@ def build_candidates(
                     be,
                     # SAC hands back its cached output instead of a copy
                     tuple(sorted((copy_until[b.id], b.nbytes) for b in kept_anyway if op_of_block.get(b.id) not in save)),
-                    kept_by(name, [b for b in freeable if op_of_block.get(b.id) not in save]),
+                    pairs(
+                        name,
+                        fe,
+                        be,
+                        [b for b in freeable if op_of_block.get(b.id) not in save],
+                        [b for b in kept_anyway if op_of_block.get(b.id) not in save],
+                    ),
                 )
             )
     return Candidates(options, excluded)
@@ -305,13 +337,19 @@ def build_candidates(
 
 def _saved_until(block, name: str, spans: dict[str, dict[Phase, list[Span]]], be: int) -> int:
     """When the recomputed copy of ``block`` dies: after the backward of the modules inside
-    ``name`` that saved it (the checkpoint hands each recomputed tensor to its op once)."""
+    ``name`` that saved it (the checkpoint hands each recomputed tensor to its op once).
+    For a module called several times (one ReLU module used three times in a block), the
+    backward of the call that saved it: backward runs the calls in reverse order."""
     ends = []
     for s in block.savers:
         if not _within(s, name):
             continue
-        bwd = spans.get(s, {}).get(Phase.BACKWARD, [])
-        ends.append(bwd[0].end if s != name and len(bwd) == 1 else be)
+        if s == name:  # an op of M itself: its backward may come last
+            ends.append(be)
+            continue
+        fwd, bwd = spans.get(s, {}).get(Phase.FORWARD, []), spans.get(s, {}).get(Phase.BACKWARD, [])
+        call = next((k for k, f in enumerate(fwd) if f.start <= block.born < f.end), None)
+        ends.append(bwd[len(bwd) - 1 - call].end if call is not None and len(fwd) == len(bwd) else be)
     return min(max(ends, default=be), be)
 
 
@@ -321,9 +359,9 @@ def _recompute_peak(again: list, saved: list) -> int:
     The replay allocates the blocks of ``again`` (those M's forward allocated, in birth
     order, less SAC's cached outputs) and frees its temporaries as the forward did. The
     non-reentrant checkpoint stops the replay once the last tensor saved for backward is
-    back (the last of ``saved`` made again), so later ops do not run."""
-    ids = {b.id for b in again}
-    stop = max((b.born for b in saved if b.id in ids), default=None)
+    back (the last of ``saved``, even one SAC hands back from its cache: the replay runs up
+    to that op), so later ops do not run."""
+    stop = max((b.born for b in saved), default=None)
     if stop is None:
         return 0
     delta: dict[int, int] = defaultdict(int)

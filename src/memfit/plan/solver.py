@@ -62,8 +62,8 @@ def _ancestors(name: str) -> list[str]:
 
 @dataclass(frozen=True)
 class _Pair:
-    """Options ``i`` and ``k`` both chosen: ``nbytes`` that ``i`` frees stay alive over
-    ``[start, end)`` because ``k``'s checkpoint keeps them as its input."""
+    """Options ``i`` and ``k`` both chosen: memory changes by ``nbytes`` over ``[start, end)``
+    (see :attr:`Option.pairs`)."""
 
     i: int
     k: int
@@ -80,9 +80,9 @@ def _pairs(options: list[Option]) -> list[_Pair]:
     for j, o in enumerate(options):
         by_module.setdefault(o.module, []).append(j)
     return [
-        _Pair(i, k, o.fwd_end, until, nbytes)
+        _Pair(i, k, start, end, nbytes)
         for i, o in enumerate(options)
-        for module, until, nbytes in o.kept_by
+        for module, start, end, nbytes in o.pairs
         for k in by_module.get(module, [])
     ]
 
@@ -112,7 +112,9 @@ class Problem:
         rows_tick = [a + int(np.argmax(self.curve[a:b])) for a, b in zip(bounds, bounds[1:]) if a < b]
         seg_start = {t: bounds[bisect_left(bounds, t + 1) - 1] for t in rows_tick}
         # Recompute rows: the memory just before M's backward (its freed bytes still off the
-        # curve, its held inputs already on it) plus the recompute's own peak.
+        # curve, its held inputs already on it) plus the recompute's own peak. Other options
+        # count as at M's first backward tick: a backward that ended there has let go of what
+        # it held before M's recompute starts.
         recompute_tick = [min(o.bwd_start, n) - 1 for o in options]
         a_rows = np.zeros((len(rows_tick) + n_opt, len(cols)))
         base = np.zeros(len(rows_tick) + n_opt)
@@ -122,8 +124,8 @@ class Problem:
         for j, (o, t) in enumerate(zip(options, recompute_tick)):
             r = len(rows_tick) + j
             base[r] = self.curve[t] if t >= 0 else start_bytes
-            a_rows[r] = [col(t) for col in cols]
-            a_rows[r, j] += o.transient_bytes
+            a_rows[r] = [col(t + 1) for col in cols]
+            a_rows[r, j] = _delta(o, t) + o.transient_bytes
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.
