@@ -441,6 +441,6 @@ def test_largest_batch_search_is_exact_on_kinked_peaks():
         per, fixed, kink, extra = rng.randint(1, 1000), rng.randint(0, 10**5), rng.randint(1, 500), rng.randint(0, 3000)
         peak = _kinked(fixed, per, kink, extra)
         budget = rng.randint(0, 10**6)
-        got = _largest(peak, budget, rng.randint(1, 300), m)[0]
+        got = _largest(peak, budget, rng.randint(1, 300), m).max_batch
         want = max((b for b in range(m, 10**6 // per + m + 1, m) if peak(b) <= budget), default=0)
         assert got == want

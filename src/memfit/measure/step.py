@@ -16,7 +16,7 @@ the ones that change the step itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.workload import check_loss, default_loss, split_micro_batches
 
-__all__ = ["train_step", "StepOptions", "FakeGradScaler"]
+__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode"]
 
 _DTYPES = ("bfloat16", "float16")
 
@@ -174,6 +174,19 @@ def train_step(
         return float("nan")
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the block; every module's own training flag restored after
+    (``model.train()`` would switch on modules the user had put in eval mode)."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
 def _inference_step(
     model: nn.Module,
     args: tuple,
@@ -183,18 +196,12 @@ def _inference_step(
     autocast: torch.dtype | None,
 ) -> float:
     """Forward and loss as an evaluation loop runs them; the modules' training flags are restored."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        on_phase(Phase.FORWARD)
-        with torch.inference_mode():
-            with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
-                output = model(*args, **kwargs)
-                loss = (loss_fn or default_loss)(output)
-            del output
-    finally:
-        for m, training in modes.items():
-            m.training = training
+    on_phase(Phase.FORWARD)
+    with eval_mode(model), torch.inference_mode():
+        with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            output = model(*args, **kwargs)
+            loss = (loss_fn or default_loss)(output)
+        del output
     try:
         return float(loss)
     except Exception:  # fake tensors have no value; a loss that is not a scalar

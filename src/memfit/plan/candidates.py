@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 
-from memfit.measure.ledger import Category, Ledger, Phase, Span
+from memfit.measure.ledger import Category, Ledger, Phase, Span, ancestors
 
 __all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples"]
 
@@ -137,14 +137,6 @@ def _span_map(ledger: Ledger) -> dict[str, dict[Phase, list[Span]]]:
     return out
 
 
-def ancestors_and_self(name: str) -> list[str]:
-    out = [name]
-    while name:
-        name = name.rpartition(".")[0]
-        out.append(name)
-    return out
-
-
 def _within(name: str, root: str) -> bool:
     return root == "" or name == root or name.startswith(root + ".")
 
@@ -179,35 +171,35 @@ def build_candidates(
     for i, op in enumerate(ledger.ops):
         ops_by_module[op.module].append(i)
 
-    # Which modules take each block as an input (a checkpoint there would keep it).
+    # Modules that could be checkpointed (one forward and one backward call) and which of
+    # them take each block as an input (a checkpoint there would keep it).
+    once = {
+        module: (by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0])
+        for module, by_phase in spans.items()
+        if module and len(by_phase.get(Phase.FORWARD, [])) == 1 and len(by_phase.get(Phase.BACKWARD, [])) == 1
+    }
     consumers: dict[int, list[str]] = defaultdict(list)
-    for module, by_phase in spans.items():
-        fwds, bwds = by_phase.get(Phase.FORWARD, []), by_phase.get(Phase.BACKWARD, [])
-        if module and len(fwds) == 1 and len(bwds) == 1:
-            for i in fwds[0].inputs:
-                consumers[i].append(module)
-
-    def bwd_end(module: str) -> int | None:
-        fwds, bwds = spans.get(module, {}).get(Phase.FORWARD, []), spans.get(module, {}).get(Phase.BACKWARD, [])
-        return bwds[0].end if module and len(fwds) == 1 and len(bwds) == 1 else None
+    for module, (fwd, _) in once.items():
+        for i in fwd.inputs:
+            consumers[i].append(module)
 
     def pairs(name: str, fe: int, be: int, freed: list, copied: list) -> tuple[tuple[str, int, int, int], ...]:
         out: dict[tuple[str, int, int], int] = defaultdict(int)
         for b in freed:
             for other in consumers.get(b.id, ()):
                 if not _within(other, name) and not _within(name, other):
-                    out[(other, fe, spans[other][Phase.BACKWARD][0].end)] += b.nbytes
+                    out[(other, fe, once[other][1].end)] += b.nbytes
         for b in copied:
             outside = [s for s in b.savers if not _within(s, name)]
             if not outside or b.died is None or b.died > be:
                 continue  # kept by the caller: no other checkpoint lets it go
             # Every module holding all outside savers whose checkpoint would take b in.
-            for other in ancestors_and_self(outside[0]):
-                end = bwd_end(other)
-                if end is None or _within(name, other) or not all(_within(s, other) for s in outside):
+            for other in ancestors(outside[0]):
+                if other not in once or _within(name, other) or not all(_within(s, other) for s in outside):
                     continue
-                if b.id in spans[other][Phase.FORWARD][0].inputs and end < b.died:
-                    out[(other, end, b.died)] -= b.nbytes
+                fwd, bwd = once[other]
+                if b.id in fwd.inputs and bwd.end < b.died:
+                    out[(other, bwd.end, b.died)] -= b.nbytes
         return tuple(sorted((m, a, z, n) for (m, a, z), n in out.items() if n))
 
     for name, by_phase in spans.items():
@@ -228,8 +220,9 @@ def build_candidates(
         held = sum(
             ledger.blocks[i].nbytes for i in fwd.inputs if ledger.blocks[i].died is not None and ledger.blocks[i].died < bs
         )
+        inside = order[bisect_left(borns, fs) : bisect_left(borns, fe)]  # born in M's forward
         freeable, temps, others, kept_anyway = [], [], [], []
-        for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]:
+        for b in inside:
             if b.died is not None and fe <= b.died < bs:
                 others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
             if b.died is not None and b.died < fe:
@@ -247,7 +240,6 @@ def build_candidates(
         full_freed = sum(b.nbytes for b in freeable) - held - bookkeeping
         if full_freed <= 0:
             continue
-        inside = order[bisect_left(borns, fs) : bisect_left(borns, fe)]
         copy_until = {b.id: _saved_until(b, name, spans, be) for b in kept_anyway}
 
         # Estimated seconds per forward op call of M, scaled to M's measured forward time.
@@ -284,11 +276,7 @@ def build_candidates(
             if op_bytes[i]:
                 by_type[ledger.ops[i].op].append(i)
         # SAC refuses to keep an output that is later written in place.
-        unkeepable = {
-            ledger.ops[born_op[b.id]].op
-            for b in order[bisect_left(borns, fs) : bisect_left(borns, fe)]
-            if b.mutated and b.id in born_op
-        }
+        unkeepable = {ledger.ops[born_op[b.id]].op for b in inside if b.mutated and b.id in born_op}
         if len(by_type) < 2:
             continue
         op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others + kept_anyway if b.id in born_op}

@@ -48,7 +48,7 @@ from memfit.measure import _torch_compat
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import real_sandbox
-from memfit.measure.step import StepOptions
+from memfit.measure.step import StepOptions, eval_mode
 from memfit.measure.timing import median_step_time
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import plan as make_plan
@@ -132,37 +132,31 @@ def _loss_scales(
     scales: dict[int, float] = {}
     why = None
     loss = loss_fn or default_loss
-    with real_sandbox(model, args, kwargs, optimizer) as box, torch.no_grad():
-        modes = {m: m.training for m in box.model.modules()}
-        box.model.eval()
+    with real_sandbox(model, args, kwargs, optimizer) as box, torch.no_grad(), eval_mode(box.model):
         try:
+            full = float(loss(box.model(*box.args, **box.kwargs)))
+        except Exception as exc:  # the training step itself is checked elsewhere; this only probes
+            return {}, f"the loss could not be probed in evaluation mode ({type(exc).__name__}: {str(exc)[:120]})"
+        for k in ks:
             try:
-                full = float(loss(box.model(*box.args, **box.kwargs)))
-            except Exception as exc:  # the training step itself is checked elsewhere; this only probes
-                return {}, f"the loss could not be probed in evaluation mode ({type(exc).__name__}: {str(exc)[:120]})"
-            for k in ks:
-                try:
-                    parts = [float(loss(box.model(*a, **kw))) for a, kw in split_micro_batches(box.args, box.kwargs, k)]
-                except Exception as exc:
-                    why = (
-                        f"the loss of a micro-batch cannot be computed ({type(exc).__name__}: {str(exc)[:120]}); "
-                        "a loss_fn that holds the whole batch's targets sees only a micro-batch's outputs: pass the targets among the inputs"
-                    )
-                    break
-                mean, total = sum(parts) / k, sum(parts)
-                tol = _LOSS_RTOL * max(abs(full), 1e-6)
-                if abs(full - mean) <= tol:
-                    scales[k] = 1.0 / k
-                elif abs(full - total) <= tol:
-                    scales[k] = 1.0
-                else:
-                    why = (
-                        f"the batch's loss ({full:.6g}) is neither the mean ({mean:.6g}) nor the sum ({total:.6g}) of its {k} "
-                        "micro-batches' losses: the loss couples samples, so micro-batches would change the gradient"
-                    )
-        finally:
-            for m, training in modes.items():
-                m.training = training
+                parts = [float(loss(box.model(*a, **kw))) for a, kw in split_micro_batches(box.args, box.kwargs, k)]
+            except Exception as exc:
+                why = (
+                    f"the loss of a micro-batch cannot be computed ({type(exc).__name__}: {str(exc)[:120]}); "
+                    "a loss_fn that holds the whole batch's targets sees only a micro-batch's outputs: pass the targets among the inputs"
+                )
+                break
+            mean, total = sum(parts) / k, sum(parts)
+            tol = _LOSS_RTOL * max(abs(full), 1e-6)
+            if abs(full - mean) <= tol:
+                scales[k] = 1.0 / k
+            elif abs(full - total) <= tol:
+                scales[k] = 1.0
+            else:
+                why = (
+                    f"the batch's loss ({full:.6g}) is neither the mean ({mean:.6g}) nor the sum ({total:.6g}) of its {k} "
+                    "micro-batches' losses: the loss couples samples, so micro-batches would change the gradient"
+                )
     return scales, why
 
 

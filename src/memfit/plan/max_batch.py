@@ -97,9 +97,9 @@ class MaxBatch:
         }
 
 
-def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int) -> tuple[int, int, int, int, int]:
-    """Largest multiple of ``multiple`` whose ``peak`` is within ``budget``:
-    ``(batch, peak there, bytes per sample, fixed bytes, predicted batch)``."""
+def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int, levers: tuple[str, ...] = ()) -> BatchLimit:
+    """Largest multiple of ``multiple`` whose ``peak`` is within ``budget``, searched from
+    the line through the peaks at ``start`` and twice it."""
     seen: dict[int, int] = {}
 
     def at(b: int) -> int:
@@ -128,14 +128,14 @@ def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int)
             hi, step = hi - step, step * 2
         lo = hi - step if hi - step >= multiple else 0  # fits, or nothing checked fits yet
     if hi is None:  # fits at the cap: the peak does not grow with the batch
-        return lo, at(lo), round(slope), round(fixed), guess
+        return BatchLimit(levers, lo, round(slope), round(fixed), guess, at(lo), len(seen))
     while hi - lo > multiple:  # bisect on multiples
         mid = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
         if at(mid) <= budget:
             lo = mid
         else:
             hi = mid
-    return lo, (at(lo) if lo else 0), round(slope), round(fixed), guess
+    return BatchLimit(levers, lo, round(slope), round(fixed), guess, at(lo) if lo else 0, len(seen))
 
 
 def max_batch(
@@ -212,16 +212,8 @@ def max_batch(
     limits = []
     for name, step in precisions.items():
         for recompute in (False, True):
-            counted: list[int] = []
-            measure = (recomputed if recompute else plain)(step)
-
-            def counting(b: int, measure: Callable[[int], int] = measure, counted: list[int] = counted) -> int:
-                counted.append(b)
-                return measure(b)
-
-            best, peak, slope, fixed, guess = _largest(counting, target, example, multiple_of)
-            levers = tuple(x for x in (("recompute",) if recompute else ()) + ((name,) if name else ()))
-            limits.append(BatchLimit(levers, best, slope, fixed, guess, peak, len(counted)))
+            levers = (("recompute",) if recompute else ()) + ((name,) if name else ())
+            limits.append(_largest((recomputed if recompute else plain)(step), target, example, multiple_of, levers))
 
     batch = max(lim.max_batch for lim in limits)
     if batch == 0:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from memfit.measure.ledger import ancestors
 from memfit.plan.candidates import Option
 
 __all__ = ["Problem", "Solution"]
@@ -52,14 +53,6 @@ def _delta(option: Option, tick: int) -> int:
     return option.extra_at(tick)
 
 
-def _ancestors(name: str) -> list[str]:
-    out = []
-    while name:
-        name = name.rpartition(".")[0]
-        out.append(name)
-    return out
-
-
 @dataclass(frozen=True)
 class _Pair:
     """Options ``i`` and ``k`` both chosen: memory changes by ``nbytes`` over ``[start, end)``
@@ -75,10 +68,7 @@ class _Pair:
         return self.nbytes if self.start <= tick < self.end else 0
 
 
-def _pairs(options: list[Option]) -> list[_Pair]:
-    by_module: dict[str, list[int]] = {}
-    for j, o in enumerate(options):
-        by_module.setdefault(o.module, []).append(j)
+def _pairs(options: list[Option], by_module: dict[str, list[int]]) -> list[_Pair]:
     return [
         _Pair(i, k, start, end, nbytes)
         for i, o in enumerate(options)
@@ -98,7 +88,10 @@ class Problem:
         self, curve: list[int], start_bytes: int, options: list[Option], cost: Callable[[Option], float] | None = None
     ) -> None:
         self.options = options
-        self.pairs = _pairs(options)
+        by_module: dict[str, list[int]] = {}
+        for j, o in enumerate(options):
+            by_module.setdefault(o.module, []).append(j)
+        self.pairs = _pairs(options, by_module)
         self.curve = np.asarray(curve, dtype=np.float64)
         self.start_bytes = start_bytes
         n, n_opt = len(curve), len(options)
@@ -129,14 +122,9 @@ class Problem:
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.
-        by_module: dict[str, list[int]] = {}
-        for j, o in enumerate(options):
-            by_module.setdefault(o.module, []).append(j)
         link_rows = []
         for name in by_module:
-            cols_on_path = list(by_module[name])
-            for anc in _ancestors(name):
-                cols_on_path += by_module.get(anc, [])
+            cols_on_path = [j for anc in ancestors(name) for j in by_module.get(anc, [])]
             row = np.zeros(len(cols))
             row[cols_on_path] = 1
             link_rows.append(row)
