@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(if $(strip $(TORCH)),$(BIN)/python -m pip install --quiet "$(TORCH)")
-	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
+	$(BIN)/python -m pip install --quiet -e ".[hf,test,8bit]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -53,3 +53,29 @@ def test_planned_step_stays_within_budget(name, tmp_path):
     measured = plan.start_bytes + measure_step_peak(name, plan_path=str(path))["step_peak_bytes"]
     assert measured <= plan.budget_bytes * 1.03, f"{name}: measured {measured} over budget {plan.budget_bytes}"
     assert abs(plan.predicted_peak_bytes - measured) / measured < 0.05
+
+
+def test_eight_bit_recipe_peak_within_3_percent_of_rss(tmp_path):
+    # issue 6's 8bit lever against RSS in a fresh process: the recipe applied by the child
+    # (memfit.bench.child --method fit:PATH), its optimizer bitsandbytes' AdamW8bit, whose
+    # CPU kernel dequantises both moments to float32 temporaries inside one op
+    pytest.importorskip("bitsandbytes")
+    from memfit import StepOptions
+    from memfit.bench.child import run_child
+
+    sizes = {"depth": 10}
+    work = zoo.build("mlp-deep", **sizes)
+    opt = work.make_optimizer()
+    eight = memfit.profile(
+        work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True, step=StepOptions(optimizer_8bit=True)
+    )
+    recipe = memfit.fit(work.model, work.inputs, eight.peak_bytes, loss_fn=work.loss_fn, optimizer=opt, allow="8bit")
+    assert "8bit" in recipe.levers
+    path = tmp_path / "recipe.json"
+    path.write_text(recipe.to_json())
+    measured = run_child("mlp-deep", method=f"fit:{path}", sizes=sizes)
+    assert "error" not in measured, measured
+    error = (eight.step_peak_bytes - measured["step_peak_bytes"]) / measured["step_peak_bytes"]
+    print(f"{recipe.summary()}: step peak predicted {eight.step_peak_bytes}, RSS {measured['step_peak_bytes']} ({error:+.2%})")
+    assert abs(error) < 0.03, f"predicted {eight.step_peak_bytes}, measured {measured['step_peak_bytes']} ({error:+.2%})"
+    assert eight.start_bytes + measured["step_peak_bytes"] <= recipe.budget_bytes * 1.03

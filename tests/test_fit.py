@@ -99,14 +99,18 @@ LEVER_STEPS = {
     "fp16 autocast + GradScaler": StepOptions(autocast="float16", grad_scaler=True),
     "micro-batches x2 + amp": StepOptions(micro_batches=2, autocast="bfloat16"),
     "evaluation (inference_mode)": StepOptions(inference=True),
+    "8-bit optimizer state": StepOptions(optimizer_8bit=True),
+    "8-bit state + micro-batches x2 + bf16": StepOptions(optimizer_8bit=True, micro_batches=2, param_dtype="bfloat16"),
 }
 
 
 @pytest.mark.parametrize("name", list(LEVER_STEPS))
 def test_each_lever_predicted_peak_matches_measured(name):
+    step = LEVER_STEPS[name]
+    if step.optimizer_8bit:
+        pytest.importorskip("bitsandbytes")
     model, inputs = _act_net()
     opt = _with_state(model, inputs)
-    step = LEVER_STEPS[name]
     before = snapshot(model, opt)
     predicted = memfit.profile(model, inputs, optimizer=opt, fake=True, step=step)
     measured = memfit.profile(model, inputs, optimizer=opt, step=step)
@@ -120,6 +124,16 @@ def test_each_lever_predicted_peak_matches_measured(name):
     if not step.set_to_none:
         grads = sum(p.numel() * 4 for p in model.parameters())
         assert predicted.start_bytes == base.start_bytes + grads
+    if step.optimizer_8bit:
+        # AdamW's two float32 moments (8 B per parameter) become uint8 with a float32 scale per
+        # 256 values where a tensor has 4096 elements or more; smaller ones stay float32
+        big = sum(p.numel() for p in model.parameters() if p.numel() >= 4096)
+        small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
+        expected = 2 * big + 2 * 4 * sum(-(-p.numel() // 256) for p in model.parameters() if p.numel() >= 4096) + 8 * small
+        maps = 2 * 256 * 4  # the signed and unsigned quantisation maps, shared by every tensor
+        assert predicted.breakdown["optimizer_state"] == expected + maps
+        steps = 4 * len(list(model.parameters()))  # torch keeps each tensor's step count as a float32 scalar
+        assert base.breakdown["optimizer_state"] == 8 * (big + small) + steps
 
 
 def test_evaluation_step_runs_in_eval_mode_and_saves_nothing(capsys):
@@ -320,6 +334,79 @@ def test_opt_in_levers_are_used_only_when_allowed(optimizer_bound):
     run = recipe.apply(fitted)
     assert all(p.dtype == torch.bfloat16 for p in fitted.parameters())
     assert torch.isfinite(torch.tensor(run.step(x)))
+
+
+def test_eight_bit_state_is_opt_in_and_applies_as_a_new_bitsandbytes_optimizer():
+    bnb = pytest.importorskip("bitsandbytes")
+    # Many mid-sized tensors: the state shrinks by 6 bytes per parameter, while the CPU
+    # kernel's float32 temporaries are those of one tensor at a time. (With one dominant
+    # tensor the temporaries can outweigh the saving on CPU: memfit then does not pick it.)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)]), torch.randn(4, 256)
+    opt = _with_state(model, x)
+    peaks = {
+        name: memfit.profile(model, x, optimizer=opt, fake=True, step=StepOptions(**kw)).peak_bytes
+        for name, kw in (("base", {}), ("foreach", {"foreach": True}), ("8bit", {"optimizer_8bit": True}))
+    }
+    eight = peaks["8bit"]
+    assert eight < 0.7 * min(peaks["base"], peaks["foreach"])
+    before = snapshot(model, opt)
+    with pytest.raises(memfit.BudgetInfeasibleError, match="allow amp,bf16,foreach,8bit"):
+        memfit.fit(model, x, eight, optimizer=opt)
+    recipe = memfit.fit(model, x, eight, optimizer=opt, allow="8bit")
+    assert_same(before, snapshot(model, opt))
+    assert recipe.levers == ("8bit",) and recipe.step.optimizer_8bit
+    print(f"fit {recipe.summary()}: predicted {recipe.predicted_peak_bytes} measured {recipe.measured_peak_bytes}")
+    assert recipe.predicted_peak_bytes == eight and _close(recipe.predicted_peak_bytes, recipe.measured_peak_bytes)
+    assert "AdamW8bit" in recipe.snippet() and "8-bit AdamW state" in recipe.summary()
+    again = memfit.Recipe.from_json(recipe.to_json())
+    assert again.step == recipe.step and again.levers == recipe.levers
+
+    fitted = copy.deepcopy(model)
+    fitted_opt = torch.optim.AdamW(fitted.parameters(), lr=3e-4, betas=(0.8, 0.95), weight_decay=0.05)
+    mine = snapshot(fitted, fitted_opt)
+    run = again.apply(fitted, fitted_opt)
+    assert isinstance(run.optimizer, bnb.optim.AdamW8bit) and run.optimizer is not fitted_opt
+    group = run.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 0.05)
+    assert [p for g in run.optimizer.param_groups for p in g["params"]] == list(fitted.parameters())
+    assert_same(mine, snapshot(fitted, fitted_opt))  # the optimizer passed in is left alone
+    run.step(x)
+    state = run.optimizer.state[fitted[2].weight]  # 256 x 256: quantised
+    assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
+
+
+def test_eight_bit_state_is_left_out_with_the_reason():
+    from memfit.measure import _optim8bit
+
+    model = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if _optim8bit.unavailable(torch.optim.AdamW(model.parameters())) is None:
+        assert "no 8-bit counterpart" in _optim8bit.unavailable(sgd)
+        assert "amsgrad=True" in _optim8bit.unavailable(torch.optim.AdamW(model.parameters(), amsgrad=True))
+        assert "L2" in _optim8bit.unavailable(torch.optim.Adam(model.parameters(), weight_decay=0.1))
+        assert _optim8bit.unavailable(torch.optim.Adam(model.parameters())) is None
+    else:
+        assert "not installed" in _optim8bit.unavailable(sgd)
+    x = torch.randn(4, 256)
+    recipe = memfit.fit(model, x, "1GiB", optimizer=sgd, allow="8bit")
+    assert recipe.levers == () and recipe.left_out["8bit"] == _optim8bit.unavailable(sgd)
+    with pytest.raises(memfit.WorkloadError, match="optimizer_8bit"):
+        StepOptions(optimizer_8bit=True, foreach=True)
+    with pytest.raises(memfit.WorkloadError, match="optimizer_8bit"):
+        StepOptions(optimizer_8bit=True, inference=True)
+
+
+def test_bitsandbytes_quantisation_maps_can_be_made_fake():
+    # The one bitsandbytes internal memfit touches (see memfit.measure._optim8bit).
+    bnb = pytest.importorskip("bitsandbytes")
+    from memfit.measure import _optim8bit, _torch_compat
+
+    opt = bnb.optim.AdamW8bit([nn.Parameter(torch.zeros(4096))])
+    assert isinstance(opt.name2qmap, dict) and opt.name2qmap, "bitsandbytes moved Optimizer8bit.name2qmap"
+    mode = _torch_compat.new_fake_mode()
+    _optim8bit.make_maps_fake(opt, mode)
+    assert all(_torch_compat.is_fake(v) for v in opt.name2qmap.values())
 
 
 def test_fit_refuses_bad_input():

@@ -3,7 +3,8 @@ and hand the training loop what it needs (optimizer, scaler, micro-batches, auto
 
 In place: the recompute plan (undone by :func:`memfit.remove`), parameters cast to
 bfloat16 (not undone: a cast back would not restore the lost bits), the optimizer's
-``foreach`` flag. The loop itself stays the user's; :meth:`AppliedRecipe.step` runs one
+``foreach`` flag. The ``8bit`` lever hands back a new bitsandbytes optimizer over the same
+parameters and hyperparameters; the one passed in is left as it is. The loop itself stays the user's; :meth:`AppliedRecipe.step` runs one
 whole step exactly as memfit measured it, for loops that want nothing else.
 """
 
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.errors import PlanError
+from memfit.measure import _optim8bit
 from memfit.measure.step import train_step
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import check_fingerprint
@@ -102,21 +104,29 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
     step = recipe.step
     if step.foreach is not None and optimizer is not None and any("foreach" not in g for g in optimizer.param_groups):
         raise PlanError(f"the recipe sets the optimizer's foreach flag, which {type(optimizer).__name__} does not have")
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in inner.parameters() if p.requires_grad])
+    if step.optimizer_8bit:
+        # checked before anything changes: a recipe that cannot be applied whole changes nothing
+        why = _optim8bit.unavailable(optimizer)
+        if why is not None:
+            raise PlanError(f"the recipe uses 8-bit optimizer state, but {why}")
     # The plan first: it was made (and fingerprinted) on the parameters as they were.
     if recipe.plan is not None and recipe.plan.checkpointed:
         apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in recipe.plan.checkpointed.items()})
     dtype = step.cast_dtype
     if dtype is not None:
         inner.to(dtype)  # floating parameters and buffers; the Parameter objects stay the same
-        for state in optimizer.state.values() if optimizer is not None else ():
+        # (the 8-bit lever leaves the optimizer passed in alone: a new one replaces it below)
+        for state in optimizer.state.values() if not step.optimizer_8bit else ():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point():
                     state[key] = value.to(dtype)
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in inner.parameters() if p.requires_grad])
     if step.foreach is not None:
         for group in optimizer.param_groups:
             group["foreach"] = step.foreach
+    if step.optimizer_8bit:
+        optimizer = _optim8bit.eight_bit(optimizer)
     device = next((p.device for p in inner.parameters()), torch.device("cpu"))
     return AppliedRecipe(
         model=model,

@@ -3,7 +3,10 @@
     python -m memfit.bench.child TARGET --method M --measure memory|time|flops
         [--batch-size N] [--size K=V] [--device cpu|cuda] [--steps 5]
 
-It prints one JSON object. Methods are those of :mod:`memfit.bench.methods`.
+It prints one JSON object. Methods are those of :mod:`memfit.bench.methods`, and
+``fit:PATH``: the :class:`~memfit.Recipe` saved at PATH (``memfit fit --json``) applied to
+the model and optimizer, each step run as the recipe says (micro-batches, autocast, the
+8-bit optimizer, ...).
 
 memory: on CPU the process's resident-set high-water mark, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (set by :func:`run_child`) so every tensor of 64 KiB or
@@ -145,13 +148,22 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     work = load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
-    model = setup(ns.method, work.model.to(ns.device))
-    args, kwargs = split_inputs(work.inputs)
-    args, kwargs = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    optimizer = work.make_optimizer()
+    inputs = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, work.inputs)
+    args, kwargs = split_inputs(inputs)
+    if ns.method.startswith("fit:"):
+        from memfit.plan.recipe import Recipe
 
-    def step() -> None:
-        train_step(model, args, kwargs, work.loss_fn, optimizer)
+        with open(ns.method.split(":", 1)[1]) as f:
+            run = Recipe.from_json(f.read()).apply(work.model.to(ns.device), work.make_optimizer())
+
+        def step() -> None:
+            run.step(inputs, work.loss_fn)
+    else:
+        model = setup(ns.method, work.model.to(ns.device))
+        optimizer = work.make_optimizer()
+
+        def step() -> None:
+            train_step(model, args, kwargs, work.loss_fn, optimizer)
 
     def sync() -> None:
         if ns.device == "cuda":

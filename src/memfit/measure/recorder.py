@@ -22,11 +22,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _torch_compat
+from memfit.measure import _optim8bit, _torch_compat
 from memfit.measure.ledger import START_TICK, Block, Category, Ledger, OpCall, Phase, Span, Tick
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes"]
+
+# Ops whose CPU kernel is Python made of torch ops (bitsandbytes' optimizer updates: the
+# 8-bit one dequantises both moments to float32 temporaries). Dispatched as one op, their
+# kernel's own allocations would be invisible; these run under the recorder instead.
+_RECORD_INSIDE_ON_CPU = _optim8bit.PYTHON_CPU_KERNELS
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
@@ -59,6 +65,18 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # storage-less subclasses
         return None
+
+
+class _Within(TorchDispatchMode):
+    """The recorder again, for the ops inside a kernel the recorder is running (a mode is
+    off while its own ``__torch_dispatch__`` runs)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recorder.__torch_dispatch__(func, types, args, kwargs)
 
 
 @dataclass
@@ -172,7 +190,7 @@ class Recorder(TorchDispatchMode):
         inputs = {id(s) for s in map(_storage, _tensors((*args, *kwargs.values()))) if s is not None}
         if self.scope.phase is Phase.FORWARD:
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
             s = _storage(t)
             if s is None or id(s) in self._live or not s.nbytes():
@@ -186,6 +204,16 @@ class Recorder(TorchDispatchMode):
         if self.scope.phase is Phase.FORWARD:
             self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
         return out
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU and all(
+            t.device.type == "cpu" for t in _tensors((*args, *kwargs.values()))
+        ):
+            # Straight to the CPU kernel (fake tensors too: its ops are then faked), with
+            # the recorder on for the torch ops it runs.
+            with _Within(self):
+                return func.redispatch(_CPU_KEYS, *args, **kwargs)
+        return func(*args, **kwargs)
 
     def _mark_mutated(self, written: list[Any]) -> None:
         for t in _tensors(written):

@@ -12,8 +12,8 @@ optimizer of the same class and settings over them. The user's objects are never
 
 :class:`~memfit.measure.step.StepOptions` that change what the step runs on are applied
 here: parameters in another dtype (real tensors: a cast copy, built the way the fake one
-is, so the user's model keeps its dtype), the optimizer's ``foreach`` flag, gradients
-alive at the start (a loop with ``zero_grad(set_to_none=False)``) and the GradScaler.
+is, so the user's model keeps its dtype), the optimizer's ``foreach`` flag, the 8-bit
+optimizer that stands in for the user's, gradients alive at the start (a loop with ``zero_grad(set_to_none=False)``) and the GradScaler.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
-from memfit.measure import _torch_compat
+from memfit.measure import _optim8bit, _torch_compat
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
@@ -94,9 +94,14 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def _prepare(box: Sandbox) -> Sandbox:
-    """Apply the options that act on the objects: foreach flag, gradients alive at the
-    start, the GradScaler. Called inside the sandbox, whose exit undoes them."""
+    """Apply the options that act on the objects: foreach flag, 8-bit optimizer,
+    gradients alive at the start, the GradScaler. Called inside the sandbox, whose exit
+    undoes them (the 8-bit optimizer is the box's own: the user's is not touched)."""
     o = box.options
+    if o.optimizer_8bit:
+        box.optimizer = _optim8bit.eight_bit(box.optimizer)
+        if box.fake_mode is not None:
+            _optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
     if o.foreach is not None:
         for group in box.optimizer.param_groups:
             group["foreach"] = o.foreach

@@ -7,9 +7,9 @@ when it starts and when it ends.
 
 :class:`StepOptions` describes the variants :func:`memfit.fit` weighs (micro-batches,
 autocast with or without a GradScaler, ``zero_grad(set_to_none=False)``, parameters in
-another dtype, the optimizer's foreach flag); the defaults are the step above. The
+another dtype, the optimizer's foreach flag, 8-bit optimizer state); the defaults are the step above. The
 sandboxes (:mod:`memfit.measure.sandbox`) apply the options that change the objects the
-step runs on (dtype, foreach, gradients alive at the start, the scaler); :func:`train_step`
+step runs on (dtype, foreach, the 8-bit optimizer, gradients alive at the start, the scaler); :func:`train_step`
 the ones that change the step itself.
 """
 
@@ -53,6 +53,10 @@ class StepOptions:
     (``"bfloat16"``): measured on a cast copy, the user's model is not touched."""
     foreach: bool | None = None
     """Set the optimizer's ``foreach`` flag for the step; None leaves it as it is."""
+    optimizer_8bit: bool = False
+    """The optimizer replaced by its bitsandbytes 8-bit counterpart (AdamW -> AdamW8bit,
+    Adam -> Adam8bit) with the same groups and hyperparameters; its state is created by
+    the warm-up step. The user's optimizer is not touched."""
     inference: bool = False
     """An evaluation step instead: the model in eval mode, forward and loss under
     ``torch.inference_mode()``, no backward and no optimizer step."""
@@ -60,11 +64,15 @@ class StepOptions:
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise WorkloadError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
-        if self.inference and (self.micro_batches > 1 or self.grad_scaler or not self.set_to_none or self.foreach is not None):
+        if self.inference and (
+            self.micro_batches > 1 or self.grad_scaler or not self.set_to_none or self.foreach is not None or self.optimizer_8bit
+        ):
             raise WorkloadError(
                 "an inference step has no backward or optimizer step: micro_batches, grad_scaler, "
-                "set_to_none=False and foreach do not apply to it"
+                "set_to_none=False, foreach and optimizer_8bit do not apply to it"
             )
+        if self.optimizer_8bit and self.foreach is not None:
+            raise WorkloadError("foreach is a flag of torch's optimizers; with optimizer_8bit the optimizer is bitsandbytes'")
         for name in ("autocast", "param_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

@@ -2,8 +2,9 @@
 
 Levers (:data:`~memfit.plan.recipe.LEVERS`): recompute (:func:`memfit.plan`),
 micro-batching, ``zero_grad(set_to_none=True)``, and, opt-in because they change what
-training computes, autocast (``amp``), bfloat16 parameters (``bf16``) and the optimizer's
-other implementation (``foreach``). 8-bit optimizer state and activation offload are not
+training computes, autocast (``amp``), bfloat16 parameters (``bf16``), the optimizer's
+other implementation (``foreach``) and 8-bit optimizer state (``8bit``: bitsandbytes'
+AdamW8bit or Adam8bit in place of torch's AdamW or Adam). Activation offload is not
 modelled yet: the what-if table says so, with the reason.
 
 1. What each lever may do here: micro-batching is left out for a model that normalises
@@ -31,7 +32,6 @@ the RNG are as they were.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import time
@@ -44,7 +44,7 @@ from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError
-from memfit.measure import _torch_compat
+from memfit.measure import _optim8bit, _torch_compat
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import real_sandbox
@@ -86,6 +86,7 @@ class _Combo:
     precision: str = "fp32"
     foreach: bool | None = None
     set_to_none: bool = True
+    eight_bit: bool = False
 
 
 @dataclass
@@ -180,17 +181,10 @@ def _micro_batching(
     return scales, (why if not scales else None)
 
 
-def _unavailable(lever: str, device: torch.device) -> str:
-    if lever == "8bit":
-        have = [m for m in ("bitsandbytes", "torchao") if importlib.util.find_spec(m) is not None]
-        if not have:
-            return "neither bitsandbytes nor torchao is installed (8-bit optimizer state needs one of them)"
-        return f"8-bit optimizer state ({', '.join(have)} installed) is not modelled by this memfit version yet"
-    if lever == "offload":
-        if device.type == "cpu":
-            return "activations offloaded to host memory (save_on_cpu) save nothing when the step runs on the host already"
-        return "activation offload to host memory (save_on_cpu) is not modelled by this memfit version yet"
-    raise AssertionError(lever)
+def _offload_unavailable(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "activations offloaded to host memory (save_on_cpu) save nothing when the step runs on the host already"
+    return "activation offload to host memory (save_on_cpu) is not modelled by this memfit version yet"
 
 
 class _Search:
@@ -234,6 +228,7 @@ class _Search:
             set_to_none=combo.set_to_none,
             param_dtype="bfloat16" if combo.precision == "bf16" else None,
             foreach=combo.foreach,
+            optimizer_8bit=combo.eight_bit,
         )
 
     def levers(self, combo: _Combo, plan: Plan | None) -> tuple[str, ...]:
@@ -248,6 +243,8 @@ class _Search:
             used.add(combo.precision)
         if combo.foreach is not None:
             used.add("foreach")
+        if combo.eight_bit:
+            used.add("8bit")
         return tuple(lever for lever in LEVERS if lever in used)
 
     def label(self, combo: _Combo, plan: Plan | None = None) -> str:
@@ -411,19 +408,26 @@ def fit(
         left_out["foreach"] = "changes the numerics (another summation order): opt in with allow='foreach' (--allow foreach)"
     elif foreach_now is None:
         left_out["foreach"] = f"{type(optimizer).__name__} has no foreach choice here (no flag, fused, or groups that differ)"
-    for lever in ("offload", "8bit"):
-        left_out[lever] = _unavailable(lever, device)
+    if "8bit" not in allowed:
+        left_out["8bit"] = "changes the numerics (quantised optimizer state): opt in with allow='8bit' (--allow 8bit)"
+    else:
+        why_not = _optim8bit.unavailable(optimizer)
+        if why_not is not None:
+            left_out["8bit"] = why_not
+    left_out["offload"] = _offload_unavailable(device)
 
     search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report)
     ks = [1, *sorted(scales)]
     foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
     zero = [set_to_none] + ([True] if not set_to_none else [])
+    eight = [False] + ([True] if "8bit" not in left_out else [])
     base = _Combo(set_to_none=set_to_none)
     singles = [base]
     singles += [replace(base, micro_batches=k) for k in ks[1:]]
     singles += [replace(base, precision=p) for p in precisions[1:]]
     singles += [replace(base, foreach=f) for f in foreach[1:]]
     singles += [replace(base, set_to_none=z) for z in zero[1:]]
+    singles += [replace(base, eight_bit=e) for e in eight[1:]]
 
     # Each lever alone: exact peak (fake) and measured time, for the table and the estimates.
     for combo in singles:
@@ -437,12 +441,18 @@ def fit(
             search.times[replace(base, precision=combo.precision)],
             search.times[replace(base, foreach=combo.foreach)],
             search.times[replace(base, set_to_none=combo.set_to_none)],
+            search.times[replace(base, eight_bit=combo.eight_bit)],
         ]
         if math.isinf(base_time) or any(math.isinf(t) for t in alone):
             return math.inf  # a step that did not run on the device: no estimate, no pruning
         return base_time + sum(t - base_time for t in alone)
 
-    combos = [_Combo(k, p, f, z) for k, p, f, z in itertools.product(ks, precisions, foreach, zero)]
+    # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
+    combos = [
+        _Combo(k, p, f, z, e)
+        for k, p, f, z, e in itertools.product(ks, precisions, foreach, zero, eight)
+        if not (e and f is not None)
+    ]
     combos.sort(key=lambda c: (estimate(c), len(search.levers(c, None))))
     cands: list[_Candidate] = []
     lowest: tuple[int, _Combo] | None = None
@@ -457,7 +467,7 @@ def fit(
         cands.append(result)
     if not cands:
         assert lowest is not None
-        opt_in = [lever for lever in ("amp", "bf16", "foreach") if lever not in allowed]
+        opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
         raise BudgetInfeasibleError(
             f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
             f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])} and recompute; "
@@ -480,7 +490,7 @@ def fit(
         if search.peaks[base] <= target
         else "the chosen recipe fits faster (see the what-if rows)"
     )
-    for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none"):
+    for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit"):
         if lever not in best.levers and lever not in left_out:
             left_out[lever] = unused
     batch = batch_size_of(args, kwargs)

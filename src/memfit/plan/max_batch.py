@@ -2,8 +2,8 @@
 fastest recipe for it, found without running a step that does not fit.
 
 For each set of levers that changes how memory grows with the batch (as it is; recompute
-at its lowest reachable peak; with ``allow``, autocast or bfloat16 parameters, each also
-with recompute), the step's peak is a function of the batch size. Two exact fake-tensor
+at its lowest reachable peak; with ``allow``, autocast, bfloat16 parameters or 8-bit
+optimizer state, each also with recompute), the step's peak is a function of the batch size. Two exact fake-tensor
 measurements (the example batch and twice it) give the bytes per sample and the fixed
 bytes; the line predicts the largest batch under the budget. Fake-tensor measurements
 at the prediction and one sample-step above it confirm it (a peak can move from the
@@ -29,6 +29,7 @@ from torch import nn
 
 from memfit.apply.checkpoint import unwrap
 from memfit.errors import BudgetInfeasibleError, WorkloadError
+from memfit.measure import _optim8bit
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.step import StepOptions
@@ -157,7 +158,7 @@ def max_batch(
             is an example batch: every tensor whose dim 0 is its batch size is tiled or cut
             to the batch sizes tried.
         budget: bytes bounding the whole step's peak (``"6GiB"``).
-        allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``), as for :func:`memfit.fit`.
+        allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"8bit"``), as for :func:`memfit.fit`.
         set_to_none: what the training loop calls now, as for :func:`memfit.fit`.
         multiple_of: only batch sizes that are multiples of this (8 for tensor cores, say).
 
@@ -186,12 +187,14 @@ def max_batch(
     report = progress or (lambda desc, done, total: None)
     cuda = device.type == "cuda"
 
-    precisions = {"": StepOptions()}
+    variants = {"": StepOptions()}
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if "amp" in allowed and dtypes == {torch.float32}:
-        precisions["amp"] = StepOptions(autocast="float16" if cuda else "bfloat16", grad_scaler=cuda)
+        variants["amp"] = StepOptions(autocast="float16" if cuda else "bfloat16", grad_scaler=cuda)
     if "bf16" in allowed and dtypes == {torch.float32}:
-        precisions["bf16"] = StepOptions(param_dtype="bfloat16")
+        variants["bf16"] = StepOptions(param_dtype="bfloat16")
+    if "8bit" in allowed and _optim8bit.unavailable(optimizer) is None:
+        variants["8bit"] = StepOptions(optimizer_8bit=True)
 
     def plain(step: StepOptions) -> Callable[[int], int]:
         def peak(b: int) -> int:
@@ -210,7 +213,7 @@ def max_batch(
         return peak
 
     limits = []
-    for name, step in precisions.items():
+    for name, step in variants.items():
         for recompute in (False, True):
             levers = (("recompute",) if recompute else ()) + ((name,) if name else ())
             limits.append(_largest((recomputed if recompute else plain)(step), target, example, multiple_of, levers))

@@ -32,7 +32,7 @@ LEVERS: dict[str, str] = {
     "amp": "torch.autocast: bfloat16 on CPU; float16 with a GradScaler on CUDA",
     "bf16": "parameters, gradients and optimizer state in bfloat16",
     "foreach": "the optimizer's other implementation (foreach or for-loop), whose step has other temporaries",
-    "8bit": "8-bit optimizer state (bitsandbytes AdamW8bit, torchao low-bit optimizers)",
+    "8bit": "8-bit optimizer state: bitsandbytes AdamW8bit / Adam8bit in place of torch's AdamW / Adam",
 }
 """Every lever memfit knows, with what it does."""
 
@@ -138,7 +138,7 @@ class Recipe:
             head,
             f'recipe = memfit.Recipe.from_json(open("{path}").read())',
             "run = recipe.apply(model, optimizer)  # in place" + self._apply_comment(),
-            "optimizer = run.optimizer" + ("  # the same object, foreach flag set" if "foreach" in self.levers else ""),
+            "optimizer = run.optimizer" + self._optimizer_comment(),
         ]
         if scaler:
             lines.append("scaler = run.scaler  # torch.amp.GradScaler for float16")
@@ -172,6 +172,16 @@ class Recipe:
             lines.append("    optimizer.step()")
         lines.append(f"    optimizer.zero_grad(set_to_none={self.step.set_to_none})")
         return "\n".join(lines) + "\n"
+
+    def _optimizer_comment(self) -> str:
+        if "8bit" in self.levers:
+            return (
+                f"  # a new bitsandbytes {self.optimizer_type}8bit: same parameters and hyperparameters, "
+                "state from its first step (build any LR scheduler on it)"
+            )
+        if "foreach" in self.levers:
+            return "  # the same object, foreach flag set"
+        return ""
 
     def _apply_comment(self) -> str:
         parts = []
@@ -237,6 +247,8 @@ def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, o
             words.append("bf16 parameters")
         elif lever == "foreach":
             words.append(f"{optimizer_type or 'optimizer'} foreach={step.foreach}")
+        elif lever == "8bit":
+            words.append(f"8-bit {optimizer_type or 'optimizer'} state (bitsandbytes)")
         elif lever == "set_to_none":
             words.append("zero_grad(set_to_none=True)")
         elif lever == "recompute":
