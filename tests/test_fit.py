@@ -376,6 +376,23 @@ def test_eight_bit_state_is_opt_in_and_applies_as_a_new_bitsandbytes_optimizer()
     assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
 
 
+def test_eight_bit_kernel_temporaries_are_counted(optimizer_bound):
+    # bitsandbytes' CPU update dequantises both moments and the gradient of one tensor to
+    # float32: with one dominant tensor (1024 x 1024 here) that outweighs the 6 bytes per
+    # parameter the state saves, and the profile must show it (the recorder runs inside
+    # the kernel) rather than the state's saving alone.
+    pytest.importorskip("bitsandbytes")
+    model, x, opt, peaks = optimizer_bound
+    step = StepOptions(optimizer_8bit=True)
+    fake = memfit.profile(model, x, optimizer=opt, fake=True, step=step)
+    real = memfit.profile(model, x, optimizer=opt, step=step)
+    assert fake.peak_bytes == real.peak_bytes > peaks["base"]
+    assert fake.peak["phase"] == "optimizer"
+    biggest = max(p.numel() for p in model.parameters())
+    temporaries = fake.peak_bytes - fake.start_bytes - sum(4 * p.numel() for p in model.parameters())  # less the gradients
+    assert temporaries >= 4 * 4 * biggest  # at least both moments, the gradient and the denominator in float32
+
+
 def test_eight_bit_state_is_left_out_with_the_reason():
     from memfit.measure import _optim8bit
 
