@@ -34,3 +34,49 @@ def test_cuda_profile_leaves_state_untouched():
     memfit.profile(model, inputs)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert torch.equal(rng, torch.cuda.get_rng_state())
+
+
+def _small_gpt_on_cuda():
+    work = zoo.build("gpt", n_layer=4, n_embd=256, n_head=4, block_size=256, vocab_size=1024, batch_size=8)
+    model = work.model.cuda()
+    inputs = {k: v.cuda() for k, v in work.inputs.items()}
+    return work, model, inputs
+
+
+def test_cuda_offload_predicted_peak_matches_max_memory_allocated():
+    from memfit.measure.step import train_step
+
+    work, model, inputs = _small_gpt_on_cuda()
+    opt = work.make_optimizer()
+    offload = memfit.StepOptions(offload=True)
+    real = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=opt, step=offload)
+    fake = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=opt, step=offload, fake=True)
+    plain = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True)
+    assert real.ledger.host_peak_bytes > 0 and real.peak_bytes < plain.peak_bytes
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
+    train_step(model, (), inputs, work.loss_fn, opt, offload=True)  # warm-up: the optimizer state
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    train_step(model, (), inputs, work.loss_fn, opt, offload=True)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    predicted = real.step_peak_bytes
+    print(f"offload gpt on cuda: predicted {predicted}, measured {measured}, host {real.ledger.host_peak_bytes}")
+    assert abs(predicted - measured) <= 0.05 * measured
+
+
+def test_cuda_fit_weighs_offload():
+    work, model, inputs = _small_gpt_on_cuda()
+    opt = work.make_optimizer()
+    plain = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True)
+    offloaded = memfit.profile(
+        model, inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True, step=memfit.StepOptions(offload=True)
+    )
+    recipe = memfit.fit(model, inputs, (plain.peak_bytes + offloaded.peak_bytes) // 2, loss_fn=work.loss_fn, optimizer=opt)
+    assert "offload" not in recipe.left_out or recipe.left_out["offload"].startswith("the chosen")
+    rows = [w for w in recipe.what_if if "offload" in w.levers]
+    assert rows and rows[0].predicted_peak_bytes == offloaded.peak_bytes and "host memory" in rows[0].note
+    if "offload" in recipe.levers:
+        assert "run.offload()" in recipe.snippet()
+        assert abs(recipe.predicted_peak_bytes - recipe.measured_peak_bytes) <= 0.05 * recipe.measured_peak_bytes

@@ -4,6 +4,7 @@ levers, what is opt-in, exactness, the Recipe (JSON, snippet, apply) and the CLI
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -424,6 +425,80 @@ def test_bitsandbytes_quantisation_maps_can_be_made_fake():
     mode = _torch_compat.new_fake_mode()
     _optim8bit.make_maps_fake(opt, mode)
     assert all(_torch_compat.is_fake(v) for v in opt.name2qmap.values())
+
+
+def test_offload_is_a_cuda_lever_that_trains_the_same():
+    # On the host, offloading saved activations to the host saves nothing: fit says so,
+    # profile refuses it. The mechanism itself (torch's save_on_cpu, through a Recipe's
+    # run.offload() and run.step) must still leave training bitwise the same.
+    model, inputs = _act_net(8)
+    with pytest.raises(memfit.WorkloadError, match="offload=True.*CUDA.*host memory already"):
+        memfit.profile(model, inputs, step=StepOptions(offload=True))
+    with pytest.raises(memfit.WorkloadError, match="offload"):
+        StepOptions(offload=True, inference=True)
+    recipe = memfit.fit(model, inputs, memfit.profile(model, inputs, fake=True).peak_bytes)
+    assert "host already" in recipe.left_out["offload"]
+    offloading = dataclasses.replace(recipe, levers=("offload",), step=StepOptions(offload=True))
+    assert offloading.summary() == "activations offloaded to host memory"
+    snippet = offloading.snippet()
+    assert "with run.offload():  # torch.autograd.graph.save_on_cpu(pin_memory=True)" in snippet
+    assert memfit.Recipe.from_json(offloading.to_json()).step.offload
+
+    fitted = copy.deepcopy(model)
+    run = offloading.apply(fitted)
+    packed = []
+    offload_ctx = run.offload()
+    pack = offload_ctx.pack_hook
+    offload_ctx.pack_hook = lambda t: packed.append(t) or pack(t)
+    with offload_ctx:
+        fitted(*inputs).backward()
+    assert packed, "no tensor went through save_on_cpu"
+    fitted.zero_grad()
+
+    def train_run(net, run=None):
+        torch.manual_seed(1)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        first = None
+        for _ in range(3):
+            if run is None:
+                net(*inputs).backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                run.optimizer = opt
+                run.step(inputs, lambda out: out)
+            if first is None:
+                first = {n: p.detach().clone() for n, p in net.named_parameters()}
+        return first, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    a, b = train_run(copy.deepcopy(model)), train_run(fitted, run)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+
+
+def test_recorder_keeps_other_devices_out_of_the_ledger():
+    # A CUDA step's host-side storages (offloaded activations, AdamW's step counters) do not
+    # take from the device's memory: they are kept apart, their peak in host_peak_bytes.
+    # Shown here with the host playing "the other device" to a recorder told the step is on meta.
+    from memfit.measure.recorder import Recorder
+    from memfit.measure.scope import Scope
+
+    model = nn.Linear(4, 4)
+    with Scope(model) as scope:
+        recorder = Recorder(scope, device=torch.device("meta"))
+        try:
+            with recorder:
+                a = torch.ones(1000)
+                b = torch.ones(500)
+                del a
+                c = torch.empty(10, device="meta")
+            ledger = recorder.ledger()
+        finally:
+            recorder.close()
+    assert [blk.nbytes for blk in ledger.blocks] == [40]  # only the meta tensor
+    assert ledger.host_peak_bytes == 6000
+    assert memfit.measure.ledger.Ledger.from_dict(ledger.to_dict()).host_peak_bytes == 6000
+    del b, c
 
 
 def test_fit_refuses_bad_input():

@@ -1,5 +1,6 @@
 """Mechanism: put a :class:`~memfit.plan.recipe.Recipe` on the user's model and optimizer,
-and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast).
+and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast,
+activation offload).
 
 In place: the recompute plan (undone by :func:`memfit.remove`), parameters cast to
 bfloat16 (not undone: a cast back would not restore the lost bits), the optimizer's
@@ -22,7 +23,7 @@ from torch.utils._pytree import tree_map
 from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.errors import PlanError
 from memfit.measure import _optim8bit
-from memfit.measure.step import train_step
+from memfit.measure.step import offload_saved, train_step
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import check_fingerprint
 from memfit.workload import default_optimizer, join_inputs, split_inputs, split_micro_batches
@@ -45,12 +46,19 @@ class AppliedRecipe:
     autocast_dtype: torch.dtype | None
     param_dtype: torch.dtype | None
     device_type: str
+    offload_saved: bool = False
+    """Forward and loss run under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` as the recipe says, or a context that does nothing."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def offload(self) -> contextlib.AbstractContextManager:
+        """``save_on_cpu(pin_memory=True)`` when the recipe offloads activations, else a
+        context that does nothing: put forward and loss inside it."""
+        return offload_saved() if self.offload_saved else contextlib.nullcontext()
 
     def cast(self, inputs: Any) -> Any:
         """Floating-point input tensors in the parameters' dtype (unchanged without ``bf16``)."""
@@ -83,6 +91,7 @@ class AppliedRecipe:
             autocast=self.autocast_dtype,
             scaler=self.scaler,
             set_to_none=self.set_to_none,
+            offload=self.offload_saved,
         )
 
 
@@ -138,4 +147,5 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
         autocast_dtype=step.autocast_dtype,
         param_dtype=dtype,
         device_type=device.type,
+        offload_saved=step.offload,
     )

@@ -115,6 +115,9 @@ class Ledger:
     """Forward and backward spans of every module call (what planners cut the timeline by)."""
     ops: list[OpCall] = field(default_factory=list)
     """Forward ops in order (what selective recompute chooses among)."""
+    host_peak_bytes: int = 0
+    """A step on an accelerator: the most bytes it held at once in host memory, which is
+    not in the blocks (offloaded activations, the optimizer's step counters)."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
@@ -189,6 +192,7 @@ class Ledger:
             "ticks": [[t.phase.value, t.module, t.op] for t in self.ticks],
             "spans": [[s.module, s.phase.value, s.start, s.end, list(s.inputs)] for s in self.spans],
             "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],
+            "host_peak_bytes": self.host_peak_bytes,
         }
 
     @classmethod
@@ -200,7 +204,7 @@ class Ledger:
         ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]
         spans = [Span(m, Phase(p), a, b, tuple(i)) for m, p, a, b, i in data.get("spans", [])]
         ops = [OpCall(*o) for o in data.get("ops", [])]
-        return cls(blocks, ticks, spans, ops)
+        return cls(blocks, ticks, spans, ops, int(data.get("host_peak_bytes", 0)))
 
 
 def ancestors(name: str) -> Iterable[str]:

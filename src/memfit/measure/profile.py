@@ -254,6 +254,11 @@ def profile(
     options = step or StepOptions()
     args, kwargs = split_inputs(inputs)
     device = check_step(model, args, kwargs)
+    if options.offload and device.type != "cuda":
+        raise WorkloadError(
+            f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
+            f"{device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
+        )
     split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
@@ -296,7 +301,7 @@ def profile(
 
 def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
-    recorder = Recorder(scope)
+    recorder = Recorder(scope, device=_model_device(box.model))
     _register_start(recorder, box)
     try:
         with recorder:

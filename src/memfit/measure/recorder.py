@@ -7,6 +7,10 @@ death into a free. torch keeps one Python object per live storage, so the finali
 exactly when the last tensor or view of it goes, whoever held it (autograd's saved
 variables included). A saved-tensor hook marks which blocks autograd saves for backward.
 
+Only the step's own device is in the ledger: on an accelerator, storages in host memory
+(activations offloaded there, the optimizer's step counters) do not take from the device's
+budget; their peak is kept apart (:attr:`Ledger.host_peak_bytes`).
+
 Times are not taken here: the recorder's bookkeeping would inflate them. The timed step
 runs without it (see :class:`memfit.measure.scope.Clock`).
 """
@@ -94,9 +98,13 @@ class _Record:
 class Recorder(TorchDispatchMode):
     """Dispatch mode building a :class:`Ledger`; also counts FLOPs per (phase, module)."""
 
-    def __init__(self, scope: Scope, *, count_flops: bool = True) -> None:
+    def __init__(self, scope: Scope, *, count_flops: bool = True, device: torch.device | None = None) -> None:
         super().__init__()
         self.scope = scope
+        self.device_type = device.type if device is not None else None
+        self._elsewhere: dict[int, int] = {}  # id(storage) -> bytes, on another device than the step's
+        self._elsewhere_live = 0
+        self.elsewhere_peak = 0
         self.count_flops = count_flops
         self.records: list[_Record] = []
         self.ticks: list[Tick] = []
@@ -121,7 +129,11 @@ class Recorder(TorchDispatchMode):
 
     # -- blocks -----------------------------------------------------------------------------
 
-    def _add(self, storage: torch.UntypedStorage, device: torch.device, category: Category | None, at_start: bool) -> int:
+    def _add(self, storage: torch.UntypedStorage, device: torch.device, category: Category | None, at_start: bool) -> int | None:
+        if self.device_type is not None and device.type != self.device_type:
+            if not at_start:
+                self._add_elsewhere(storage)
+            return None
         idx = len(self.records)
         if at_start:
             born, phase, module = START_TICK, Phase.START, None
@@ -133,6 +145,16 @@ class Recorder(TorchDispatchMode):
         self._live[key] = idx
         self._finalizers.append(weakref.finalize(storage, self._free, key))
         return idx
+
+    def _add_elsewhere(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        self._elsewhere[key] = nbytes
+        self._elsewhere_live += nbytes
+        self.elsewhere_peak = max(self.elsewhere_peak, self._elsewhere_live)
+        self._finalizers.append(weakref.finalize(storage, self._free_elsewhere, key))
+
+    def _free_elsewhere(self, key: int) -> None:
+        self._elsewhere_live -= self._elsewhere.pop(key, 0)
 
     def _block_of(self, t: torch.Tensor) -> int | None:
         """Index of the live block ``t``'s storage is, or None if memfit has not seen it."""
@@ -193,7 +215,7 @@ class Recorder(TorchDispatchMode):
         out = self._call(func, args, kwargs)
         for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
             s = _storage(t)
-            if s is None or id(s) in self._live or not s.nbytes():
+            if s is None or id(s) in self._live or id(s) in self._elsewhere or not s.nbytes():
                 continue
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
@@ -240,10 +262,12 @@ class Recorder(TorchDispatchMode):
             f.detach()
         self._finalizers.clear()
         self._live.clear()
+        self._elsewhere.clear()
 
     def ledger(self) -> Ledger:
         blocks = []
         for i, r in enumerate(self.records):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
             blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers), r.mutated))
-        return Ledger(blocks, list(self.ticks), sorted(self.spans, key=lambda s: (s.start, -s.end)), list(self.ops))
+        spans = sorted(self.spans, key=lambda s: (s.start, -s.end))
+        return Ledger(blocks, list(self.ticks), spans, list(self.ops), self.elsewhere_peak)

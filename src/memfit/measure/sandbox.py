@@ -66,6 +66,7 @@ class Sandbox:
             scaler=self.scaler,
             set_to_none=o.set_to_none,
             inference=o.inference,
+            offload=o.offload,
         )
 
     @contextmanager

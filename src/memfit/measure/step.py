@@ -27,7 +27,7 @@ from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.workload import check_loss, default_loss, split_micro_batches
 
-__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode"]
+__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode", "offload_saved"]
 
 _DTYPES = ("bfloat16", "float16")
 
@@ -57,6 +57,10 @@ class StepOptions:
     """The optimizer replaced by its bitsandbytes 8-bit counterpart (AdamW -> AdamW8bit,
     Adam -> Adam8bit) with the same groups and hyperparameters; its state is created by
     the warm-up step. The user's optimizer is not touched."""
+    offload: bool = False
+    """Tensors autograd saves for backward are copied to pinned host memory as the forward
+    saves them and back as backward needs them (``torch.autograd.graph.save_on_cpu``): the
+    device holds them only while they are in use. For a CUDA step; on the host it saves nothing."""
     inference: bool = False
     """An evaluation step instead: the model in eval mode, forward and loss under
     ``torch.inference_mode()``, no backward and no optimizer step."""
@@ -65,11 +69,16 @@ class StepOptions:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise WorkloadError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         if self.inference and (
-            self.micro_batches > 1 or self.grad_scaler or not self.set_to_none or self.foreach is not None or self.optimizer_8bit
+            self.micro_batches > 1
+            or self.grad_scaler
+            or not self.set_to_none
+            or self.foreach is not None
+            or self.optimizer_8bit
+            or self.offload
         ):
             raise WorkloadError(
                 "an inference step has no backward or optimizer step: micro_batches, grad_scaler, "
-                "set_to_none=False, foreach and optimizer_8bit do not apply to it"
+                "set_to_none=False, foreach, optimizer_8bit and offload do not apply to it"
             )
         if self.optimizer_8bit and self.foreach is not None:
             raise WorkloadError("foreach is a flag of torch's optimizers; with optimizer_8bit the optimizer is bitsandbytes'")
@@ -128,6 +137,12 @@ class FakeGradScaler:
             self._found_inf = None
 
 
+def offload_saved() -> contextlib.AbstractContextManager:
+    """What the ``offload`` lever puts around forward and loss: torch's own
+    ``save_on_cpu(pin_memory=True)`` (it pins only where a CUDA device is present)."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
 def _device_type(model: nn.Module) -> str:
     for t in model.parameters():
         return t.device.type
@@ -148,6 +163,7 @@ def train_step(
     scaler: Any = None,
     set_to_none: bool = True,
     inference: bool = False,
+    offload: bool = False,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
     micro-batches, the sum of the scaled micro-batch losses (their mean, by default).
@@ -159,7 +175,10 @@ def train_step(
     total: torch.Tensor | None = None
     for margs, mkwargs in split_micro_batches(args, kwargs, micro_batches):
         on_phase(Phase.FORWARD)
-        with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        with (
+            torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext(),
+            offload_saved() if offload else contextlib.nullcontext(),
+        ):
             output = model(*margs, **mkwargs)
             loss = check_loss((loss_fn or default_loss)(output))
             if loss_scale is not None:

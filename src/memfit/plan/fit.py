@@ -1,11 +1,12 @@
 """``memfit.fit``: the fastest combination of memory levers whose step fits a budget.
 
 Levers (:data:`~memfit.plan.recipe.LEVERS`): recompute (:func:`memfit.plan`),
-micro-batching, ``zero_grad(set_to_none=True)``, and, opt-in because they change what
-training computes, autocast (``amp``), bfloat16 parameters (``bf16``), the optimizer's
-other implementation (``foreach``) and 8-bit optimizer state (``8bit``: bitsandbytes'
-AdamW8bit or Adam8bit in place of torch's AdamW or Adam). Activation offload is not
-modelled yet: the what-if table says so, with the reason.
+micro-batching, ``zero_grad(set_to_none=True)``, activation offload to host memory (a CUDA
+step only: ``save_on_cpu``; not combined with recompute, whose checkpointed regions keep
+their own saved tensors), and, opt-in because they change what training computes,
+autocast (``amp``), bfloat16 parameters (``bf16``), the optimizer's other implementation
+(``foreach``) and 8-bit optimizer state (``8bit``: bitsandbytes' AdamW8bit or Adam8bit in
+place of torch's AdamW or Adam).
 
 1. What each lever may do here: micro-batching is left out for a model that normalises
    with batch statistics (BatchNorm) and for a loss that is neither the mean nor the sum
@@ -87,6 +88,7 @@ class _Combo:
     foreach: bool | None = None
     set_to_none: bool = True
     eight_bit: bool = False
+    offload: bool = False
 
 
 @dataclass
@@ -181,10 +183,12 @@ def _micro_batching(
     return scales, (why if not scales else None)
 
 
-def _offload_unavailable(device: torch.device) -> str:
+def _offload_unavailable(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return None
     if device.type == "cpu":
         return "activations offloaded to host memory (save_on_cpu) save nothing when the step runs on the host already"
-    return "activation offload to host memory (save_on_cpu) is not modelled by this memfit version yet"
+    return f"activation offload to host memory is modelled for CUDA steps; this one runs on {device.type}"
 
 
 class _Search:
@@ -213,6 +217,7 @@ class _Search:
         self.scales = scales
         self.report = report
         self.peaks: dict[_Combo, int] = {}
+        self.host_peaks: dict[_Combo, int] = {}
         self.times: dict[_Combo, float] = {}
         self.plans: dict[_Combo, Plan | int] = {}
 
@@ -229,6 +234,7 @@ class _Search:
             param_dtype="bfloat16" if combo.precision == "bf16" else None,
             foreach=combo.foreach,
             optimizer_8bit=combo.eight_bit,
+            offload=combo.offload,
         )
 
     def levers(self, combo: _Combo, plan: Plan | None) -> tuple[str, ...]:
@@ -245,6 +251,8 @@ class _Search:
             used.add("foreach")
         if combo.eight_bit:
             used.add("8bit")
+        if combo.offload:
+            used.add("offload")
         return tuple(lever for lever in LEVERS if lever in used)
 
     def label(self, combo: _Combo, plan: Plan | None = None) -> str:
@@ -258,6 +266,7 @@ class _Search:
                 self.model, self.inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, fake=True, step=self.options(combo)
             )
             self.peaks[combo] = prof.peak_bytes
+            self.host_peaks[combo] = prof.ledger.host_peak_bytes
         return self.peaks[combo]
 
     def time(self, combo: _Combo) -> float:
@@ -310,6 +319,10 @@ class _Search:
         peak = self.peak(combo)
         plan = None
         if peak > self.budget:
+            if combo.offload:
+                # Checkpointed regions keep their own saved tensors (save_on_cpu does not
+                # see them), which the planner does not model: no recompute with offload.
+                return peak
             result = self.plan(combo)
             if isinstance(result, int):
                 return result
@@ -414,13 +427,24 @@ def fit(
         why_not = _optim8bit.unavailable(optimizer)
         if why_not is not None:
             left_out["8bit"] = why_not
-    left_out["offload"] = _offload_unavailable(device)
+    why_not = _offload_unavailable(device)
+    if why_not is not None:
+        left_out["offload"] = why_not
 
     search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report)
     ks = [1, *sorted(scales)]
     foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
     zero = [set_to_none] + ([True] if not set_to_none else [])
     eight = [False] + ([True] if "8bit" not in left_out else [])
+    offload = [False]
+    if "offload" not in left_out:
+        try:
+            search.peak(replace(_Combo(set_to_none=set_to_none), offload=True))
+            offload.append(True)
+        except MemfitError:
+            raise
+        except Exception as exc:  # a lever that cannot be measured here must not stop the search
+            left_out["offload"] = f"could not be measured here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     base = _Combo(set_to_none=set_to_none)
     singles = [base]
     singles += [replace(base, micro_batches=k) for k in ks[1:]]
@@ -428,6 +452,7 @@ def fit(
     singles += [replace(base, foreach=f) for f in foreach[1:]]
     singles += [replace(base, set_to_none=z) for z in zero[1:]]
     singles += [replace(base, eight_bit=e) for e in eight[1:]]
+    singles += [replace(base, offload=o) for o in offload[1:]]
 
     # Each lever alone: exact peak (fake) and measured time, for the table and the estimates.
     for combo in singles:
@@ -442,6 +467,7 @@ def fit(
             search.times[replace(base, foreach=combo.foreach)],
             search.times[replace(base, set_to_none=combo.set_to_none)],
             search.times[replace(base, eight_bit=combo.eight_bit)],
+            search.times[replace(base, offload=combo.offload)],
         ]
         if math.isinf(base_time) or any(math.isinf(t) for t in alone):
             return math.inf  # a step that did not run on the device: no estimate, no pruning
@@ -449,8 +475,8 @@ def fit(
 
     # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
     combos = [
-        _Combo(k, p, f, z, e)
-        for k, p, f, z, e in itertools.product(ks, precisions, foreach, zero, eight)
+        _Combo(k, p, f, z, e, o)
+        for k, p, f, z, e, o in itertools.product(ks, precisions, foreach, zero, eight, offload)
         if not (e and f is not None)
     ]
     combos.sort(key=lambda c: (estimate(c), len(search.levers(c, None))))
@@ -490,7 +516,7 @@ def fit(
         if search.peaks[base] <= target
         else "the chosen recipe fits faster (see the what-if rows)"
     )
-    for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit"):
+    for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload"):
         if lever not in best.levers and lever not in left_out:
             left_out[lever] = unused
     batch = batch_size_of(args, kwargs)
@@ -547,7 +573,8 @@ def _what_if(
     rows = []
     for combo in singles:
         peak, seconds = search.peaks[combo], search.times[combo]
-        rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, peak <= search.budget))
+        note = f"host memory {format_bytes(search.host_peaks[combo])}" if combo.offload else ""
+        rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, peak <= search.budget, note=note))
     plan = search.plans.get(base)
     if search.peaks[base] <= search.budget:
         rows.append(WhatIf("recompute", ("recompute",), None, None, True, note="not needed: the step fits as it is"))
@@ -564,6 +591,7 @@ def _what_if(
         True,
         measured_peak,
         measured_time,
+        note=f"host memory {format_bytes(search.host_peaks[best.combo])}" if best.combo.offload else "",
         chosen=True,
     )
     same = next(

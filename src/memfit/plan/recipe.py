@@ -160,8 +160,14 @@ class Recipe:
         if k > 1:
             forward += f" * {self.loss_scale:g}"
             forward += "  # gradients add up to the full batch's" + (" mean" if self.loss_scale != 1 else "")
+        contexts = []
         if self.step.autocast:
-            lines.append(f"{indent}with run.autocast():  # torch.autocast(dtype=torch.{self.step.autocast})")
+            contexts.append(("run.autocast()", f"torch.autocast(dtype=torch.{self.step.autocast})"))
+        if self.step.offload:
+            contexts.append(("run.offload()", "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
+        if contexts:
+            with_ = ", ".join(c for c, _ in contexts)
+            lines.append(f"{indent}with {with_}:  # {'; '.join(w for _, w in contexts)}")
             lines.append(f"{indent}    {forward}")
         else:
             lines.append(f"{indent}{forward}")
@@ -249,6 +255,8 @@ def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, o
             words.append(f"{optimizer_type or 'optimizer'} foreach={step.foreach}")
         elif lever == "8bit":
             words.append(f"8-bit {optimizer_type or 'optimizer'} state (bitsandbytes)")
+        elif lever == "offload":
+            words.append("activations offloaded to host memory")
         elif lever == "set_to_none":
             words.append("zero_grad(set_to_none=True)")
         elif lever == "recompute":

@@ -106,6 +106,8 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         f"= {format_bytes(profile.start_bytes)} at start + [bold]{format_bytes(profile.step_peak_bytes)}[/] during the step"
     )
     console.print(f"peak during [bold]{peak['phase']}[/], in {where} ({peak['op']})")
+    if profile.ledger.host_peak_bytes:
+        console.print(f"host memory the step took (not in the device's peak): {format_bytes(profile.ledger.host_peak_bytes)}")
     legend = ", ".join(f"[{_PHASE_STYLE[p]}]{p.value}[/]" for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
     console.print(f"memory over the step ({legend}):")
     console.print(sparkline(profile, width=min(64, console.width - 2)))
