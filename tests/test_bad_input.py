@@ -174,6 +174,39 @@ def test_model_on_several_devices():
     assert torch.equal(model.fc1.weight, fc1) and model.fc1.weight.grad is None
 
 
+class _CompiledSGD(torch.optim.Optimizer):
+    """An update compiled with fullgraph, as torchao's low-bit optimizers do theirs."""
+
+    def __init__(self, params, compiled: bool = True) -> None:
+        super().__init__(params, {"lr": 0.1})
+        update = lambda p, g: p.sub_(0.1 * g)  # noqa: E731
+        self._update = torch.compile(update, fullgraph=True, backend="eager") if compiled else update
+        self.raise_in_step = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.raise_in_step:
+            raise ValueError("no step today")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad)
+
+
+def test_an_optimizer_whose_step_fails_under_the_recorder_is_named():
+    model, x = TinyNet(width=16), torch.randn(8, 16)
+    opt = _CompiledSGD(model.parameters())
+    before = snapshot(model)
+    with pytest.raises(WorkloadError, match=r"optimizer step \(_CompiledSGD\) runs torch.compile.*torch.optim.AdamW"):
+        memfit.profile(model, x, optimizer=opt)
+    assert_same(before, snapshot(model))
+    plain = _CompiledSGD(model.parameters(), compiled=False)
+    plain.raise_in_step = True
+    with pytest.raises(WorkloadError, match=r"optimizer step \(_CompiledSGD\) raised ValueError: no step today"):
+        memfit.profile(model, x, optimizer=plain)
+    assert_same(before, snapshot(model))
+
+
 def test_profile_of_another_model(step):
     other = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     prof = memfit.profile(other, step[1])

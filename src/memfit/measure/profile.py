@@ -197,9 +197,11 @@ def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase
     try:
         with sandbox.active():
             sandbox.step(loss_fn, on_phase or scope.set_phase)
-    except MemfitError:
+    except (MemfitError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
+        if scope.phase is Phase.OPTIMIZER:
+            raise _optimizer_error(sandbox.optimizer, exc) from exc
         if scope.phase is not Phase.FORWARD:
             raise
         name = scope.module
@@ -208,6 +210,22 @@ def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase
         raise ForwardError(f"forward of {where} ({mod}) raised {type(exc).__name__}: {exc}") from exc
     finally:
         scope.set_phase(Phase.START)
+
+
+def _optimizer_error(optimizer: torch.optim.Optimizer, exc: Exception) -> WorkloadError:
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    message = f"the optimizer step ({type(optimizer).__name__}) raised {type(exc).__name__}: {first}"
+    if "torch.compile" in str(exc) or type(exc).__module__.startswith("torch._dynamo"):
+        # torchao's low-bit optimizers compile their update (fullgraph): dynamo refuses to
+        # trace under a dispatch mode (memfit's recorder) and on fake tensors.
+        message = (
+            f"the optimizer step ({type(optimizer).__name__}) runs torch.compile, which cannot run under memfit's "
+            "recorder (a dispatch mode) or on fake tensors; measure with a torch optimizer (torch.optim.AdamW), or "
+            "for 8-bit state with bitsandbytes' AdamW8bit (memfit fit --allow 8bit)"
+        )
+    elif "DataDependent" in type(exc).__name__:
+        message += " (it reads tensor values, which fake tensors do not have: measure it on real tensors)"
+    return WorkloadError(message)
 
 
 def profile(
