@@ -578,6 +578,25 @@ def test_max_batch_is_the_largest_that_fits_and_its_recipe_is_measured():
     assert eights.batch_size % 8 == 0 and found.batch_size - 8 < eights.batch_size <= found.batch_size
 
 
+def test_max_batch_with_eight_bit_state_finds_a_bigger_batch():
+    pytest.importorskip("bitsandbytes")
+    # Parameters and AdamW state dominate: 8-bit state frees room for samples.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)]), torch.randn(4, 256)
+    opt = _with_state(model, x)
+    eight = StepOptions(optimizer_8bit=True)
+    fake = lambda b, step=None: memfit.profile(model, resize_batch(x, b), optimizer=opt, fake=True, step=step).peak_bytes  # noqa: E731
+    budget = fake(4, eight) + 40 * (fake(8, eight) - fake(4, eight)) // 4  # about 40 samples with 8-bit state
+    assert fake(1) > budget  # as it is, not even one sample fits
+    found = memfit.max_batch(model, x, budget, optimizer=opt, allow="8bit")
+    limits = {lim.levers: lim for lim in found.limits}
+    assert limits[()].max_batch == 0 and limits[("8bit",)].max_batch > 0
+    best = limits[("8bit",)]
+    assert fake(best.max_batch, eight) <= budget < fake(best.max_batch + 1, eight)
+    assert found.batch_size == max(lim.max_batch for lim in found.limits)
+    assert "8bit" in found.recipe.levers and found.recipe.measured_peak_bytes <= budget
+
+
 def test_max_batch_refuses_bad_input():
     model, x = _wide()
     with pytest.raises(memfit.WorkloadError, match="multiple_of"):

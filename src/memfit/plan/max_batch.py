@@ -2,8 +2,8 @@
 fastest recipe for it, found without running a step that does not fit.
 
 For each set of levers that changes how memory grows with the batch (as it is; recompute
-at its lowest reachable peak; with ``allow``, autocast, bfloat16 parameters or 8-bit
-optimizer state, each also with recompute), the step's peak is a function of the batch size. Two exact fake-tensor
+at its lowest reachable peak; on CUDA, activation offload; with ``allow``, autocast,
+bfloat16 parameters or 8-bit optimizer state, each also with recompute), the step's peak is a function of the batch size. Two exact fake-tensor
 measurements (the example batch and twice it) give the bytes per sample and the fixed
 bytes; the line predicts the largest batch under the budget. Fake-tensor measurements
 at the prediction and one sample-step above it confirm it (a peak can move from the
@@ -195,6 +195,8 @@ def max_batch(
         variants["bf16"] = StepOptions(param_dtype="bfloat16")
     if "8bit" in allowed and _optim8bit.unavailable(optimizer) is None:
         variants["8bit"] = StepOptions(optimizer_8bit=True)
+    if cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
+        variants["offload"] = StepOptions(offload=True)
 
     def plain(step: StepOptions) -> Callable[[int], int]:
         def peak(b: int) -> int:
@@ -214,7 +216,7 @@ def max_batch(
 
     limits = []
     for name, step in variants.items():
-        for recompute in (False, True):
+        for recompute in (False,) if step.offload else (False, True):
             levers = (("recompute",) if recompute else ()) + ((name,) if name else ())
             limits.append(_largest((recomputed if recompute else plain)(step), target, example, multiple_of, levers))
 
