@@ -60,10 +60,11 @@ def run_child(
     device: str = "cpu",
     steps: int = 5,
     timeout: float = 1800,
+    trim_heap: bool = False,
 ) -> dict[str, Any]:
     """Run the child for one (method, measure); its JSON, or ``{"error": ...}``."""
     cmd = [sys.executable, "-m", "memfit.bench.child", target, "--method", method, "--measure", measure]
-    cmd += ["--device", device, "--steps", str(steps)]
+    cmd += ["--device", device, "--steps", str(steps)] + (["--trim-heap"] if trim_heap else [])
     if batch_size is not None:
         cmd += ["--batch-size", str(batch_size)]
     for k, v in (sizes or {}).items():

@@ -122,6 +122,13 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             table.add_row(cat.value, format_bytes(breakdown[cat]), _share(breakdown[cat], profile.peak_bytes))
     table.add_row("[bold]total[/]", f"[bold]{format_bytes(profile.peak_bytes)}[/]", "100%")
     console.print(table)
+    graph = profile.graph_host_bytes_estimate
+    if graph > 0.05 * profile.peak_bytes:
+        console.print(
+            f"[yellow]note:[/] {profile.graph_ops:,} forward ops on small tensors: autograd's graph holds about "
+            f"{format_bytes(graph)} of host memory here (about 1 KiB per op on CPU), which the ledger of tensors "
+            "does not count (README, Known limitations)"
+        )
 
     timed = profile.time_source == "measured"
     if profile.step.inference:
