@@ -63,9 +63,10 @@ GRAPH_HOST_BYTES_PER_OP = 1100
 """Host memory autograd holds per forward op on CPU beyond tensor data (graph nodes,
 saved-tensor records, tensor objects kept alive), measured on the zoo ``heavy`` model
 (100k scalar ops, torch 2.13, glibc): 1048 B per op in use by malloc at the end of the
-forward, 1170 B by RSS once freed heap pages are returned first. It varies by op (800 B
-to 1.3 KiB for common pointwise ops), so memfit does not add it to predictions: it only
-says when it may matter (:attr:`Profile.graph_host_bytes_estimate`)."""
+forward, 1170 B by RSS once freed heap pages are returned first. It varies by op (820 B
+for an add of a scalar to 1.3 KiB for a linear: ``benchmarks/graph_host_memory.py``), so
+memfit does not add it to predictions: it only says when it may matter
+(:attr:`Profile.graph_host_bytes_estimate`)."""
 
 
 _BOOKKEEPING_OPS = frozenset({"detach", "device"})
