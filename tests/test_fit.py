@@ -501,6 +501,26 @@ def test_recorder_keeps_other_devices_out_of_the_ledger():
     del b, c
 
 
+def test_a_step_much_slower_than_the_base_is_timed_once():
+    from memfit.measure.timing import median_step_time
+
+    model, inputs = _act_net(4)
+    calls = []
+
+    def loss(out):
+        calls.append(1)
+        return out
+
+    median_step_time(model, inputs, loss, torch.optim.AdamW(model.parameters()), steps=3)
+    assert len(calls) == 4  # a warm-up and three
+    calls.clear()
+    median_step_time(model, inputs, loss, torch.optim.AdamW(model.parameters()), steps=3, give_up_over=0.0)
+    assert len(calls) == 2  # a warm-up and one over the limit
+    calls.clear()
+    median_step_time(model, inputs, loss, torch.optim.AdamW(model.parameters()), steps=3, give_up_over=60.0)
+    assert len(calls) == 4
+
+
 def test_fit_refuses_bad_input():
     model, inputs = _act_net(2)
     with pytest.raises(memfit.BudgetError, match="budget in bytes"):

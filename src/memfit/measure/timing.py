@@ -33,12 +33,15 @@ def median_step_time(
     steps: int = 5,
     warmup: int = 1,
     step: StepOptions | None = None,
+    give_up_over: float | None = None,
 ) -> float:
     """Median wall time of ``steps`` training steps (synchronised on CUDA), run as
-    ``step`` says (default the usual step)."""
+    ``step`` says (default the usual step). With ``give_up_over``, a first timed step
+    slower than that many seconds is the answer: more samples of a step that slow would
+    not change what is done with it, and on a CPU such a step can take a minute."""
     args, kwargs = split_inputs(inputs)
     device = next(model.parameters()).device
-    times = []
+    times: list[float] = []
     with real_sandbox(model, args, kwargs, optimizer, step=step) as box:
         for i in range(warmup + steps):
             _sync(device)
@@ -47,6 +50,8 @@ def median_step_time(
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                if give_up_over is not None and len(times) == 1 and times[0] > give_up_over:
+                    break
     return statistics.median(times)
 
 

@@ -13,7 +13,8 @@ place of torch's AdamW or Adam).
    of its micro-batches' losses (probed on the real model, in evaluation mode, restored).
 2. Each lever alone: the exact peak of its step on fake tensors (:func:`memfit.profile`
    with :class:`~memfit.measure.step.StepOptions`: nothing estimated by subtraction) and
-   its measured step time (median of 3 real steps after a warm-up, in a sandbox).
+   its measured step time (median of 3 real steps after a warm-up, in a sandbox; one
+   step when that one is over twice the base step's).
 3. Every combination, in order of estimated time (the base time plus each lever's
    measured change): its exact peak on fake tensors; over the budget, a recompute plan
    at the budget (planned on one micro-batch's step when there are several: a module
@@ -76,6 +77,7 @@ OPT_IN_LEVERS = ("amp", "bf16", "foreach", "8bit")
 _MICRO_BATCHES = (2, 4, 8)
 _TIMED_STEPS = 3
 _TIE = 0.05  # times within 5% are a tie on a busy host: the simpler recipe wins
+_SLOW = 2.0  # a lever's step this many times the base step's is timed once, not 3 times
 _LOSS_RTOL = 1e-4
 
 
@@ -270,12 +272,22 @@ class _Search:
         return self.peaks[combo]
 
     def time(self, combo: _Combo) -> float:
-        """Median step time, measured; infinite for a step that does not fit on the device."""
+        """Median step time, measured; infinite for a step that does not fit on the device.
+        A step over :data:`_SLOW` times the base step's is timed once (bfloat16 on a CPU
+        without native support runs 30x slower: minutes of timing that choose nothing)."""
         if combo not in self.times:
             self.report(f"timing: {self.label(combo)}", 0, 0)
+            base = self.times.get(_Combo(set_to_none=self.base_set_to_none))
+            slow = _SLOW * base if base is not None and not math.isinf(base) else None
             try:
                 self.times[combo] = median_step_time(
-                    self.model, self.inputs, self.loss_fn, self.optimizer, steps=_TIMED_STEPS, step=self.options(combo)
+                    self.model,
+                    self.inputs,
+                    self.loss_fn,
+                    self.optimizer,
+                    steps=_TIMED_STEPS,
+                    step=self.options(combo),
+                    give_up_over=slow,
                 )
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
