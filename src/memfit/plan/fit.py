@@ -513,8 +513,9 @@ def fit(
         opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
         raise BudgetInfeasibleError(
             f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
-            f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])} and recompute; "
-            f"as it is the step peaks at {format_bytes(search.peaks[base])}"
+            f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])}"
+            + ("; " if lowest[1].offload else " and recompute; ")  # offload is not combined with recompute
+            + f"as it is the step peaks at {format_bytes(search.peaks[base])}"
             + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
             min_peak_bytes=lowest[0],
             budget_bytes=target,
