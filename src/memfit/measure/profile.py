@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -224,9 +224,17 @@ def check_step(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase], None] | None = None) -> None:
     """One step on the sandbox, turning a failing forward into a ForwardError that names
     the module that raised."""
+    with sandbox.active(), step_errors(sandbox, scope):
+        sandbox.step(loss_fn, on_phase or scope.set_phase)
+
+
+@contextmanager
+def step_errors(sandbox: Sandbox, scope: Scope) -> Iterator[None]:
+    """Around a step on ``sandbox`` whose phases ``scope`` follows: a forward that raises
+    becomes a ForwardError naming the module, an optimizer step a WorkloadError naming
+    the optimizer; the scope is back at the start after."""
     try:
-        with sandbox.active():
-            sandbox.step(loss_fn, on_phase or scope.set_phase)
+        yield
     except (MemfitError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
@@ -296,6 +304,23 @@ def profile(
         >>> p.peak_bytes >= p.start_bytes
         True
     """
+    return _profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step)
+
+
+def _profile(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer | None,
+    fake: bool,
+    progress: Progress | None,
+    step: StepOptions | None,
+    warm: bool = False,
+) -> Profile:
+    """:func:`profile`; with ``warm``, a real profile skips its warm-up step when the
+    optimizer has state already and the process has run the step (the planner profiles
+    inside its verifier's sandbox, whose first step was that warm-up)."""
     check_arguments(model, optimizer, loss_fn)
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
@@ -317,7 +342,7 @@ def profile(
         box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer, step=options))
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
-        if not fake or not box.optimizer.state:
+        if not box.optimizer.state or not (fake or warm):
             report("warm-up step", 0, total)
             _run(box, scope, loss_fn)
         step_time = None

@@ -26,8 +26,8 @@ from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.profile import Profile, Progress, check_step, record_step
-from memfit.measure.profile import profile as measure_profile
+from memfit.measure.ledger import Phase
+from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
@@ -93,12 +93,15 @@ class _Verifier:
         check's first forward is the warm-up step that creates the optimizer's state when
         it has none (runs measure steady state): one forward less to pay for."""
         box = self.box
+        # The first step of a plan may be this one: a failing forward is named as the
+        # profile names it (step_errors), not left as the model's own traceback.
+        with box.active(), Scope(box.model) as scope, step_errors(box, scope):
 
-        def warm_up() -> None:
-            with Scope(box.model) as scope:
+            def warm_up() -> None:
                 box.step(self.loss_fn, scope.set_phase)
+                scope.set_phase(Phase.FORWARD)  # the check's second forward
 
-        with box.active():
+            scope.set_phase(Phase.FORWARD)
             return stateful_modules(box.model, box.args, box.kwargs, first=None if box.optimizer.state else warm_up)
 
     def close(self) -> None:
@@ -194,29 +197,42 @@ def plan(
         )
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    prof = profile or measure_profile(
-        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options
-    )
     report = progress or (lambda desc, done, total: None)
-
-    ledger = prof.ledger
-    timed = prof.time_source == "measured"
-    forward_time = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
-    calls = {n: m.calls for n, m in prof.modules.items()}
-    rates = DeviceRates.for_device(prof.device)
-    if timed:
-        rates = DeviceRates.fit(leaf_samples(ledger, forward_time), rates)
-    none_peak = prof.peak_bytes
     excluded: dict[str, str] = {}
-    # What selective recompute's dispatch mode costs per op here (measured on the model;
-    # fake tensors have no time, and their plans weigh FLOPs and bytes only).
-    overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
+    with ExitStack() as closing:
+        verifier: _Verifier | None = None
+        if profile is None and not fake:
+            # The verifier's first step creates the optimizer's state (its warm-up); the
+            # profile runs inside that sandbox and needs no warm-up of its own: a step less.
+            verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=False, step=options)
+            closing.callback(verifier.close)
+            # Modules that change Python state in forward (a counter, a KV cache): a recompute
+            # would change it again, silently in some cases, so they are never offered.
+            excluded.update(verifier.stateful())
+            prof = _profile(
+                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=False, progress=progress, step=options, warm=True
+            )
+        else:
+            prof = profile or _profile(
+                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options
+            )
 
-    verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake, step=options)
-    try:
-        # Modules that change Python state in forward (a counter, a KV cache): a recompute
-        # would change it again, silently in some cases, so they are never offered.
-        excluded.update(verifier.stateful())
+        ledger = prof.ledger
+        timed = prof.time_source == "measured"
+        forward_time = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
+        calls = {n: m.calls for n, m in prof.modules.items()}
+        rates = DeviceRates.for_device(prof.device)
+        if timed:
+            rates = DeviceRates.fit(leaf_samples(ledger, forward_time), rates)
+        none_peak = prof.peak_bytes
+        # What selective recompute's dispatch mode costs per op here (measured on the model;
+        # fake tensors have no time, and their plans weigh FLOPs and bytes only).
+        overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
+
+        if verifier is None:
+            verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake, step=options)
+            closing.callback(verifier.close)
+            excluded.update(verifier.stateful())
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
             problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective])
@@ -250,8 +266,6 @@ def plan(
             break
         else:
             raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
-    finally:
-        verifier.close()
     report("done", 2, 2)
 
     excluded.update({k: v for k, v in cands.excluded.items() if k not in excluded})
