@@ -271,6 +271,10 @@ class _Search:
             self.host_peaks[combo] = prof.ledger.host_peak_bytes
         return self.peaks[combo]
 
+    def host_note(self, combo: _Combo) -> str:
+        """What an offloading step holds in host memory, for its what-if row."""
+        return f"host memory {format_bytes(self.host_peaks[combo])}" if combo.offload else ""
+
     def time(self, combo: _Combo) -> float:
         """Median step time, measured; infinite for a step that does not fit on the device.
         A step over :data:`_SLOW` times the base step's is timed once (bfloat16 on a CPU
@@ -591,7 +595,7 @@ def _what_if(
     rows = []
     for combo in singles:
         peak, seconds = search.peaks[combo], search.times[combo]
-        note = f"host memory {format_bytes(search.host_peaks[combo])}" if combo.offload else ""
+        note = search.host_note(combo)
         rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, peak <= search.budget, note=note))
     plan = search.plans.get(base)
     if search.peaks[base] <= search.budget:
@@ -609,7 +613,7 @@ def _what_if(
         True,
         measured_peak,
         measured_time,
-        note=f"host memory {format_bytes(search.host_peaks[best.combo])}" if best.combo.offload else "",
+        note=search.host_note(best.combo),
         chosen=True,
     )
     same = next(

@@ -200,15 +200,20 @@ def plan(
     report = progress or (lambda desc, done, total: None)
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
+
+        def open_verifier(on_fake: bool) -> _Verifier:
+            opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options)
+            closing.callback(opened.close)
+            # Modules that change Python state in forward (a counter, a KV cache): a recompute
+            # would change it again, silently in some cases, so they are never offered.
+            excluded.update(opened.stateful())
+            return opened
+
         verifier: _Verifier | None = None
         if profile is None and not fake:
             # The verifier's first step creates the optimizer's state (its warm-up); the
             # profile runs inside that sandbox and needs no warm-up of its own: a step less.
-            verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=False, step=options)
-            closing.callback(verifier.close)
-            # Modules that change Python state in forward (a counter, a KV cache): a recompute
-            # would change it again, silently in some cases, so they are never offered.
-            excluded.update(verifier.stateful())
+            verifier = open_verifier(False)
             prof = _profile(
                 model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=False, progress=progress, step=options, warm=True
             )
@@ -230,9 +235,7 @@ def plan(
         overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
 
         if verifier is None:
-            verifier = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=prof.fake, step=options)
-            closing.callback(verifier.close)
-            excluded.update(verifier.stateful())
+            verifier = open_verifier(prof.fake)
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
             problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective])
