@@ -81,20 +81,19 @@ def test_eight_bit_recipe_peak_within_3_percent_of_rss(tmp_path):
     assert eight.start_bytes + measured["step_peak_bytes"] <= recipe.budget_bytes * 1.03
 
 
-def test_graph_host_memory_estimate_is_the_size_measured():
-    # Zoo heavy's step is 30k scalar ops: its RSS rise (freed heap pages returned first, so
-    # the warm-up's pages do not hide it) is autograd's host memory, not tensors. memfit
-    # does not predict it, but says how big it is: that estimate must be about right.
+def test_autograd_graph_estimate_where_it_is_the_whole_step():
+    # Zoo heavy at 30k scalar ops: the step's RSS rise is autograd's host memory, not
+    # tensors. memfit's graph blocks (counted nodes and saved tensors x constants fitted on
+    # other op patterns, whose own figures spread by up to 15%) must carry the prediction:
+    # measured +7.7% here, +3.0% at heavy's default 100k ops (BENCHMARKS.md).
     sizes = {"n_ops": 30_000}
-    out = run_child("heavy", sizes=sizes, trim_heap=True)
+    out = run_child("heavy", sizes=sizes)
     work = zoo.build("heavy", **sizes)
     prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn)  # real: 5x faster than fake here
-    rise = out["step_peak_bytes"] - prof.step_peak_bytes  # what the tensors do not explain
-    print(
-        f"heavy 30k ops: RSS rise {out['step_peak_bytes']}, tensors {prof.step_peak_bytes}, estimate {prof.graph_host_bytes_estimate}"
-    )
-    assert rise > 20 * prof.step_peak_bytes
-    assert abs(prof.graph_host_bytes_estimate - rise) <= 0.2 * rise
+    error = prof.step_peak_bytes / out["step_peak_bytes"] - 1
+    print(f"heavy 30k ops: RSS rise {out['step_peak_bytes']}, predicted {prof.step_peak_bytes} ({error:+.2%})")
+    assert prof.breakdown["autograd_graph"] > 0.95 * prof.step_peak_bytes
+    assert abs(error) < 0.10
     big = zoo.build("gpt")
     gpt = memfit.profile(big.model, big.inputs, loss_fn=big.loss_fn, fake=True)
-    assert 0 < gpt.graph_host_bytes_estimate < 0.01 * gpt.peak_bytes  # noise where tensors are large
+    assert 0 < gpt.breakdown["autograd_graph"] < 0.01 * gpt.peak_bytes  # noise where tensors are large

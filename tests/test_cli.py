@@ -34,9 +34,9 @@ def test_profile_fake_device(capsys):
 def test_profile_notes_graph_host_memory_where_ops_are_tiny(capsys):
     assert main(["profile", "heavy", "--size", "n_ops=3000"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "3,002 forward ops on small tensors" in text and "3.15 MiB of host memory" in text
+    assert "of the peak is autograd's graph in host memory (3,002 forward ops on small tensors)" in text
     assert main(["profile", "gpt", "--device", "fake", *SMALL]) == 0
-    assert "host memory" not in capsys.readouterr().out
+    assert "autograd's graph" not in capsys.readouterr().out  # under 5% of the peak there
 
 
 def test_zoo_lists_models(capsys):

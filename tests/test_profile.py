@@ -121,6 +121,53 @@ def test_activations_are_what_autograd_saves():
     assert prof.modules[""].saved_bytes == 64 * 512 * 4
 
 
+class _Chain(nn.Module):
+    """``tanh(x * w)`` ``n`` times: per repetition two autograd nodes (mul, tanh) and three
+    saved tensors (mul saves x and w, tanh its output)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = torch.tanh(x * self.w)
+        return x
+
+
+def test_cpu_graph_blocks_count_nodes_and_saved_tensors():
+    from memfit.measure.ledger import GRAPH_NODE_BYTES, GRAPH_SAVED_BYTES
+
+    model = nn.Sequential(_Chain(50))
+    prof = memfit.profile(model, torch.randn(4), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ticks = prof.ledger.ticks
+    graph = [b for b in prof.ledger.blocks if b.category is Category.GRAPH and b.module == "0"]
+    nodes = [b for b in graph if not b.savers]
+    records = [b for b in graph if b.savers]
+    assert len(nodes) == 100 and {b.nbytes for b in nodes} == {GRAPH_NODE_BYTES}
+    assert len(records) == 149  # the first mul does not save w: x needs no grad
+    assert {b.nbytes for b in records} == {GRAPH_SAVED_BYTES}
+    assert all(b.phase is Phase.FORWARD for b in graph) and {b.savers for b in records} == {("0",)}
+    # records go as backward uses them; nodes all at once, when the step drops the graph
+    assert all(ticks[b.died].phase is Phase.BACKWARD for b in records)
+    assert len({b.died for b in nodes}) == 1 and max(b.died for b in records) < nodes[0].died
+    assert ticks[nodes[0].died].phase is Phase.BACKWARD  # freed before the optimizer step
+    # the graph is the step's peak here: four-float tensors weigh nothing beside it
+    assert prof.breakdown["autograd_graph"] > 0.9 * prof.step_peak_bytes
+    assert memfit.profile(model, torch.randn(4), fake=True).peak_bytes == memfit.profile(model, torch.randn(4)).peak_bytes
+
+
+def test_graph_blocks_only_where_autograd_records():
+    model = nn.Sequential(_Chain(20), nn.Linear(4, 4))
+    model[0].w.requires_grad_(False)  # the chain runs on the input and a frozen weight: no node
+    prof = memfit.profile(model, torch.randn(4))
+    graph = {b.module for b in prof.ledger.blocks if b.category is Category.GRAPH}
+    assert "1" in graph and "0" not in graph
+    inference = memfit.profile(model, torch.randn(4), step=memfit.StepOptions(inference=True))
+    assert inference.breakdown["autograd_graph"] == 0  # torch.inference_mode builds no graph
+
+
 def test_module_flops_follow_the_formula():
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 4))
     x = torch.randn(32, 128)

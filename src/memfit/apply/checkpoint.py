@@ -29,10 +29,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
+from memfit.measure.recorder import CHECKPOINTED
 
 __all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
 
-_APPLIED = "_memfit_applied"
+_APPLIED = CHECKPOINTED  # the recorder reads it: checkpointed regions cost host memory on CPU
 _NO_INSTANCE_FORWARD = object()
 
 # Name of the module whose recompute began most recently (or whose checkpointed forward

@@ -11,8 +11,9 @@ the model and optimizer, each step run as the recipe says (micro-batches, autoca
 memory: on CPU the process's resident-set high-water mark, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (set by :func:`run_child`) so every tensor of 64 KiB or
 more is its own mapping, returned to the OS when freed, and RSS follows live tensor bytes.
-After a warm-up step (which creates the optimizer state) the high-water mark is reset by
-writing ``5`` to ``/proc/self/clear_refs``; the step's peak over its start is
+After a warm-up step (which creates the optimizer state) freed heap pages are returned to
+the OS (glibc ``malloc_trim``) and the high-water mark is reset by writing ``5`` to
+``/proc/self/clear_refs``; the step's peak over its start is
 ``VmHWM - VmRSS(before)``. On CUDA, ``max_memory_allocated`` after
 ``reset_peak_memory_stats``.
 
@@ -25,6 +26,7 @@ flops: FlopCounterMode over one step after warm-up; recompute shows up as extra 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -50,6 +52,13 @@ def _status_bytes(field: str) -> int:
     raise MemfitError(f"/proc/self/status has no {field}: RSS ground truth needs Linux")
 
 
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to return, RSS is what it is
+        pass
+
+
 def run_child(
     target: str,
     *,
@@ -60,11 +69,10 @@ def run_child(
     device: str = "cpu",
     steps: int = 5,
     timeout: float = 1800,
-    trim_heap: bool = False,
 ) -> dict[str, Any]:
     """Run the child for one (method, measure); its JSON, or ``{"error": ...}``."""
     cmd = [sys.executable, "-m", "memfit.bench.child", target, "--method", method, "--measure", measure]
-    cmd += ["--device", device, "--steps", str(steps)] + (["--trim-heap"] if trim_heap else [])
+    cmd += ["--device", device, "--steps", str(steps)]
     if batch_size is not None:
         cmd += ["--batch-size", str(batch_size)]
     for k, v in (sizes or {}).items():
@@ -120,12 +128,6 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", action="append", default=[])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument(
-        "--trim-heap",
-        action="store_true",
-        help="CPU memory: return freed heap pages to the OS (glibc malloc_trim) before the step, so that "
-        "small allocations (autograd's graph, tensors under 64 KiB) count instead of reusing the warm-up's pages",
-    )
     ns = parser.parse_args(argv)
     try:
         out = _measure(ns)
@@ -194,10 +196,10 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
         sync()
         out = {"method_used": "cuda.max_memory_allocated", "start_bytes": before, "peak_bytes": torch.cuda.max_memory_allocated()}
     else:
-        if ns.trim_heap:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        # Freed heap pages go back to the OS first (glibc malloc_trim): else the step's small
+        # allocations (autograd's graph, tensors under the mmap threshold) reuse pages the
+        # warm-up left resident and the RSS rise misses them.
+        _trim_heap()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = _status_bytes("VmRSS")

@@ -14,7 +14,35 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-__all__ = ["Category", "Phase", "Block", "Tick", "Span", "OpCall", "Ledger"]
+__all__ = [
+    "Category",
+    "Phase",
+    "Block",
+    "Tick",
+    "Span",
+    "OpCall",
+    "Ledger",
+    "GRAPH_NODE_BYTES",
+    "GRAPH_SAVED_BYTES",
+    "CHECKPOINT_BYTES_PER_NODE",
+]
+
+# Autograd's graph on CPU, where it takes from the same memory as the tensors. The
+# recorder counts the graph's nodes and saved tensors exactly; what each costs in host
+# memory is a constant, a least-squares fit of the step's RSS peak over chains of tiny ops
+# (``python benchmarks/graph_host_memory.py``: torch 2.13, glibc, x86_64). It varies by
+# op type (each pattern's figure is within 15% of the fit; zoo ``heavy``'s, held out, 0.3%), which is why the blocks
+# are their own category: estimated, where every other block is measured.
+GRAPH_NODE_BYTES = 855
+"""Host bytes per autograd node (the C++ node, its edges and input metadata, the output
+tensor objects): alive from the op that creates it until the graph is freed after backward."""
+GRAPH_SAVED_BYTES = 341
+"""Host bytes per tensor saved for backward beyond its data (the saved-variable record and
+the tensor objects it keeps alive): released when backward has used it."""
+CHECKPOINT_BYTES_PER_NODE = 375
+"""Host bytes a non-reentrant checkpoint keeps per autograd node of its region instead of
+the saved-tensor records (Python holders, weak references, the saved variables' Python
+objects): on chains of tiny ops it costs more than the records it replaces."""
 
 
 class Category(str, Enum):
@@ -31,6 +59,10 @@ class Category(str, Enum):
     """Created during the step and never saved: outputs, intermediate values, scratch."""
     OTHER = "other"
     """Alive before the step but none of the above (a cache a module keeps, say)."""
+    GRAPH = "autograd_graph"
+    """CPU steps only: autograd's nodes and saved-tensor records in host memory, which are
+    not tensor storages. Estimated (counted nodes and saved tensors times a per-item
+    constant, see :data:`GRAPH_NODE_BYTES`), where every other category is measured."""
 
 
 class Phase(str, Enum):
@@ -48,7 +80,8 @@ START_TICK = -1
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One storage (views and tensors sharing it count once)."""
+    """One storage (views and tensors sharing it count once); on a CPU step also a piece of
+    autograd's graph (:attr:`Category.GRAPH`: a node or a saved-tensor record, estimated)."""
 
     id: int
     nbytes: int

@@ -25,7 +25,7 @@ from torch import nn
 
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
-from memfit.measure.recorder import Recorder
+from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
@@ -59,19 +59,6 @@ class ModuleStats:
     parameter_bytes: int = 0
 
 
-GRAPH_HOST_BYTES_PER_OP = 1100
-"""Host memory autograd holds per forward op on CPU beyond tensor data (graph nodes,
-saved-tensor records, tensor objects kept alive), measured on the zoo ``heavy`` model
-(100k scalar ops, torch 2.13, glibc): 1048 B per op in use by malloc at the end of the
-forward, 1170 B by RSS once freed heap pages are returned first. It varies by op (820 B
-for an add of a scalar to 1.3 KiB for a linear: ``benchmarks/graph_host_memory.py``), so
-memfit does not add it to predictions: it only says when it may matter
-(:attr:`Profile.graph_host_bytes_estimate`)."""
-
-
-_BOOKKEEPING_OPS = frozenset({"detach", "device"})
-
-
 @dataclass
 class Profile:
     """The measured step. ``ledger`` holds the whole timeline; the rest summarises it."""
@@ -93,7 +80,8 @@ class Profile:
 
     @property
     def peak_bytes(self) -> int:
-        """Highest live tensor bytes in the step, everything alive at its start included."""
+        """Highest live bytes in the step, everything alive at its start included: tensors,
+        and on CPU autograd's graph (:attr:`Category.GRAPH`, estimated)."""
         return self.ledger.peak_bytes
 
     @property
@@ -107,19 +95,11 @@ class Profile:
         return self.peak_bytes - self.start_bytes
 
     @property
-    def graph_host_bytes_estimate(self) -> int:
-        """On CPU, a rough size of the host memory autograd's graph holds at the end of the
-        forward, which the ledger (tensor storages) does not count: forward ops times
-        :data:`GRAPH_HOST_BYTES_PER_OP`. Zero on other devices, where it is not device memory."""
-        if self.device.removeprefix("fake:").split(":")[0] != "cpu" or self.step.inference:
-            return 0
-        return self.graph_ops * GRAPH_HOST_BYTES_PER_OP
-
-    @property
     def graph_ops(self) -> int:
         """Forward ops of the model and loss, without the recorder's own (the detached alias
-        its saved-tensor hook returns) and fake tensors' device queries."""
-        return sum(1 for o in self.ledger.ops if o.op not in _BOOKKEEPING_OPS)
+        its saved-tensor hook returns) and fake tensors' device queries; most record an
+        autograd node."""
+        return sum(1 for o in self.ledger.ops if o.op not in BOOKKEEPING_OPS)
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -159,7 +139,6 @@ class Profile:
             "meta": self.meta,
             "step": self.step.to_dict(),
             "host_peak_bytes": self.ledger.host_peak_bytes,
-            "graph_host_bytes_estimate": self.graph_host_bytes_estimate,
         }
         if ledger:
             out["ledger"] = self.ledger.to_dict()
@@ -374,7 +353,8 @@ def _profile(
 
 def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
-    recorder = Recorder(scope, device=_model_device(box.model))
+    checkpointed = box.model.__dict__.get(CHECKPOINTED) or {}  # a plan applied (or being verified)
+    recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed)
     _register_start(recorder, box)
     try:
         with recorder:
@@ -400,6 +380,8 @@ def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) 
     them before the step ends); optimizer state it creates, once the step is over."""
 
     def on_phase(phase: Phase) -> None:
+        if scope.phase is Phase.BACKWARD and phase is not Phase.BACKWARD:
+            recorder.free_graph()  # train_step dropped output and loss: the graph goes
         if phase is Phase.OPTIMIZER:
             recorder.mark((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
         scope.set_phase(phase)

@@ -7,6 +7,12 @@ death into a free. torch keeps one Python object per live storage, so the finali
 exactly when the last tensor or view of it goes, whoever held it (autograd's saved
 variables included). A saved-tensor hook marks which blocks autograd saves for backward.
 
+On a CPU step, autograd's graph takes from the same memory as the tensors: each forward
+op that records a node, and each tensor saved for backward, adds a block of
+:attr:`~memfit.measure.ledger.Category.GRAPH` (an estimate, see
+:data:`~memfit.measure.ledger.GRAPH_NODE_BYTES`). Saved records go when backward unpacks
+them; nodes when the graph is freed after backward (:meth:`Recorder.free_graph`).
+
 Only the step's own device is in the ledger: on an accelerator, storages in host memory
 (activations offloaded there, the optimizer's step counters) do not take from the device's
 budget; their peak is kept apart (:attr:`Ledger.host_peak_bytes`).
@@ -27,7 +33,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure import _optim8bit, _torch_compat
-from memfit.measure.ledger import START_TICK, Block, Category, Ledger, OpCall, Phase, Span, Tick
+from memfit.measure.ledger import (
+    CHECKPOINT_BYTES_PER_NODE,
+    GRAPH_NODE_BYTES,
+    GRAPH_SAVED_BYTES,
+    START_TICK,
+    Block,
+    Category,
+    Ledger,
+    OpCall,
+    Phase,
+    Span,
+    Tick,
+)
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes"]
@@ -41,6 +59,15 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
 _CUDA_BLOCK = 512
+
+CHECKPOINTED = "_memfit_applied"
+"""Key in a model's ``__dict__`` under which :mod:`memfit.apply` lists the modules it runs
+under a checkpoint (a mapping keyed by qualified name): their ops keep the checkpoint's
+bookkeeping instead of saved records."""
+
+# Ops the recorder or fake tensors run for themselves (the detached alias the saved-tensor
+# hook returns, fake tensors' device queries): not the step's, and they record no node.
+BOOKKEEPING_OPS = frozenset({"detach", "device"})
 
 
 def storage_bytes(nbytes: int, device: torch.device) -> int:
@@ -98,10 +125,24 @@ class _Record:
 class Recorder(TorchDispatchMode):
     """Dispatch mode building a :class:`Ledger`; also counts FLOPs per (phase, module)."""
 
-    def __init__(self, scope: Scope, *, count_flops: bool = True, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        *,
+        count_flops: bool = True,
+        device: torch.device | None = None,
+        checkpointed: Iterable[str] = (),
+    ) -> None:
+        """``checkpointed``: modules running under a checkpoint (a plan being verified),
+        whose ops keep the checkpoint's per-node bookkeeping instead of saved records."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
+        # Only a CPU step's graph is in its memory; elsewhere it is host memory beside it.
+        self.graph = self.device_type == "cpu"
+        self.checkpointed = tuple(checkpointed)
+        self._graph_live: list[int] = []  # record indices of nodes and saved records not yet freed
+        self._saved: dict[int, int] = {}  # id(packed alias) -> record index of its saved record
         self._elsewhere: dict[int, int] = {}  # id(storage) -> bytes, on another device than the step's
         self._elsewhere_live = 0
         self.elsewhere_peak = 0
@@ -170,6 +211,37 @@ class Recorder(TorchDispatchMode):
         if idx is not None and not self._closed:
             self.records[idx].died = self._tick()
 
+    def _add_graph(self, nbytes: int, saver: str | None = None) -> int:
+        self.records.append(_Record(nbytes, Category.GRAPH, self.scope.phase, self.scope.module, self._tick()))
+        if saver is not None:
+            self.records[-1].savers[saver] = None
+        self._graph_live.append(len(self.records) - 1)
+        return len(self.records) - 1
+
+    def _records_node(self, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Whether autograd records a node for this forward op: grad mode on, an input
+        that requires grad, an output that can have a gradient."""
+        if self._op in BOOKKEEPING_OPS or not torch.is_grad_enabled():
+            return False
+        if not any(t.requires_grad for t in _tensors((*args, *kwargs.values()))):
+            return False
+        return any(t.is_floating_point() or t.is_complex() for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)))
+
+    def _in_checkpoint(self) -> bool:
+        module = self.scope.module
+        return module is not None and any(module == c or module.startswith(c + ".") for c in self.checkpointed)
+
+    def free_graph(self) -> None:
+        """The step let go of the graph (after backward): its nodes and any saved record
+        backward did not use die now."""
+        if self._graph_live:
+            tick = self._tick()
+            for idx in self._graph_live:
+                if self.records[idx].died is None:
+                    self.records[idx].died = tick
+        self._graph_live.clear()
+        self._saved.clear()
+
     def register_start(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
         """Declare tensors alive before the step, with what they are. First claim wins, so
         register in order of precedence (parameters before optimizer state, say)."""
@@ -199,10 +271,15 @@ class Recorder(TorchDispatchMode):
         # Returning ``t`` itself would hold its grad_fn from inside that grad_fn's saved
         # variables: a reference cycle that never frees the activation. A detached alias
         # shares the storage and autograd restores the metadata on unpack.
-        return t.detach()
+        alias = t.detach()
+        if self.graph and self.scope.phase is Phase.FORWARD:
+            self._saved[id(alias)] = self._add_graph(GRAPH_SAVED_BYTES, self.scope.module or "")
+        return alias
 
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        idx = self._saved.pop(id(t), None)
+        if idx is not None and not self._closed:
+            self.records[idx].died = self._tick()
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -225,6 +302,9 @@ class Recorder(TorchDispatchMode):
             self.flops[(self.scope.phase, self.scope.module)] += flops
         if self.scope.phase is Phase.FORWARD:
             self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
+            # After the op's own ticks: the node is not an allocation of the op's kernel.
+            if self.graph and self._records_node(args, kwargs, out):
+                self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -263,6 +343,7 @@ class Recorder(TorchDispatchMode):
         self._finalizers.clear()
         self._live.clear()
         self._elsewhere.clear()
+        self._saved.clear()
 
     def ledger(self) -> Ledger:
         blocks = []

@@ -20,16 +20,9 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 
-from memfit.measure.ledger import Category, Ledger, Phase, Span, ancestors
+from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, Category, Ledger, Phase, Span, ancestors
 
 __all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples"]
-
-
-CHECKPOINT_BYTES_PER_OP = 512
-"""Host memory a checkpointed region costs per forward op beyond tensors (frames, saved-
-tensor holders, weak references). Measured on the zoo ``heavy`` model (100k scalar ops):
-every block checkpointed raised the step's RSS peak by 26 MB more than no checkpointing,
-about 260 B per op; doubled for margin."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +123,10 @@ class Candidates:
     """Modules not offered, with the reason."""
 
 
+_SAVED = (Category.ACTIVATION, Category.GRAPH)
+"""Blocks autograd keeps for backward: saved tensors and (on CPU) their records."""
+
+
 def _span_map(ledger: Ledger) -> dict[str, dict[Phase, list[Span]]]:
     out: dict[str, dict[Phase, list[Span]]] = defaultdict(lambda: defaultdict(list))
     for s in ledger.spans:
@@ -227,16 +224,18 @@ def build_candidates(
                 others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
             if b.died is not None and b.died < fe:
                 temps.append(b)
-            elif b.category is not Category.ACTIVATION or not any(_within(s, name) for s in b.savers):
+            elif b.category not in _SAVED or not any(_within(s, name) for s in b.savers):
                 continue
             elif all(_within(s, name) for s in b.savers) and b.died is not None and bs <= b.died <= be:
                 freeable.append(b)
             elif b.died is None or b.died >= bs:
                 kept_anyway.append(b)
         my_ops = [i for m, ids in ops_by_module.items() if m is not None and _within(m, name) for i in ids]
-        # Checkpointing keeps Python and C++ bookkeeping per op of the region, which the
-        # tensor ledger does not see; a region must free more than that to be worth it.
-        bookkeeping = CHECKPOINT_BYTES_PER_OP * len(my_ops)
+        # On CPU the checkpoint frees the region's saved records (graph blocks with savers)
+        # but keeps its own bookkeeping per autograd node (graph blocks without): a region
+        # of tiny ops can cost more than it frees.
+        nodes = sum(1 for b in inside if b.category is Category.GRAPH and not b.savers)
+        bookkeeping = CHECKPOINT_BYTES_PER_NODE * nodes
         full_freed = sum(b.nbytes for b in freeable) - held - bookkeeping
         if full_freed <= 0:
             continue

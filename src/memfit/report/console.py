@@ -122,12 +122,12 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             table.add_row(cat.value, format_bytes(breakdown[cat]), _share(breakdown[cat], profile.peak_bytes))
     table.add_row("[bold]total[/]", f"[bold]{format_bytes(profile.peak_bytes)}[/]", "100%")
     console.print(table)
-    graph = profile.graph_host_bytes_estimate
+    graph = breakdown[Category.GRAPH]
     if graph > 0.05 * profile.peak_bytes:
         console.print(
-            f"[yellow]note:[/] {profile.graph_ops:,} forward ops on small tensors: autograd's graph holds about "
-            f"{format_bytes(graph)} of host memory here (about 1 KiB per op on CPU), which the ledger of tensors "
-            "does not count (README, Known limitations)"
+            f"[yellow]note:[/] {format_bytes(graph)} of the peak is autograd's graph in host memory ({profile.graph_ops:,} "
+            "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
+            "it varies by op type by up to 15% (README, Known limitations)"
         )
 
     timed = profile.time_source == "measured"
