@@ -158,6 +158,24 @@ def test_cpu_graph_blocks_count_nodes_and_saved_tensors():
     assert memfit.profile(model, torch.randn(4), fake=True).peak_bytes == memfit.profile(model, torch.randn(4)).peak_bytes
 
 
+def test_a_checkpointed_region_keeps_bookkeeping_instead_of_saved_records():
+    from memfit.apply.checkpoint import apply_choices
+    from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, GRAPH_NODE_BYTES
+
+    model = nn.Sequential(_Chain(10), _Chain(10))
+    apply_choices(model, {"1": ("full", ())})
+    prof = memfit.profile(model, torch.randn(4))
+    graph = [b for b in prof.ledger.blocks if b.category is Category.GRAPH and b.phase is Phase.FORWARD]
+    plain = [b for b in graph if b.module == "0"]
+    ckpt = [b for b in graph if b.module == "1"]
+    assert sum(1 for b in plain if b.savers) == 29 and {b.nbytes for b in plain if not b.savers} == {GRAPH_NODE_BYTES}
+    # one record: the checkpoint saving its inputs for the recompute; the region's own
+    # saves go to the checkpoint's hooks
+    assert sum(1 for b in ckpt if b.savers) == 1
+    nodes = [b for b in ckpt if not b.savers]
+    assert {b.nbytes for b in nodes} == {GRAPH_NODE_BYTES + CHECKPOINT_BYTES_PER_NODE} and len(nodes) == 20
+
+
 def test_graph_blocks_only_where_autograd_records():
     model = nn.Sequential(_Chain(20), nn.Linear(4, 4))
     model[0].w.requires_grad_(False)  # the chain runs on the input and a frozen weight: no node

@@ -133,8 +133,9 @@ class Recorder(TorchDispatchMode):
         device: torch.device | None = None,
         checkpointed: Iterable[str] = (),
     ) -> None:
-        """``checkpointed``: modules running under a checkpoint (a plan being verified),
-        whose ops keep the checkpoint's per-node bookkeeping instead of saved records."""
+        """``checkpointed``: modules running under a checkpoint (an applied plan, or one
+        being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
+        saved records."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
