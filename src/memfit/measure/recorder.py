@@ -45,6 +45,7 @@ from memfit.measure.ledger import (
     Phase,
     Span,
     Tick,
+    ancestors,
 )
 from memfit.measure.scope import Scope
 
@@ -141,7 +142,7 @@ class Recorder(TorchDispatchMode):
         self.device_type = device.type if device is not None else None
         # Only a CPU step's graph is in its memory; elsewhere it is host memory beside it.
         self.graph = self.device_type == "cpu"
-        self.checkpointed = tuple(checkpointed)
+        self.checkpointed = frozenset(checkpointed)
         self._graph_live: list[int] = []  # record indices of nodes and saved records not yet freed
         self._saved: dict[int, int] = {}  # id(packed alias) -> record index of its saved record
         self._elsewhere: dict[int, int] = {}  # id(storage) -> bytes, on another device than the step's
@@ -219,18 +220,16 @@ class Recorder(TorchDispatchMode):
         self._graph_live.append(len(self.records) - 1)
         return len(self.records) - 1
 
-    def _records_node(self, args: tuple, kwargs: dict, out: Any) -> bool:
+    def _records_node(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
         """Whether autograd records a node for this forward op: grad mode on, an input
         that requires grad, an output that can have a gradient."""
         if self._op in BOOKKEEPING_OPS or not torch.is_grad_enabled():
             return False
-        if not any(t.requires_grad for t in _tensors((*args, *kwargs.values()))):
-            return False
-        return any(t.is_floating_point() or t.is_complex() for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)))
+        return any(t.requires_grad for t in inputs) and any(t.is_floating_point() or t.is_complex() for t in outputs)
 
     def _in_checkpoint(self) -> bool:
         module = self.scope.module
-        return module is not None and any(module == c or module.startswith(c + ".") for c in self.checkpointed)
+        return module is not None and any(m in self.checkpointed for m in ancestors(module))
 
     def free_graph(self) -> None:
         """The step let go of the graph (after backward): its nodes and any saved record
@@ -287,11 +286,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         self._op = str(func.overloadpacket.__name__)
         first = len(self.ticks)
-        inputs = {id(s) for s in map(_storage, _tensors((*args, *kwargs.values()))) if s is not None}
+        in_tensors = _tensors((*args, *kwargs.values()))
+        inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
         if self.scope.phase is Phase.FORWARD:
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
         out = self._call(func, args, kwargs)
-        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+        out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
+        for t in out_tensors:
             s = _storage(t)
             if s is None or id(s) in self._live or id(s) in self._elsewhere or not s.nbytes():
                 continue
@@ -304,7 +305,7 @@ class Recorder(TorchDispatchMode):
         if self.scope.phase is Phase.FORWARD:
             self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
             # After the op's own ticks: the node is not an allocation of the op's kernel.
-            if self.graph and self._records_node(args, kwargs, out):
+            if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
 
