@@ -1,6 +1,6 @@
 """Plans at several budgets for zoo models, each measured in a fresh process.
 
-    python benchmarks/plan_accuracy.py [--models gpt,resnet] [--budgets 0.25,0.5,0.75] [--out FILE.md]
+    python benchmarks/plan_accuracy.py [--models gpt,resnet,benchmarks/cnn_family.py:convnext] [--budgets 0.25,0.5,0.75] [--out FILE.md]
 
 For each model: one real-tensor profile, then `memfit.plan` at each budget from it, the
 plan saved as JSON and the planned step measured in a fresh process (RSS high-water mark
@@ -19,7 +19,6 @@ import time
 from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
-from memfit import zoo
 from memfit.bench.child import measure_step_peak
 
 MiB = 2**20
@@ -37,14 +36,14 @@ def main() -> None:
     ]
     tmp = tempfile.mkdtemp()
     for name in ns.models.split(","):
-        work = zoo.build(name)
+        work = memfit.load_target(name)  # a zoo name or path/to/file.py:function
         opt = work.make_optimizer()
         prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
         for b in ns.budgets.split(","):
             t0 = time.perf_counter()
             plan = memfit.plan(work.model, work.inputs, float(b), loss_fn=work.loss_fn, optimizer=opt, profile=prof)
             took = time.perf_counter() - t0
-            path = os.path.join(tmp, f"{name}-{b}.json")
+            path = os.path.join(tmp, f"{name.replace('/', '_').replace(':', '_')}-{b}.json")
             with open(path, "w") as f:
                 f.write(plan.to_json())
             m = measure_step_peak(name, plan_path=path)

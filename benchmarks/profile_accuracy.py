@@ -1,6 +1,6 @@
 """Predicted vs measured step peak for every zoo model (the foundation issue's table).
 
-    python benchmarks/profile_accuracy.py [--models gpt,resnet] [--device cpu|cuda] [--out FILE.md]
+    python benchmarks/profile_accuracy.py [--models gpt,resnet,benchmarks/cnn_family.py:convnext] [--device cpu|cuda] [--out FILE.md]
 
 For each model: `memfit.profile` on real tensors and on fake tensors in this process,
 then the same step measured in a fresh process (RSS high-water mark on CPU with
@@ -34,7 +34,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in ns.models.split(","):
-        work = zoo.build(name)
+        work = memfit.load_target(name)  # a zoo name or path/to/file.py:function
         model = work.model.to(ns.device)
         inputs = torch.utils._pytree.tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, work.inputs)
         t0 = time.perf_counter()

@@ -13,6 +13,10 @@ SMALL = {
     "mlp-deep": dict(depth=4, width=64, batch_size=8),
     "heavy": dict(n_ops=600, ops_per_block=60, batch_size=2),
     "resnet": dict(image_size=16, base=8, batch_size=4),
+    "convnext": dict(pixels=32, dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), batch_size=2),
+    "resnext": dict(pixels=16, dims=(32, 64), depths=(1, 1), batch_size=2),
+    "mobilenet": dict(pixels=32, batch_size=2),
+    "convmixer": dict(pixels=16, dim=16, depth=2, batch_size=2),
     "bert-base": dict(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, seq_len=16, batch_size=2
     ),

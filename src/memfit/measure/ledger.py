@@ -57,6 +57,10 @@ class Category(str, Enum):
     """Saved by autograd for backward (a saved-tensor hook saw it)."""
     TEMPORARY = "temporaries"
     """Created during the step and never saved: outputs, intermediate values, scratch."""
+    WORKSPACE = "kernel_workspace"
+    """Memory a kernel allocates for itself and frees before it returns (oneDNN reorders,
+    a kernel's own scratch tensors), which no op returns: measured per kind of op on real
+    tensors (:mod:`memfit.measure.workspace`), alive across the op's outputs."""
     OTHER = "other"
     """Alive before the step but none of the above (a cache a module keeps, say)."""
     GRAPH = "autograd_graph"
@@ -151,6 +155,9 @@ class Ledger:
     host_peak_bytes: int = 0
     """A step on an accelerator: the most bytes it held at once in host memory, which is
     not in the blocks (offloaded activations, the optimizer's step counters)."""
+    unmeasured_ops: int = 0
+    """Op calls whose kernel workspace is not in the blocks: a fake-tensor step of ops no
+    real step in this process has measured (:mod:`memfit.measure.workspace`)."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
@@ -226,6 +233,7 @@ class Ledger:
             "spans": [[s.module, s.phase.value, s.start, s.end, list(s.inputs)] for s in self.spans],
             "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],
             "host_peak_bytes": self.host_peak_bytes,
+            "unmeasured_ops": self.unmeasured_ops,
         }
 
     @classmethod
@@ -237,7 +245,7 @@ class Ledger:
         ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]
         spans = [Span(m, Phase(p), a, b, tuple(i)) for m, p, a, b, i in data.get("spans", [])]
         ops = [OpCall(*o) for o in data.get("ops", [])]
-        return cls(blocks, ticks, spans, ops, int(data.get("host_peak_bytes", 0)))
+        return cls(blocks, ticks, spans, ops, int(data.get("host_peak_bytes", 0)), int(data.get("unmeasured_ops", 0)))
 
 
 def ancestors(name: str) -> Iterable[str]:

@@ -139,6 +139,7 @@ class Profile:
             "meta": self.meta,
             "step": self.step.to_dict(),
             "host_peak_bytes": self.ledger.host_peak_bytes,
+            "unmeasured_ops": self.ledger.unmeasured_ops,
         }
         if ledger:
             out["ledger"] = self.ledger.to_dict()
@@ -354,7 +355,7 @@ def _profile(
 def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
     checkpointed = box.model.__dict__.get(CHECKPOINTED) or {}  # a plan applied (or being verified)
-    recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed)
+    recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None)
     _register_start(recorder, box)
     try:
         with recorder:

@@ -13,6 +13,10 @@ op that records a node, and each tensor saved for backward, adds a block of
 :data:`~memfit.measure.ledger.GRAPH_NODE_BYTES`). Saved records go when backward unpacks
 them; nodes when the graph is freed after backward (:meth:`Recorder.free_graph`).
 
+Memory a kernel allocates for itself (:mod:`memfit.measure.workspace`) becomes a block of
+:attr:`~memfit.measure.ledger.Category.WORKSPACE` alive across the op: measured on real
+tensors the first time an op of that kind runs, taken from what was measured after.
+
 Only the step's own device is in the ledger: on an accelerator, storages in host memory
 (activations offloaded there, the optimizer's step counters) do not take from the device's
 budget; their peak is kept apart (:attr:`Ledger.host_peak_bytes`).
@@ -23,6 +27,7 @@ runs without it (see :class:`memfit.measure.scope.Clock`).
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _optim8bit, _torch_compat
+from memfit.measure import _optim8bit, _torch_compat, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -69,6 +74,9 @@ bookkeeping instead of saved records."""
 # Ops the recorder or fake tensors run for themselves (the detached alias the saved-tensor
 # hook returns, fake tensors' device queries): not the step's, and they record no node.
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
+
+_TAG = "memfit.op#"
+"""Prefix of the profiler regions around ops whose kernel workspace is being measured."""
 
 
 def storage_bytes(nbytes: int, device: torch.device) -> int:
@@ -133,10 +141,14 @@ class Recorder(TorchDispatchMode):
         count_flops: bool = True,
         device: torch.device | None = None,
         checkpointed: Iterable[str] = (),
+        fake: bool = False,
+        table: workspace.WorkspaceTable | None = None,
     ) -> None:
         """``checkpointed``: modules running under a checkpoint (an applied plan, or one
         being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
-        saved records."""
+        saved records. ``fake``: the step runs on fake tensors, whose kernels allocate
+        nothing; their workspace comes from ``table`` (default
+        :data:`memfit.measure.workspace.TABLE`), which real steps fill."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
@@ -159,6 +171,13 @@ class Recorder(TorchDispatchMode):
         self.spans: list[Span] = []
         self.ops: list[OpCall] = []
         self._open: dict[tuple[Phase, str], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+        self.table = workspace.TABLE if table is None else table
+        self._workspace = self.device_type in workspace.PROBED_DEVICES
+        # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
+        # their blocks wait, with no bytes, for the trace to be read when the step is over.
+        self._trace = _torch_compat.AllocationTrace() if self._workspace and not fake else None
+        self._pending: list[tuple[int, tuple]] = []  # (record index, signature) to measure
+        self.unmeasured_ops = 0
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -290,7 +309,12 @@ class Recorder(TorchDispatchMode):
         inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
         if self.scope.phase is Phase.FORWARD:
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
-        out = self._call(func, args, kwargs)
+        scratch, tag = self._open_workspace(func, args, kwargs)
+        if tag is None:
+            out = self._call(func, args, kwargs)
+        else:
+            with torch.profiler.record_function(tag):
+                out = self._call(func, args, kwargs)
         out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         for t in out_tensors:
             s = _storage(t)
@@ -299,6 +323,10 @@ class Recorder(TorchDispatchMode):
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
             self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
+        if scratch is not None:
+            # Alive from before the op's outputs to after them: at the op's last output the
+            # ledger holds what the kernel held at its highest.
+            self.records[scratch].died = self._tick()
         flops = _torch_compat.op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             self.flops[(self.scope.phase, self.scope.module)] += flops
@@ -308,6 +336,38 @@ class Recorder(TorchDispatchMode):
             if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
+
+    def _open_workspace(self, func: Any, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
+        """The workspace block of this op call (its record index, born now) and the profiler
+        tag to run it under when it is still to be measured; Nones when the op needs none."""
+        if not self._workspace or self._op in BOOKKEEPING_OPS or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU:
+            return None, None
+        sig = workspace.signature(func, args, kwargs)
+        known = self.table.get(sig)
+        if known is None and self._trace is None:
+            self.unmeasured_ops += 1
+            return None, None
+        if known == 0:
+            return None, None
+        self.records.append(_Record(known or 0, Category.WORKSPACE, self.scope.phase, self.scope.module, self._tick()))
+        if known is not None:
+            return len(self.records) - 1, None
+        self._pending.append((len(self.records) - 1, sig))
+        return len(self.records) - 1, f"{_TAG}{len(self._pending) - 1}"
+
+    def _settle_workspace(self) -> None:
+        """Read the allocation trace: each op measured in this step gets its workspace (the
+        most its kernel held beyond what it returned), the table learns it, and every call
+        of the same kind gets the table's figure, so the ledger is the one a later step of
+        the same ops (or a fake one) records."""
+        if self._trace is None or not self._pending:
+            return
+        peaks = self._trace.peaks(_TAG, self.device_type or "cpu")
+        for i, (_, sig) in enumerate(self._pending):
+            self.table.record(sig, workspace.workspace_bytes(*peaks.get(f"{_TAG}{i}", (0, 0))))
+        for idx, sig in self._pending:
+            self.records[idx].nbytes = self.table.get(sig) or 0
+        self._pending.clear()
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU and all(
@@ -326,6 +386,11 @@ class Recorder(TorchDispatchMode):
                 self.records[idx].mutated = True
 
     def __enter__(self):
+        if self._trace is not None:
+            try:
+                self._trace.__enter__()
+            except RuntimeError:  # a profiler already running (the user's): nothing to measure with
+                self._trace = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return super().__enter__()
@@ -335,6 +400,10 @@ class Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._hooks.__exit__(*exc)
+            if self._trace is not None:
+                self._trace.__exit__(*exc)
+                if exc[0] is None:
+                    self._settle_workspace()
 
     def close(self) -> None:
         """Stop listening for frees (blocks still alive outlive the step)."""
@@ -348,9 +417,31 @@ class Recorder(TorchDispatchMode):
         self._saved.clear()
 
     def ledger(self) -> Ledger:
+        # Workspace blocks measured at zero bytes are dropped with their two ticks: the
+        # ledger is then the one a step that knew the figures beforehand records.
+        empty = [r for r in self.records if r.category is Category.WORKSPACE and not r.nbytes]
+        gone = sorted(t for r in empty for t in (r.born, r.died) if t is not None)
+
+        def at(tick: int) -> int:  # a tick index (or a span's boundary) once ``gone`` are removed
+            return tick - bisect.bisect_left(gone, tick)
+
+        kept = [r for r in self.records if not (r.category is Category.WORKSPACE and not r.nbytes)]
+        renumber = {id(r): i for i, r in enumerate(kept)}
+        index = {i: renumber[id(r)] for i, r in enumerate(self.records) if id(r) in renumber}
         blocks = []
-        for i, r in enumerate(self.records):
+        for i, r in enumerate(kept):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
-            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, r.born, r.died, tuple(r.savers), r.mutated))
-        spans = sorted(self.spans, key=lambda s: (s.start, -s.end))
-        return Ledger(blocks, list(self.ticks), spans, list(self.ops), self.elsewhere_peak)
+            born = r.born if r.born == START_TICK else at(r.born)
+            died = None if r.died is None else at(r.died)
+            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, born, died, tuple(r.savers), r.mutated))
+        dropped = set(gone)
+        ticks = [t for i, t in enumerate(self.ticks) if i not in dropped]
+        spans = sorted(
+            (
+                Span(s.module, s.phase, at(s.start), at(s.end), tuple(index[b] for b in s.inputs if b in index))
+                for s in self.spans
+            ),
+            key=lambda s: (s.start, -s.end),
+        )
+        ops = [OpCall(o.module, o.op, o.flops, at(o.first), at(o.end)) for o in self.ops]
+        return Ledger(blocks, ticks, spans, ops, self.elsewhere_peak, self.unmeasured_ops)

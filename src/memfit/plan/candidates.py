@@ -386,7 +386,9 @@ def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[
 
 
 def _allocations(ledger: Ledger) -> tuple[list[int], dict[int, int]]:
-    """Bytes each forward op call allocated, and the op call that allocated each block."""
+    """Bytes each forward op call returned, and the op call that returned each block. A
+    kernel's workspace is not an output: selective recompute cannot keep it, and the cost
+    model's bytes are what an op writes."""
     op_bytes = [0] * len(ledger.ops)
     born_op: dict[int, int] = {}
     owner = [-1] * len(ledger.ticks)
@@ -394,7 +396,7 @@ def _allocations(ledger: Ledger) -> tuple[list[int], dict[int, int]]:
         for t in range(op.first, op.end):
             owner[t] = i
     for b in ledger.blocks:
-        if b.born >= 0 and owner[b.born] >= 0:
+        if b.born >= 0 and owner[b.born] >= 0 and b.category is not Category.WORKSPACE:
             born_op[b.id] = owner[b.born]
             op_bytes[owner[b.born]] += b.nbytes
     return op_bytes, born_op

@@ -129,6 +129,12 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
             "it varies by op type by up to 15% (README, Known limitations)"
         )
+    if profile.ledger.unmeasured_ops:
+        console.print(
+            f"[yellow]note:[/] kernel workspace (memory kernels take for themselves, such as oneDNN's reorders) is not "
+            f"counted for {profile.ledger.unmeasured_ops:,} op calls: fake tensors run no kernels, and no real step of ops "
+            "of those kinds and shapes ran in this process to measure it"
+        )
 
     timed = profile.time_source == "measured"
     if profile.step.inference:

@@ -18,7 +18,7 @@ import torch
 
 from memfit.errors import TargetError
 from memfit.workload import Workload
-from memfit.zoo import gpt, hf, small
+from memfit.zoo import cnn, gpt, hf, small
 
 __all__ = ["build", "names", "describe", "DEFAULT"]
 
@@ -41,6 +41,10 @@ _ZOO: dict[str, _Entry] = {
     "mlp-deep": _Entry(small.build_mlp, "100 x Linear(1024)+ReLU, batch 128"),
     "heavy": _Entry(small.build_heavy, "~100k tiny scalar ops: per-op overhead"),
     "resnet": _Entry(small.build_resnet, "bottleneck CNN with BatchNorm and Dropout, 64px, batch 16"),
+    "convnext": _Entry(cnn.convnext, "depthwise 7x7 + LayerNorm over channels, 4 stages, 128px, batch 8"),
+    "resnext": _Entry(cnn.resnext, "grouped 3x3 convolutions (32 groups) with BatchNorm, 96px, batch 8"),
+    "mobilenet": _Entry(cnn.mobilenet, "inverted residuals around depthwise 3x3, 128px, batch 16"),
+    "convmixer": _Entry(cnn.convmixer, "depthwise 9x9 + pointwise with GELU and BatchNorm, 96px, batch 8"),
     "bert-base": _Entry(hf.build_bert, "transformers BertForMaskedLM, 128 tokens, batch 8", "hf"),
     "gpt2": _Entry(hf.build_gpt2, "transformers GPT2LMHeadModel, 256 tokens, batch 4", "hf"),
     "resnet152": _Entry(hf.build_resnet152, "transformers ResNet-152, 224px, batch 8", "hf"),

@@ -1,0 +1,98 @@
+"""Kernel workspace: memory a kernel allocates for itself and frees before it returns.
+
+A dispatch mode sees each aten op's inputs and outputs, not what runs inside the kernel:
+oneDNN's reorders and scratch on CPU (a depthwise convolution reorders its input and
+weight), a kernel's own ``at::empty`` (LayerNorm over a permuted tensor copies it to a
+contiguous one first), cuDNN and cuBLAS workspaces on CUDA. That memory is real, and when
+the op is at the step's peak, it is on top of the peak. The recorder measures it on real
+tensors: each op of a kind not measured yet runs tagged inside a trace of every allocation
+(:class:`~memfit.measure._torch_compat.AllocationTrace`), and its workspace is the highest
+the allocations inside it rose above what it returned.
+
+What was measured is kept per op kind (:func:`signature`: the op, its tensors' shapes,
+strides, dtypes and device type, its other arguments) in :data:`TABLE`, so that every later
+step of the same ops (the plan's verification runs, fake-tensor profiles of the same
+shapes) takes it from there: a fake profile cannot run a kernel, and says how many of its
+ops had no measurement (:attr:`~memfit.measure.ledger.Ledger.unmeasured_ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["signature", "workspace_bytes", "WorkspaceTable", "TABLE", "PROBED_DEVICES", "FLOOR_BYTES"]
+
+PROBED_DEVICES = frozenset({"cpu", "cuda"})
+"""Devices whose allocator reports to torch's profiler, so a kernel's own allocations can be
+measured there (on real tensors)."""
+
+
+FLOOR_BYTES = 4096
+"""Less than a page is not counted. Such scratch is a kernel wrapping a Python scalar into a
+0-dim tensor (12 bytes: nearly every op with a scalar argument), taken from the heap, where
+autograd's per-node host-memory constants already hold it (they are fitted to RSS,
+``benchmarks/graph_host_memory.py``); counted, it would add two ticks to most ops."""
+
+
+def workspace_bytes(peak: int, net: int) -> int:
+    """A kernel's workspace from its allocations: the most it held beyond what it returned
+    (``peak - net``), zero under :data:`FLOOR_BYTES`."""
+    extra = peak - net
+    return extra if extra >= FLOOR_BYTES else 0
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (
+            "T",
+            tuple(value.shape),
+            tuple(value.stride()) if value.layout is torch.strided else (),
+            value.dtype,
+            value.device.type,
+        )
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, float):
+        return float  # a learning rate or bias correction changes every step; scratch does not
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return value
+    return type(value).__name__  # a generator or an opaque object: its kind, not its identity
+
+
+def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """What a kernel's workspace depends on: the op (with its overload), every tensor's
+    shape, strides, dtype and device type, and the other arguments (a convolution's groups
+    and padding; floats only as such). Tensor values are left out: workspaces do not depend on
+    them."""
+    return (str(func), _describe(args), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())))
+
+
+class WorkspaceTable:
+    """Measured workspace bytes by op :func:`signature` (the largest seen)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple, int] = {}
+
+    def get(self, sig: tuple) -> int | None:
+        """Bytes measured for ``sig``, or None if no op of that kind has been measured."""
+        return self._bytes.get(sig)
+
+    def record(self, sig: tuple, nbytes: int) -> int:
+        """Keep ``nbytes`` for ``sig`` (the largest of what was seen); returns what is kept.
+        The largest, so that a plan is verified against the worst case of a kernel whose
+        scratch varies between calls (oneDNN caches primitives after the first)."""
+        kept = max(nbytes, self._bytes.get(sig, 0))
+        self._bytes[sig] = kept
+        return kept
+
+    def __len__(self) -> int:
+        return len(self._bytes)
+
+    def clear(self) -> None:
+        self._bytes.clear()
+
+
+TABLE = WorkspaceTable()
+"""The process's measurements: every real recorded step adds to it, every step reads it."""

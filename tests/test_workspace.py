@@ -1,0 +1,113 @@
+"""Kernel workspace: memory a kernel allocates for itself, which no op returns, is measured
+on real tensors, kept per kind of op, and taken by later steps (fake ones included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import Category
+from memfit.measure import workspace
+
+
+class ChannelsNorm(nn.Module):
+    """LayerNorm over the channels of NCHW: its kernel copies the permuted input to a
+    contiguous one before normalising, a copy no op returns."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+        self.norm = nn.LayerNorm(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x).permute(0, 2, 3, 1)).sum()
+
+
+@pytest.fixture(autouse=True)
+def fresh_table():
+    workspace.TABLE.clear()
+    yield
+    workspace.TABLE.clear()
+
+
+def _workload():
+    torch.manual_seed(0)
+    return ChannelsNorm(16), torch.randn(4, 16, 32, 32)
+
+
+def _scratch(prof: memfit.Profile, op: str) -> list[int]:
+    ticks = prof.ledger.ticks
+    return [b.nbytes for b in prof.ledger.blocks if b.category is Category.WORKSPACE and ticks[b.born].op == op]
+
+
+def _blocks(prof: memfit.Profile, category: Category) -> list[tuple]:
+    return [(b.nbytes, b.born, b.died, b.phase, b.module) for b in prof.ledger.blocks if b.category is category]
+
+
+def test_a_kernels_own_copy_is_in_the_ledger():
+    model, x = _workload()
+    prof = memfit.profile(model, x, loss_fn=lambda out: out)
+    # The forward's contiguous copy of the permuted (4, 32, 32, 16) float32 input, exactly.
+    assert _scratch(prof, "native_layer_norm") == [x.numel() * 4]
+    assert prof.ledger.unmeasured_ops == 0
+    assert Category.WORKSPACE.value in prof.breakdown
+
+
+def test_fake_profile_takes_the_measured_workspace_and_says_when_it_has_none():
+    model, x = _workload()
+    blind = memfit.profile(model, x, loss_fn=lambda out: out, fake=True)
+    assert blind.ledger.unmeasured_ops > 0 and not _scratch(blind, "native_layer_norm")
+    real = memfit.profile(model, x, loss_fn=lambda out: out)
+    fake = memfit.profile(model, x, loss_fn=lambda out: out, fake=True)
+    assert fake.ledger.unmeasured_ops == 0
+    # The real ledger drops the ticks of ops measured at zero: it is the one a step that knew
+    # every figure beforehand records, tick for tick.
+    assert len(fake.ledger.ticks) == len(real.ledger.ticks)
+    assert _blocks(fake, Category.WORKSPACE) == _blocks(real, Category.WORKSPACE) != []
+    assert fake.peak_bytes == real.peak_bytes > blind.peak_bytes
+    assert fake.breakdown == real.breakdown
+
+
+def test_ops_without_workspace_leave_the_ledger_as_it_was(monkeypatch):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), torch.randn(16, 64)
+    probed = memfit.profile(model, x)
+    assert not any(b.category is Category.WORKSPACE for b in probed.ledger.blocks)
+    monkeypatch.setattr(workspace, "PROBED_DEVICES", frozenset())
+    unprobed = memfit.profile(model, x)
+    assert unprobed.ledger.to_dict() == probed.ledger.to_dict()
+
+
+def test_signature_keeps_what_scratch_depends_on():
+    conv = torch.ops.aten.convolution.default
+    x, w = torch.randn(2, 8, 16, 16), torch.randn(8, 1, 3, 3)
+    depthwise = workspace.signature(conv, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8), {})
+    dense = workspace.signature(conv, (x, torch.randn(8, 8, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {})
+    assert depthwise != dense
+    # values do not matter, nor a float argument's (a learning rate changes every step)
+    assert depthwise == workspace.signature(conv, (x + 1, w * 2, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8), {})
+    add = torch.ops.aten.add.Tensor
+    assert workspace.signature(add, (x, x), {"alpha": 0.5}) == workspace.signature(add, (x, x), {"alpha": 0.25})
+    assert workspace.signature(add, (x, x), {}) != workspace.signature(add, (x, x.mT), {})  # strides matter
+
+
+def test_floor_and_largest_figure_kept():
+    assert workspace.workspace_bytes(peak=100 + workspace.FLOOR_BYTES, net=100) == workspace.FLOOR_BYTES
+    assert workspace.workspace_bytes(peak=112, net=100) == 0  # a wrapped scalar, in the graph's constants
+    table = workspace.WorkspaceTable()
+    assert table.record(("op",), 8192) == 8192 and table.record(("op",), 4096) == 8192
+    assert table.get(("op",)) == 8192 and table.get(("other",)) is None
+
+
+def test_plan_verifies_with_workspace_and_stays_within_budget():
+    # a plan is verified by a recorded step, which measures the workspace too: the verified
+    # peak includes the recompute's kernel copies
+    from memfit import zoo
+
+    work = zoo.build("convnext", batch_size=2, pixels=64, dims=(16, 32, 48, 64), depths=(1, 1, 2, 1))
+    prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
+    assert prof.breakdown[Category.WORKSPACE.value] >= 0 and any(b.category is Category.WORKSPACE for b in prof.ledger.blocks)
+    plan = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), profile=prof)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
