@@ -419,17 +419,16 @@ class Recorder(TorchDispatchMode):
     def ledger(self) -> Ledger:
         # Workspace blocks measured at zero bytes are dropped with their two ticks: the
         # ledger is then the one a step that knew the figures beforehand records.
-        empty = [r for r in self.records if r.category is Category.WORKSPACE and not r.nbytes]
-        gone = sorted(t for r in empty for t in (r.born, r.died) if t is not None)
+        empty = {i for i, r in enumerate(self.records) if r.category is Category.WORKSPACE and not r.nbytes}
+        gone = sorted(t for i in empty for t in (self.records[i].born, self.records[i].died) if t is not None)
 
         def at(tick: int) -> int:  # a tick index (or a span's boundary) once ``gone`` are removed
             return tick - bisect.bisect_left(gone, tick)
 
-        kept = [r for r in self.records if not (r.category is Category.WORKSPACE and not r.nbytes)]
-        renumber = {id(r): i for i, r in enumerate(kept)}
-        index = {i: renumber[id(r)] for i, r in enumerate(self.records) if id(r) in renumber}
+        kept = [i for i in range(len(self.records)) if i not in empty]
+        index = {old: new for new, old in enumerate(kept)}
         blocks = []
-        for i, r in enumerate(kept):
+        for i, r in enumerate(self.records[k] for k in kept):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
             born = r.born if r.born == START_TICK else at(r.born)
             died = None if r.died is None else at(r.died)
