@@ -91,6 +91,8 @@ def test_signature_keeps_what_scratch_depends_on():
     add = torch.ops.aten.add.Tensor
     assert workspace.signature(add, (x, x), {"alpha": 0.5}) == workspace.signature(add, (x, x), {"alpha": 0.25})
     assert workspace.signature(add, (x, x), {}) != workspace.signature(add, (x, x.mT), {})  # strides matter
+    one = torch.randn(2, 8, 1, 1)  # ... but not a size-1 dimension's, which is arbitrary
+    assert workspace.signature(add, (one,), {}) == workspace.signature(add, (one.as_strided(one.shape, (8, 1, 8, 8)),), {})
 
 
 def test_floor_and_largest_figure_kept():
@@ -111,3 +113,15 @@ def test_plan_verifies_with_workspace_and_stays_within_budget():
     assert prof.breakdown[Category.WORKSPACE.value] >= 0 and any(b.category is Category.WORKSPACE for b in prof.ledger.blocks)
     plan = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), profile=prof)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_cli_says_when_a_fake_profile_has_no_workspace_figures(capsys):
+    from memfit.cli import main
+
+    args = ["profile", "convnext", "--batch-size", "2", "--size", "pixels=32", "--size", "depths=(1, 1, 1, 1)"]
+    assert main([*args, "--device", "fake"]) == 0
+    assert "kernel workspace" in " ".join(capsys.readouterr().out.split())
+    assert main(args) == 0  # a real profile measures it: no note, and a fake one after it takes its figures
+    assert "is not counted" not in " ".join(capsys.readouterr().out.split())
+    assert main([*args, "--device", "fake"]) == 0
+    assert "is not counted" not in " ".join(capsys.readouterr().out.split())
