@@ -176,7 +176,8 @@ class Recorder(TorchDispatchMode):
         # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
         # their blocks wait, with no bytes, for the trace to be read when the step is over.
         self._trace = _torch_compat.AllocationTrace() if self._workspace and not fake else None
-        self._pending: list[tuple[int, tuple]] = []  # (record index, signature) to measure
+        self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
+        self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
         self.unmeasured_ops = 0
         scope.listener = self._on_scope
 
@@ -340,7 +341,12 @@ class Recorder(TorchDispatchMode):
     def _open_workspace(self, func: Any, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
         """The workspace block of this op call (its record index, born now) and the profiler
         tag to run it under when it is still to be measured; Nones when the op needs none."""
-        if not self._workspace or self._op in BOOKKEEPING_OPS or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU:
+        if (
+            not self._workspace
+            or func.is_view  # allocates nothing (and a select's index would make each call a kind of its own)
+            or self._op in BOOKKEEPING_OPS
+            or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU
+        ):
             return None, None
         sig = workspace.signature(func, args, kwargs)
         known = self.table.get(sig)
@@ -350,24 +356,29 @@ class Recorder(TorchDispatchMode):
         if known == 0:
             return None, None
         self.records.append(_Record(known or 0, Category.WORKSPACE, self.scope.phase, self.scope.module, self._tick()))
+        idx = len(self.records) - 1
         if known is not None:
-            return len(self.records) - 1, None
-        self._pending.append((len(self.records) - 1, sig))
-        return len(self.records) - 1, f"{_TAG}{len(self._pending) - 1}"
+            return idx, None
+        self._pending.append((idx, sig))
+        if sig in self._tagged:  # the first call of this kind measures it for all
+            return idx, None
+        self._tagged[sig] = f"{_TAG}{len(self._tagged)}"
+        return idx, self._tagged[sig]
 
     def _settle_workspace(self) -> None:
-        """Read the allocation trace: each op measured in this step gets its workspace (the
-        most its kernel held beyond what it returned), the table learns it, and every call
-        of the same kind gets the table's figure, so the ledger is the one a later step of
-        the same ops (or a fake one) records."""
+        """Read the allocation trace: each kind of op measured in this step (its first call)
+        gets its workspace (the most its kernel held beyond what it returned), the table
+        learns it, and every call of that kind gets the table's figure, so the ledger is the
+        one a later step of the same ops (or a fake one) records."""
         if self._trace is None or not self._pending:
             return
         peaks = self._trace.peaks(_TAG, self.device_type or "cpu")
-        for i, (_, sig) in enumerate(self._pending):
-            self.table.record(sig, workspace.workspace_bytes(*peaks.get(f"{_TAG}{i}", (0, 0))))
+        for sig, tag in self._tagged.items():
+            self.table.record(sig, workspace.workspace_bytes(*peaks.get(tag, (0, 0))))
         for idx, sig in self._pending:
             self.records[idx].nbytes = self.table.get(sig) or 0
         self._pending.clear()
+        self._tagged.clear()
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU and all(

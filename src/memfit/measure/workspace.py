@@ -43,23 +43,13 @@ def workspace_bytes(peak: int, net: int) -> int:
     return extra if extra >= FLOOR_BYTES else 0
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    # A size-1 dimension's stride is arbitrary (fake tensors and kernels pick differently)
-    # and moves no kernel to another layout.
-    if t.layout is not torch.strided:
-        return ()
-    return tuple(st if n != 1 else 0 for n, st in zip(t.shape, t.stride()))
-
-
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return (
-            "T",
-            tuple(value.shape),
-            _strides(value),
-            value.dtype,
-            value.device.type,
-        )
+        shape = tuple(value.shape)
+        # A size-1 dimension's stride is arbitrary (fake tensors and kernels pick differently)
+        # and moves no kernel to another layout.
+        strides = tuple(st if n != 1 else 0 for n, st in zip(shape, value.stride())) if value.layout is torch.strided else ()
+        return ("T", shape, strides, value.dtype, value.device.type)
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     if isinstance(value, float):
