@@ -20,6 +20,7 @@ from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
 from memfit.bench.child import measure_step_peak
+from memfit.cli import parse_sizes
 
 MiB = 2**20
 
@@ -28,15 +29,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt,mlp-deep,resnet,heavy,bert-base,gpt2,resnet152")
     parser.add_argument("--budgets", default="0.25,0.5,0.75")
+    parser.add_argument("--size", action="append", default=[], help="KEY=VALUE for every model, as memfit's --size")
     parser.add_argument("--out")
     ns = parser.parse_args()
     rows = [
         "| model | budget | P_min | P_none | budget bytes | predicted | measured | within budget | pred. error | modules | extra FLOPs | plan time |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
+    sizes = parse_sizes(ns.size)
     tmp = tempfile.mkdtemp()
     for name in ns.models.split(","):
-        work = memfit.load_target(name)  # a zoo name or path/to/file.py:function
+        work = memfit.load_target(name, sizes=sizes)  # a zoo name or path/to/file.py:function
         opt = work.make_optimizer()
         prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
         for b in ns.budgets.split(","):
@@ -46,7 +49,7 @@ def main() -> None:
             path = os.path.join(tmp, f"{name.replace('/', '_').replace(':', '_')}-{b}.json")
             with open(path, "w") as f:
                 f.write(plan.to_json())
-            m = measure_step_peak(name, plan_path=path)
+            m = measure_step_peak(name, sizes=sizes, plan_path=path)
             measured = plan.start_bytes + m["step_peak_bytes"]
             ok = measured <= plan.budget_bytes * 1.03
             err = (plan.predicted_peak_bytes - measured) / measured
