@@ -21,6 +21,7 @@ from torch import nn
 
 import memfit
 from memfit import (
+    Budget,
     BudgetError,
     BudgetInfeasibleError,
     Choice,
@@ -79,6 +80,11 @@ BAD_BUDGETS = [
     ("0MB", "bytes must be positive"),
     ("-1GiB", "must be >= 0, got '-1GiB'"),
     ("-1", "must be >= 0, got '-1'"),
+    ("50", r"budget '50' has no unit: write '50%' for a fraction, '50B' or '50MiB' for bytes"),
+    ("1", "budget '1' has no unit"),
+    ("0", "budget '0' has no unit"),
+    ("1e9", "budget '1e9' has no unit"),
+    ("2.5e-1", "budget '2.5e-1' has no unit"),
     (-0.1, _FRACTION + r".*got -0.1"),
     ("-50%", _FRACTION + r".*got '-50%'"),
     (float("nan"), _FRACTION + r".*got nan"),
@@ -86,7 +92,7 @@ BAD_BUDGETS = [
     (1.5, _FRACTION + r".*got 1.5"),
     ("1.5", _FRACTION + r".*got '1.5'"),
     ("150%", _FRACTION + r".*got '150%'"),
-    ("1e400", "'1e400' is too large"),
+    ("1e400B", "'1e400B' is too large"),
     (None, "budget must be bytes .* or a fraction"),
     (True, "budget must be bytes .* or a fraction"),
     ([1], "budget must be bytes .* got list"),
@@ -98,6 +104,25 @@ def test_bad_budget(step, budget, match):
     with pytest.raises(BudgetError, match=match):
         parse_budget(budget)
     _refused(step, BudgetError, match, budget=budget)
+
+
+@pytest.mark.parametrize(
+    "budget, understood",
+    [
+        (0.25, Budget(fraction=0.25)),
+        ("0.25", Budget(fraction=0.25)),
+        ("1.0", Budget(fraction=1.0)),
+        ("50%", Budget(fraction=0.5)),
+        ("6GiB", Budget(bytes=6 * 2**30)),
+        ("800MB", Budget(bytes=800 * 10**6)),
+        ("50B", Budget(bytes=50)),
+        ("1e9B", Budget(bytes=10**9)),
+        (8_000_000_000, Budget(bytes=8_000_000_000)),  # a Python int is bytes: typed, not ambiguous
+        (50, Budget(bytes=50)),
+    ],
+)
+def test_documented_budget_forms(budget, understood):
+    assert parse_budget(budget) == understood
 
 
 def test_budget_below_the_lowest_peak_states_p_min(step):
@@ -351,11 +376,13 @@ def _one_line_error(capsys) -> str:
         ("abc", "cannot parse byte amount 'abc'"),
         ("nan", "cannot parse byte amount 'nan'"),
         ("-1", "byte amount must be >= 0, got '-1'"),
+        ("50", "budget '50' has no unit: write '50%' for a fraction, '50B' or '50MiB' for bytes"),
+        ("1", "budget '1' has no unit"),
         ("-1GiB", "byte amount must be >= 0, got '-1GiB'"),
         ("-50%", "fraction must be in [0, 1] (or 0%..100%), got '-50%'"),
         ("1.5", "fraction must be in [0, 1] (or 0%..100%), got '1.5'"),
         ("150%", "fraction must be in [0, 1] (or 0%..100%), got '150%'"),
-        ("1e400", "'1e400' is too large"),
+        ("1e400B", "'1e400B' is too large"),
         ("1KiB", "below the lowest peak memfit can reach for this step, P_min ="),
     ],
 )
