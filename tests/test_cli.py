@@ -115,6 +115,57 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
             """,
             "inputs must be a tensor",
         ),
+        (
+            """
+            import torch, memfit
+            def build():
+                with torch.device("meta"):
+                    return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4))
+            """,
+            "the model is on the meta device, which holds no data",
+        ),
+        (
+            """
+            import torch, memfit
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4, device="meta"))
+            """,
+            "an input is on meta but the model is on cpu",
+        ),
+        (
+            """
+            import torch, memfit
+            def pick(out):
+                return out.logits
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), loss_fn=pick)
+            """,
+            "the loss function pick raised AttributeError",
+        ),
+        (
+            """
+            import torch, memfit
+            class M(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = torch.nn.Linear(4, 4)
+                def forward(self, x):
+                    logits = self.fc(x)
+                    return logits, logits.square().mean()
+            def build():
+                return memfit.Workload(M(), torch.randn(2, 4))
+            """,
+            "output is a tuple of 2 floating-point tensors and has no loss",
+        ),
+        (
+            """
+            import torch, memfit
+            other = torch.nn.Linear(4, 4)
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), optimizer=lambda params: torch.optim.AdamW(other.parameters()))
+            """,
+            "the optimizer (AdamW) holds none of the model's parameters",
+        ),
     ],
 )
 def test_bad_workload_files_are_one_line(tmp_path, body, needle, capsys):
