@@ -326,6 +326,13 @@ def _load_file_function(spec: str) -> Callable[..., Any]:
     if not func_name.isidentifier():
         raise TargetError(f"target {spec!r} does not name a function after ':'; expected path/to/file.py:function")
     module_name = f"_memfit_target_{abs(hash(str(path.resolve())))}"
+    # As Python runs a script: its directory first on sys.path, so that it imports the
+    # modules beside it (``from mymodel import Net``). It stays there, as for a script:
+    # the workload's function, the model's forward and unpickling in other processes
+    # may import from it later (a bench child loads the file again and does the same).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     mod_spec = importlib.util.spec_from_file_location(module_name, path)
     if mod_spec is None or mod_spec.loader is None:
         raise TargetError(f"cannot import {path_text!r} as Python; expected a .py file")
