@@ -218,7 +218,9 @@ def _raising_loss(out):
 @pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
 def test_a_loss_function_that_raises_is_named(step, fake):
     # it was reported as "forward of the model (TinyNet) raised KeyError"
-    err = _refused(step, LossError, r"the loss function _raising_loss raised KeyError: 'labels'", loss_fn=_raising_loss, fake=fake)
+    err = _refused(
+        step, LossError, r"the loss function _raising_loss raised KeyError: 'labels'", loss_fn=_raising_loss, fake=fake
+    )
     assert "forward" not in str(err)
 
 

@@ -117,7 +117,9 @@ def test_fit_chooses_micro_batches_and_the_recipe_runs_them():
     model, x, y = _setup(16)
     opt = torch.optim.AdamW(model.parameters())
     before = snapshot(model, opt)
-    quarter = memfit.profile(model, x, targets=y, loss_fn=F.cross_entropy, optimizer=opt, fake=True, step=StepOptions(micro_batches=8))
+    quarter = memfit.profile(
+        model, x, targets=y, loss_fn=F.cross_entropy, optimizer=opt, fake=True, step=StepOptions(micro_batches=8)
+    )
     recipe = memfit.fit(model, x, quarter.peak_bytes, targets=y, loss_fn=F.cross_entropy, optimizer=opt)
     assert_same(before, snapshot(model, opt))
     assert "microbatch" in recipe.levers and recipe.targets

@@ -83,7 +83,14 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
     step = memfit.StepOptions(inference=True) if inference else None
     with progress_bar(console, f"profiling {work.name}") as progress:
         return memfit.profile(
-            model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=work.targets
+            model,
+            inputs,
+            loss_fn=work.loss_fn,
+            optimizer=optimizer,
+            fake=fake,
+            progress=progress,
+            step=step,
+            targets=work.targets,
         )
 
 

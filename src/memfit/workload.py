@@ -192,7 +192,7 @@ def check_loss_targets(loss_fn: Any, targets: Any) -> None:
     if targets is None:
         if loss_fn is not None and _accepts(loss_fn, 1) is False and _accepts(loss_fn, 2):
             raise WorkloadError(
-                f"loss_fn takes (output, targets) but no targets were given: pass targets= (what the loss compares the "
+                "loss_fn takes (output, targets) but no targets were given: pass targets= (what the loss compares the "
                 "output with; memfit cuts them into micro-batches with the inputs), or make it loss_fn(output)"
             )
         return

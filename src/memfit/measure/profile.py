@@ -282,9 +282,7 @@ def profile(
         >>> p.peak_bytes >= p.start_bytes
         True
     """
-    return _profile(
-        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets
-    )
+    return _profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets)
 
 
 def _profile(

@@ -144,7 +144,8 @@ def _loss_scales(
         for k in ks:
             try:
                 parts = [
-                    float(call_loss(loss_fn, box.model(*a, **kw), t)) for a, kw, t in split_batch(box.args, box.kwargs, box.targets, k)
+                    float(call_loss(loss_fn, box.model(*a, **kw), t))
+                    for a, kw, t in split_batch(box.args, box.kwargs, box.targets, k)
                 ]
             except Exception as exc:
                 cause = exc.__cause__ if isinstance(exc, LossError) and exc.__cause__ is not None else exc
