@@ -241,7 +241,7 @@ def test_a_target_file_imports_the_module_beside_it(readme_project, monkeypatch)
     monkeypatch.chdir(elsewhere)
     work = memfit.load_target(f"{project}/train_setup.py:workload", batch_size=4)
     assert type(work.model).__name__ == "Net" and work.inputs.shape[0] == 4 and work.targets.shape == (4,)
-    assert str(project) in sys.path  # as for a script: later imports (a bench child's, a lazy one) find it too
+    assert str(project.resolve()) in sys.path  # as for a script: later imports (a bench child's, a lazy one) find it too
 
 
 def test_cli_runs_the_readme_example_from_another_directory(readme_project):
