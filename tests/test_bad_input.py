@@ -21,6 +21,7 @@ from torch import nn
 
 import memfit
 from memfit import (
+    Budget,
     BudgetError,
     BudgetInfeasibleError,
     Choice,
@@ -52,9 +53,10 @@ def _refused(step, error: type[MemfitError], match: str, *, inputs=None, **plan_
     """memfit.plan on ``step`` raises ``error`` matching ``match`` and changes nothing."""
     model, x, opt = step
     plan_kwargs.setdefault("budget", 0.5)
+    plan_kwargs.setdefault("optimizer", opt)
     before = snapshot(model, opt)
     with pytest.raises(error, match=match) as info:
-        memfit.plan(model, x if inputs is None else inputs, optimizer=opt, **plan_kwargs)
+        memfit.plan(model, x if inputs is None else inputs, **plan_kwargs)
     assert isinstance(info.value, MemfitError)
     assert "\n" not in str(info.value)
     assert applied_choices(model) is None
@@ -79,6 +81,11 @@ BAD_BUDGETS = [
     ("0MB", "bytes must be positive"),
     ("-1GiB", "must be >= 0, got '-1GiB'"),
     ("-1", "must be >= 0, got '-1'"),
+    ("50", r"budget '50' has no unit: write '50%' for a fraction, '50B' or '50MiB' for bytes"),
+    ("1", "budget '1' has no unit"),
+    ("0", "budget '0' has no unit"),
+    ("1e9", "budget '1e9' has no unit"),
+    ("2.5e-1", "budget '2.5e-1' has no unit"),
     (-0.1, _FRACTION + r".*got -0.1"),
     ("-50%", _FRACTION + r".*got '-50%'"),
     (float("nan"), _FRACTION + r".*got nan"),
@@ -86,7 +93,7 @@ BAD_BUDGETS = [
     (1.5, _FRACTION + r".*got 1.5"),
     ("1.5", _FRACTION + r".*got '1.5'"),
     ("150%", _FRACTION + r".*got '150%'"),
-    ("1e400", "'1e400' is too large"),
+    ("1e400B", "'1e400B' is too large"),
     (None, "budget must be bytes .* or a fraction"),
     (True, "budget must be bytes .* or a fraction"),
     ([1], "budget must be bytes .* got list"),
@@ -98,6 +105,25 @@ def test_bad_budget(step, budget, match):
     with pytest.raises(BudgetError, match=match):
         parse_budget(budget)
     _refused(step, BudgetError, match, budget=budget)
+
+
+@pytest.mark.parametrize(
+    "budget, understood",
+    [
+        (0.25, Budget(fraction=0.25)),
+        ("0.25", Budget(fraction=0.25)),
+        ("1.0", Budget(fraction=1.0)),
+        ("50%", Budget(fraction=0.5)),
+        ("6GiB", Budget(bytes=6 * 2**30)),
+        ("800MB", Budget(bytes=800 * 10**6)),
+        ("50B", Budget(bytes=50)),
+        ("1e9B", Budget(bytes=10**9)),
+        (8_000_000_000, Budget(bytes=8_000_000_000)),  # a Python int is bytes: typed, not ambiguous
+        (50, Budget(bytes=50)),
+    ],
+)
+def test_documented_budget_forms(budget, understood):
+    assert parse_budget(budget) == understood
 
 
 def test_budget_below_the_lowest_peak_states_p_min(step):
@@ -158,7 +184,8 @@ def test_inputs_on_another_device_than_the_model(step):
 
 
 def test_model_on_another_device_than_its_inputs():
-    with pytest.raises(WorkloadError, match="an input is on cpu but the model is on meta"):
+    # the model's device is the one to fix: meta holds no data, whatever the inputs' device
+    with pytest.raises(WorkloadError, match="the model is on the meta device, which holds no data"):
         memfit.plan(TinyNet(width=16).to("meta"), torch.randn(8, 16), 0.5)
 
 
@@ -172,6 +199,77 @@ def test_model_on_several_devices():
         with pytest.raises(WorkloadError, match=r"more than one device: 'fc1.weight' is on cpu but 'fc2.weight' is on meta"):
             call()
     assert torch.equal(model.fc1.weight, fc1) and model.fc1.weight.grad is None
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_model_and_inputs_on_the_meta_device(fake):
+    # Both on meta agree on the device: the real step failed copying the parameters out
+    # ("Cannot copy out of meta tensor"), the fake one measured a step on no real device.
+    model, x = TinyNet(width=16).to("meta"), torch.randn(8, 16, device="meta")
+    for call in (lambda: memfit.profile(model, x, fake=fake), lambda: memfit.plan(model, x, 0.5, fake=fake)):
+        with pytest.raises(WorkloadError, match=r"the model is on the meta device, which holds no data: .*to_empty.*fake=True"):
+            call()
+
+
+def _raising_loss(out):
+    raise KeyError("labels")
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_a_loss_function_that_raises_is_named(step, fake):
+    # it was reported as "forward of the model (TinyNet) raised KeyError"
+    err = _refused(
+        step, LossError, r"the loss function _raising_loss raised KeyError: 'labels'", loss_fn=_raising_loss, fake=fake
+    )
+    assert "forward" not in str(err)
+
+
+class _LogitsAndLoss(nn.Module):
+    """Returns ``(logits, loss)``, as many hand-written models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor):
+        logits = self.fc(x)
+        return logits, logits.square().mean()
+
+
+def test_an_output_of_several_tensors_without_a_loss_is_refused():
+    # The default loss summed logits and loss together: training on a loss nobody wrote.
+    torch.manual_seed(0)
+    model, x = _LogitsAndLoss(), torch.randn(8, 16)
+    before = snapshot(model)
+    with pytest.raises(LossError, match=r"output is a tuple of 2 floating-point tensors and has no loss.*pass loss_fn"):
+        memfit.profile(model, x)
+    assert_same(before, snapshot(model))
+    prof = memfit.profile(model, x, loss_fn=lambda out: out[1])
+    assert prof.peak_bytes > 0
+
+
+def test_an_output_holding_one_tensor_is_summed():
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x), 3, None  # one floating tensor beside plain values: nothing to choose
+
+    assert memfit.profile(One(), torch.randn(8, 16)).peak_bytes > 0
+
+
+def test_an_optimizer_over_another_models_parameters(step):
+    model, x, _ = step
+    other = torch.optim.AdamW(TinyNet(width=16).parameters())
+    _refused(step, WorkloadError, r"the optimizer \(AdamW\) holds none of the model's parameters", optimizer=other)
+    # a tensor the model does not own: memfit would neither restore it nor find it in a fake copy
+    extra = nn.Parameter(torch.zeros(3))
+    mixed = torch.optim.AdamW([*model.parameters(), extra])
+    _refused(step, WorkloadError, r"holds 1 tensor that is not a parameter of the model", optimizer=mixed)
+    # part of the model, like a head being fine-tuned alone, is fine
+    memfit.profile(model, x, optimizer=torch.optim.AdamW(model.fc2.parameters()))
 
 
 class _CompiledSGD(torch.optim.Optimizer):
@@ -351,11 +449,13 @@ def _one_line_error(capsys) -> str:
         ("abc", "cannot parse byte amount 'abc'"),
         ("nan", "cannot parse byte amount 'nan'"),
         ("-1", "byte amount must be >= 0, got '-1'"),
+        ("50", "budget '50' has no unit: write '50%' for a fraction, '50B' or '50MiB' for bytes"),
+        ("1", "budget '1' has no unit"),
         ("-1GiB", "byte amount must be >= 0, got '-1GiB'"),
         ("-50%", "fraction must be in [0, 1] (or 0%..100%), got '-50%'"),
         ("1.5", "fraction must be in [0, 1] (or 0%..100%), got '1.5'"),
         ("150%", "fraction must be in [0, 1] (or 0%..100%), got '150%'"),
-        ("1e400", "'1e400' is too large"),
+        ("1e400B", "'1e400B' is too large"),
         ("1KiB", "below the lowest peak memfit can reach for this step, P_min ="),
     ],
 )

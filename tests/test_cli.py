@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import SMALL
@@ -115,6 +117,57 @@ def test_bad_targets_are_one_line(argv, needle, capsys):
             """,
             "inputs must be a tensor",
         ),
+        (
+            """
+            import torch, memfit
+            def build():
+                with torch.device("meta"):
+                    return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4))
+            """,
+            "the model is on the meta device, which holds no data",
+        ),
+        (
+            """
+            import torch, memfit
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4, device="meta"))
+            """,
+            "an input is on meta but the model is on cpu",
+        ),
+        (
+            """
+            import torch, memfit
+            def pick(out):
+                return out.logits
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), loss_fn=pick)
+            """,
+            "the loss function pick raised AttributeError",
+        ),
+        (
+            """
+            import torch, memfit
+            class M(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = torch.nn.Linear(4, 4)
+                def forward(self, x):
+                    logits = self.fc(x)
+                    return logits, logits.square().mean()
+            def build():
+                return memfit.Workload(M(), torch.randn(2, 4))
+            """,
+            "output is a tuple of 2 floating-point tensors and has no loss",
+        ),
+        (
+            """
+            import torch, memfit
+            other = torch.nn.Linear(4, 4)
+            def build():
+                return memfit.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), optimizer=lambda params: torch.optim.AdamW(other.parameters()))
+            """,
+            "the optimizer (AdamW) holds none of the model's parameters",
+        ),
     ],
 )
 def test_bad_workload_files_are_one_line(tmp_path, body, needle, capsys):
@@ -122,6 +175,89 @@ def test_bad_workload_files_are_one_line(tmp_path, body, needle, capsys):
     path.write_text(textwrap.dedent(body))
     assert main(["profile", f"{path}:build"]) == 2
     assert needle in _error_line(capsys)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_traceback_flag_shows_the_whole_traceback(tmp_path, where, capsys):
+    # Debugging one's own setup code needs its traceback, not memfit's one line.
+    path = tmp_path / "work.py"
+    path.write_text("def helper():\n    raise RuntimeError('no data here')\n\ndef build():\n    helper()\n")
+    argv = ["profile", f"{path}:build"]
+    argv = ["--traceback", *argv] if where == "before" else [*argv, "--traceback"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in helper" in err and "RuntimeError: no data here" in err
+    assert main(["profile", f"{path}:build"]) == 2
+    assert "Traceback" not in _error_line(capsys)
+
+
+_MYMODEL = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+"""
+
+_TRAIN_SETUP = """
+import torch, memfit
+from mymodel import Net
+
+def workload(batch_size=8):
+    model = Net()
+    x, y = torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
+    return memfit.Workload(
+        model, x,
+        targets=y,
+        loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
+    )
+"""
+
+
+@pytest.fixture
+def readme_project(tmp_path, monkeypatch):
+    """The README's example: train_setup.py imports the model from mymodel.py beside it."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "mymodel.py").write_text(_MYMODEL)
+    (project / "train_setup.py").write_text(_TRAIN_SETUP)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_target puts the file's directory on it
+    yield project, elsewhere
+    sys.modules.pop("mymodel", None)
+
+
+def test_a_target_file_imports_the_module_beside_it(readme_project, monkeypatch):
+    import memfit
+
+    project, elsewhere = readme_project
+    monkeypatch.chdir(elsewhere)
+    work = memfit.load_target(f"{project}/train_setup.py:workload", batch_size=4)
+    assert type(work.model).__name__ == "Net" and work.inputs.shape[0] == 4 and work.targets.shape == (4,)
+    assert str(project.resolve()) in sys.path  # as for a script: later imports (a bench child's, a lazy one) find it too
+
+
+def test_cli_runs_the_readme_example_from_another_directory(readme_project):
+    import memfit
+
+    project, elsewhere = readme_project
+    target = f"{project}/train_setup.py:workload"
+    src = str(Path(memfit.__file__).parent.parent)  # the memfit under test, whatever the directory
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for argv in (
+        ["-m", "memfit", "profile", target, "--batch-size", "4", "--device", "fake"],
+        ["-m", "memfit.bench.child", target, "--measure", "flops"],  # what memfit bench runs per configuration
+    ):
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=elsewhere, env=env)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error" not in json.loads(proc.stdout.splitlines()[-1]), proc.stdout  # the child reports failures as JSON
 
 
 def test_file_target_with_batch_size(tmp_path, capsys):

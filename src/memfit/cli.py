@@ -60,12 +60,17 @@ def _require_device(device: str) -> None:
 
 
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
+    """The model and inputs on ``device``; the workload's targets are moved with them."""
     import torch
     from torch.utils._pytree import tree_map
 
+    from memfit.workload import check_not_meta
+
     _require_device(device)
+    check_not_meta(work.model, work.inputs, work.targets)  # torch cannot move a meta tensor anywhere
     model = work.model.to(device)
     inputs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.inputs)
+    work.targets = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.targets)
     return model, inputs
 
 
@@ -77,7 +82,16 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
     optimizer = work.make_optimizer()
     step = memfit.StepOptions(inference=True) if inference else None
     with progress_bar(console, f"profiling {work.name}") as progress:
-        return memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step)
+        return memfit.profile(
+            model,
+            inputs,
+            loss_fn=work.loss_fn,
+            optimizer=optimizer,
+            fake=fake,
+            progress=progress,
+            step=step,
+            targets=work.targets,
+        )
 
 
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
@@ -106,6 +120,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             inputs,
             budget,
             loss_fn=work.loss_fn,
+            targets=work.targets,
             optimizer=work.make_optimizer(),
             fake=fake,
             objective=ns.objective,
@@ -130,7 +145,9 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     work = _workload(ns)
     model, inputs = _on_device(work, ns.device)
-    common = dict(loss_fn=work.loss_fn, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads)
+    common = dict(
+        loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads
+    )
     if ns.max_batch:
         from memfit.report.console import render_max_batch
 
@@ -279,6 +296,8 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training step in a memory budget.")
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
+    traceback_help = "on an error, print the whole traceback (your own setup code's included) instead of one line"
+    parser.add_argument("--traceback", action="store_true", help=traceback_help)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def target_args(p: argparse.ArgumentParser) -> None:
@@ -354,6 +373,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end to end on the default model, on the CPU")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.set_defaults(func=_cmd_demo)
+
+    # --traceback after the command too (where one adds it to a command that failed);
+    # SUPPRESS keeps the command from resetting it when it was given before
+    for p in sub.choices.values():
+        p.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=traceback_help)
     return parser
 
 
@@ -364,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns, console)
     except MemfitError as exc:
+        if ns.traceback:
+            import traceback
+
+            # the chain too: a TargetError's cause is the user's own code failing
+            err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True, end="")
         err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_ERROR
 

@@ -35,7 +35,8 @@ class ForwardError(MemfitError):
 
 
 class LossError(MemfitError, ValueError):
-    """The loss is not a scalar tensor that requires grad."""
+    """The loss function raised, the loss is not a scalar tensor that requires grad, or
+    without a loss function the output holds no one loss to train on."""
 
 
 class BudgetError(MemfitError, ValueError):

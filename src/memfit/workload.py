@@ -7,6 +7,7 @@ take a ``batch_size`` keyword, which ``--batch-size`` then sets).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import LossError, TargetError, WorkloadError
+from memfit.errors import LossError, MemfitError, TargetError, WorkloadError
 
 __all__ = [
     "Workload",
@@ -27,10 +28,18 @@ __all__ = [
     "join_inputs",
     "batch_size_of",
     "split_micro_batches",
+    "split_batch",
+    "resize_batch",
+    "resize_targets",
     "default_loss",
+    "call_loss",
     "check_loss",
     "default_optimizer",
     "check_arguments",
+    "check_optimizer",
+    "check_loss_targets",
+    "check_not_meta",
+    "model_device",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -42,14 +51,19 @@ class Workload:
 
     model: nn.Module
     inputs: Any
-    """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
-    loss_fn: Callable[[Any], torch.Tensor] | None = None
-    """``loss_fn(output)`` -> scalar; ``None`` uses :func:`default_loss`."""
+    """What the model is called with: a tensor, a tuple of positional arguments, or a dict
+    of keyword arguments."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """``loss_fn(output)`` -> scalar, or with ``targets``, ``loss_fn(output, targets)``;
+    ``None`` uses :func:`default_loss`."""
     optimizer: OptimizerFactory | None = None
     """``optimizer(params)`` -> optimizer; ``None`` uses :func:`default_optimizer`."""
     name: str = "workload"
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form description (sizes, batch) shown by reports."""
+    targets: Any = None
+    """What the loss compares the output with (a tensor, or a tuple or dict of them), never
+    given to the model; cut into micro-batches with the inputs (see :func:`split_batch`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -57,6 +71,7 @@ class Workload:
         split_inputs(self.inputs)
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise WorkloadError(f"Workload.loss_fn must be callable, got {type(self.loss_fn).__name__}")
+        check_loss_targets(self.loss_fn, self.targets)
         if self.optimizer is not None and not callable(self.optimizer):
             raise WorkloadError(f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}")
 
@@ -73,7 +88,7 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def check_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:
+def check_arguments(model: Any, optimizer: Any, loss_fn: Any, targets: Any = None) -> None:
     """Refuse arguments of the wrong kind before anything runs (profile, plan, fit)."""
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -81,6 +96,113 @@ def check_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:
         raise WorkloadError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise WorkloadError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_loss_targets(loss_fn, targets)
+    if optimizer is not None:
+        check_optimizer(model, optimizer)
+
+
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must step the model's parameters and nothing else: memfit restores
+    (and copies to fake tensors) the model's parameters only. Stepping part of the model
+    (a head being fine-tuned) is fine."""
+    own = {id(p) for p in model.parameters()}
+    held = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    name = type(optimizer).__name__
+    if held and not own & held.keys():
+        raise WorkloadError(
+            f"the optimizer ({name}) holds none of the model's parameters: it was built over another model's (or a "
+            "copy's); build it over this model's, e.g. torch.optim.AdamW(model.parameters())"
+        )
+    foreign = [p for i, p in held.items() if i not in own]
+    if foreign:
+        n = len(foreign)
+        raise WorkloadError(
+            f"the optimizer ({name}) holds {n} tensor{'s' if n != 1 else ''} that {'are' if n != 1 else 'is'} not "
+            f"{'parameters' if n != 1 else 'a parameter'} of the model (shape {tuple(foreign[0].shape)}): memfit restores "
+            "and copies the model's parameters only; register it on a module of the model (a learnable loss "
+            "temperature, say) or leave it out of the optimizer"
+        )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device of the model's parameters and buffers (cpu if it has none). Refuses
+    a model on several devices (memfit measures and bounds one device's memory, and a part
+    left on meta has no data) and a model on meta."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    device = tensors[0][1].device if tensors else torch.device("cpu")
+    for name, t in tensors:
+        if t.device != device:
+            raise WorkloadError(
+                f"the model is on more than one device: {tensors[0][0]!r} is on {device} but {name!r} is on {t.device}; "
+                "move the whole model to one device"
+            )
+    if device.type == "meta":
+        raise WorkloadError(
+            "the model is on the meta device, which holds no data: memfit runs the step on the model's device, and "
+            "fake tensors are copies of real ones; build the model on a real device, or materialize it with "
+            "model.to_empty(device='cpu') and initialise its weights, then pass fake=True (--device fake) to measure "
+            "a step that would not fit in memory"
+        )
+    return device
+
+
+def check_not_meta(model: nn.Module, inputs: Any, targets: Any = None) -> torch.device:
+    """Refuse a model (see :func:`model_device`), inputs or targets on the meta device
+    before anything is moved or run (moving a meta tensor fails inside torch). Returns
+    the model's device."""
+    from torch.utils._pytree import tree_flatten
+
+    device = model_device(model)
+    for what, tree in (("an input is", inputs), ("the targets are", targets)):
+        leaves, _ = tree_flatten(tree)
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves):
+            raise WorkloadError(
+                f"{what} on meta but the model is on {device}; meta tensors hold no data: make them on {device} "
+                "(fake=True, --device fake, measures without using memory)"
+            )
+    return device
+
+
+def _describe(fn: Any) -> str:
+    """A callable as a user would name it: ``my_loss``, ``<lambda>``, ``CrossEntropyLoss``."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_describe(fn.func)})"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
+
+
+def _accepts(fn: Any, n: int) -> bool | None:
+    """Whether ``fn`` can be called with ``n`` positional arguments; None when its
+    signature cannot be read (a builtin such as ``torch.sum``)."""
+    target = fn.forward if isinstance(fn, nn.Module) else fn  # a Module's own signature is (*args, **kwargs)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def check_loss_targets(loss_fn: Any, targets: Any) -> None:
+    """With targets, the loss is called ``loss_fn(output, targets)``; without,
+    ``loss_fn(output)``. Refuse a loss whose signature says the other form."""
+    if targets is None:
+        if loss_fn is not None and _accepts(loss_fn, 1) is False and _accepts(loss_fn, 2):
+            raise WorkloadError(
+                "loss_fn takes (output, targets) but no targets were given: pass targets= (what the loss compares the "
+                "output with; memfit cuts them into micro-batches with the inputs), or make it loss_fn(output)"
+            )
+        return
+    if loss_fn is None:
+        raise WorkloadError("targets were given but no loss_fn to compare the output with them: pass loss_fn(output, targets)")
+    if _accepts(loss_fn, 2) is False:
+        raise WorkloadError(
+            f"loss_fn takes one argument (output) but targets were given: make it loss_fn(output, targets), "
+            f"or leave targets out (got {_describe(loss_fn)})"
+        )
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:
@@ -121,10 +243,16 @@ def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, 
     """``k`` micro-batches of the inputs: every tensor whose dim 0 is the batch size is
     cut into ``k`` equal slices along it (views: no copy); anything else is passed whole
     to every micro-batch (a mask of another shape, a flag)."""
+    return [(a, kw) for a, kw, _ in split_batch(args, kwargs, None, k)]
+
+
+def split_batch(args: tuple, kwargs: dict, targets: Any, k: int) -> list[tuple[tuple, dict, Any]]:
+    """:func:`split_micro_batches` with the targets: every tensor in them whose dim 0 is
+    the inputs' batch size is cut alike, so micro-batch ``i`` gets the targets of its samples."""
     from torch.utils._pytree import tree_map
 
     if k == 1:
-        return [(args, kwargs)]
+        return [(args, kwargs, targets)]
     batch = batch_size_of(args, kwargs)
     if batch is None:
         raise WorkloadError("no input tensor has a batch dimension to split into micro-batches")
@@ -137,12 +265,28 @@ def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, 
             t[i * size : (i + 1) * size] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch else t
         )
 
-    return [tree_map(part(i), (args, kwargs)) for i in range(k)]
+    return [(*tree_map(part(i), (args, kwargs)), tree_map(part(i), targets)) for i in range(k)]
+
+
+def call_loss(loss_fn: Callable[..., Any] | None, output: Any, targets: Any = None) -> Any:
+    """The step's loss: ``loss_fn(output, targets)`` with targets, ``loss_fn(output)``
+    without, :func:`default_loss` without a loss_fn. An exception the loss function
+    raises becomes a LossError naming it (not the model's forward, which is done)."""
+    if loss_fn is None:
+        return default_loss(output)
+    try:
+        return loss_fn(output) if targets is None else loss_fn(output, targets)
+    except (MemfitError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise LossError(f"the loss function {_describe(loss_fn)} raised {type(exc).__name__}: {first}") from exc
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """``output.loss`` (or ``output["loss"]``) when there is one, else the sum of every
-    floating-point tensor in the output."""
+    """``output.loss`` (or ``output["loss"]``) when there is one, else the sum of the
+    output's floating-point tensor. An output of several (``(logits, loss)``) is refused:
+    which of them is the loss is the user's to say."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -154,7 +298,13 @@ def default_loss(output: Any) -> torch.Tensor:
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
         raise LossError(f"the model's output ({type(output).__name__}) holds no floating-point tensor to sum; pass loss_fn")
-    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
+    if len(tensors) > 1:
+        raise LossError(
+            f"the model's output is a {type(output).__name__} of {len(tensors)} floating-point tensors and has no loss "
+            "(no .loss or ['loss']): memfit will not guess which to train on (their sum is nobody's loss); pass loss_fn, "
+            "e.g. loss_fn=lambda out: out[1]"
+        )
+    return tensors[0].sum()
 
 
 def check_loss(loss: Any) -> torch.Tensor:
@@ -176,6 +326,13 @@ def _load_file_function(spec: str) -> Callable[..., Any]:
     if not func_name.isidentifier():
         raise TargetError(f"target {spec!r} does not name a function after ':'; expected path/to/file.py:function")
     module_name = f"_memfit_target_{abs(hash(str(path.resolve())))}"
+    # As Python runs a script: its directory first on sys.path, so that it imports the
+    # modules beside it (``from mymodel import Net``). It stays there, as for a script:
+    # the workload's function, the model's forward and unpickling in other processes
+    # may import from it later (a bench child loads the file again and does the same).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     mod_spec = importlib.util.spec_from_file_location(module_name, path)
     if mod_spec is None or mod_spec.loader is None:
         raise TargetError(f"cannot import {path_text!r} as Python; expected a .py file")
@@ -228,19 +385,35 @@ def resize_batch(inputs: Any, batch: int) -> Any:
     Same kind as ``inputs`` (a tensor, a tuple, a dict)."""
     from torch.utils._pytree import tree_map
 
+    now = _resizable(inputs, batch)
+    if isinstance(inputs, torch.Tensor):
+        return _resize(now, batch)(inputs)
+    args, kwargs = tree_map(_resize(now, batch), split_inputs(inputs))
+    return join_inputs(args, kwargs)
+
+
+def resize_targets(targets: Any, inputs: Any, batch: int) -> Any:
+    """``targets`` for the inputs that :func:`resize_batch` makes of ``inputs``: each tensor
+    whose dim 0 is the inputs' batch size cut or tiled alike, so every sample keeps its targets."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(_resize(_resizable(inputs, batch), batch), targets)
+
+
+def _resizable(inputs: Any, batch: int) -> int:
+    """The inputs' batch size, checking that ``batch`` is a batch size to resize to."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise WorkloadError(f"a batch size must be a positive integer, got {batch!r}")
-    args, kwargs = split_inputs(inputs)
-    now = batch_size_of(args, kwargs)
+    now = batch_size_of(*split_inputs(inputs))
     if now is None:
         raise WorkloadError("no input tensor has a batch dimension to resize")
+    return now
 
+
+def _resize(now: int, batch: int) -> Callable[[Any], Any]:
     def resize(t: Any) -> Any:
         if not (isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == now):
             return t
         return t[torch.arange(batch, device=t.device) % now]
 
-    if isinstance(inputs, torch.Tensor):
-        return resize(inputs)
-    args, kwargs = tree_map(resize, (args, kwargs))
-    return join_inputs(args, kwargs)
+    return resize

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
 from memfit.measure.recorder import CHECKPOINTED
+from memfit.plan.stateful import call_state, changed
 
 __all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
 
@@ -97,6 +98,44 @@ class _BufferGuard:
                 m._buffers[k] = b
 
 
+_STATE_CHECKS = 2
+"""Recomputes of each checkpointed module whose Python state is compared (the summary
+costs about a millisecond per transformer block, every step): a forward that changes state
+does so from its first calls on, as :mod:`memfit.plan.stateful` assumes for the planner."""
+
+
+class _StateGuard:
+    """Refuses a recompute that changes Python state (a call counter, a list grown per call,
+    a cache passed in): checkpointing runs the forward a second time, so such state would
+    change twice per step, and a value computed from it could differ in the recompute,
+    silently. A memo filled on the first call and reused is no change. Only what runs
+    before the recompute stops (after the last tensor backward needs) is seen: state
+    changed later is not changed again."""
+
+    def __init__(self, owner: _CheckpointedForward, args: tuple, kwargs: dict) -> None:
+        self.owner, self.module, self.name, self.args, self.kwargs = owner, owner.module, owner.name, args, kwargs
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        if self.owner.state_checks >= _STATE_CHECKS:
+            yield
+            return
+        self.owner.state_checks += 1
+        keep: list[Any] = []  # the objects summarised: no new object may reuse their ids meanwhile
+        before = call_state(self.module, self.args, self.kwargs, keep)
+        try:
+            yield
+        finally:
+            what = changed(before, call_state(self.module, self.args, self.kwargs, []))
+            if what is not None:
+                _last_recompute[0] = self.name  # the planner excludes the module named here
+                raise PlanError(
+                    f"module {self.name!r} ({type(self.module).__name__}) changed its {what} again when recomputed in "
+                    "backward: its forward changes state outside its tensors (a counter, a cache), which checkpointing "
+                    "changes twice per step, so training would differ; leave it out of the plan (memfit.plan does)"
+                )
+
+
 def _policy(save_ops: frozenset[str]) -> Callable[..., CheckpointPolicy]:
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         packet = getattr(op, "overloadpacket", op)
@@ -139,17 +178,19 @@ class _CheckpointedForward:
         self.choice = (mode, save_ops)
         self.guard = _BufferGuard(module)
         self.policy = _policy(frozenset(save_ops)) if mode == "selective" else None
+        self.state_checks = 0  # recomputes whose Python state _StateGuard compared
 
     def _inner(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
 
-    def _context_fn(self) -> tuple[Any, Any]:
+    def _context_fn(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        state = _StateGuard(self, args, kwargs)
         if self.policy is None:
-            return self.guard.forward(), self.guard.recompute(self.name)
+            return self.guard.forward(), _Pair(self.guard.recompute(self.name), state.recompute())
         sac_forward, sac_recompute = create_selective_checkpoint_contexts(self.policy)
         # The guard's buffer clones must happen outside SAC's mode, which would otherwise
         # see a clone in the recompute that the forward never ran.
-        return _Pair(self.guard.forward(), sac_forward), _Pair(self.guard.recompute(self.name), sac_recompute)
+        return _Pair(self.guard.forward(), sac_forward), _Pair(self.guard.recompute(self.name), state.recompute(), sac_recompute)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._inner()
@@ -165,7 +206,8 @@ class _CheckpointedForward:
             sac = functools.partial(create_selective_checkpoint_contexts, self.policy)
             return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, context_fn=sac)
         before = _input_versions(args, kwargs)
-        out = checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn)
+        contexts = functools.partial(self._context_fn, args, kwargs)
+        out = checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
         changed = next((where for where, t, version in before if t._version != version), None)
         if changed is not None:
             # The recompute runs the forward again on these same tensors, now changed: torch

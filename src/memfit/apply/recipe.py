@@ -26,7 +26,7 @@ from memfit.measure import _optim8bit
 from memfit.measure.step import offload_saved, train_step
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import check_fingerprint
-from memfit.workload import default_optimizer, join_inputs, split_inputs, split_micro_batches
+from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
 
 __all__ = ["AppliedRecipe", "apply_recipe"]
 
@@ -67,18 +67,23 @@ class AppliedRecipe:
         dtype = self.param_dtype
         return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
 
-    def split(self, inputs: Any) -> list[Any]:
+    def split(self, inputs: Any, targets: Any = None) -> list[Any]:
         """``inputs`` as micro-batches, each in the inputs' own form (a tensor, a tuple, a
-        dict), cast like :meth:`cast`; tensors whose dim 0 is the batch size are cut along it."""
+        dict), cast like :meth:`cast`; tensors whose dim 0 is the batch size are cut along it.
+        With ``targets``, ``(micro_inputs, micro_targets)`` pairs: the targets cut alike (not cast)."""
         args, kwargs = split_inputs(inputs)
-        parts = split_micro_batches(args, kwargs, self.micro_batches)
+        parts = split_batch(args, kwargs, targets, self.micro_batches)
         if isinstance(inputs, torch.Tensor):
-            return [self.cast(a[0]) for a, _ in parts]
-        return [self.cast(join_inputs(a, k)) for a, k in parts]
+            micro = [self.cast(a[0]) for a, _, _ in parts]
+        else:
+            micro = [self.cast(join_inputs(a, k)) for a, k, _ in parts]
+        return micro if targets is None else [(m, t) for m, (_, _, t) in zip(micro, parts)]
 
-    def step(self, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
+    def step(self, inputs: Any, loss_fn: Callable[..., torch.Tensor] | None = None, targets: Any = None) -> float:
         """One whole training step as memfit measured it (micro-batches, autocast, scaler,
-        optimizer step and zero_grad); returns the loss (the micro-batches' scaled sum)."""
+        optimizer step and zero_grad); returns the loss (the micro-batches' scaled sum).
+        With ``targets``, the loss is ``loss_fn(output, micro_targets)``."""
+        check_loss_targets(loss_fn, targets)
         args, kwargs = split_inputs(self.cast(inputs))
         return train_step(
             self.model,
@@ -92,6 +97,7 @@ class AppliedRecipe:
             scaler=self.scaler,
             set_to_none=self.set_to_none,
             offload=self.offload_saved,
+            targets=targets,
         )
 
 

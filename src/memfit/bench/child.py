@@ -151,7 +151,7 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     work = load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
-    inputs = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, work.inputs)
+    inputs, targets = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, (work.inputs, work.targets))
     args, kwargs = split_inputs(inputs)
     if ns.method.startswith("fit:"):
         from memfit.plan.recipe import Recipe
@@ -160,13 +160,13 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
             run = Recipe.from_json(f.read()).apply(work.model.to(ns.device), work.make_optimizer())
 
         def step() -> None:
-            run.step(inputs, work.loss_fn)
+            run.step(inputs, work.loss_fn, targets)
     else:
         model = setup(ns.method, work.model.to(ns.device))
         optimizer = work.make_optimizer()
 
         def step() -> None:
-            train_step(model, args, kwargs, work.loss_fn, optimizer)
+            train_step(model, args, kwargs, work.loss_fn, optimizer, targets=targets)
 
     def sync() -> None:
         if ns.device == "cuda":

@@ -73,11 +73,13 @@ def run_bench(
     report = progress or (lambda desc, done, total: None)
     work = load_target(target, batch_size=batch_size, sizes=sizes)
     model = work.model.to(device)
-    inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.inputs)
+    inputs, targets = torch.utils._pytree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (work.inputs, work.targets)
+    )
     optimizer = work.make_optimizer()
     report("profiling", 0, 1)
     t0 = time.perf_counter()
-    prof = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer)
+    prof = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, targets=targets)
     profile_s = time.perf_counter() - t0  # every plan is charged the profile it starts from
 
     configs: list[tuple[str, float | int | None, str, str]] = []  # (method, budget, label, child method)
@@ -113,7 +115,9 @@ def run_bench(
             if method == "memfit":
                 t0 = time.perf_counter()
                 try:
-                    plan = memfit.plan(model, inputs, budget, loss_fn=work.loss_fn, optimizer=optimizer, profile=prof)
+                    plan = memfit.plan(
+                        model, inputs, budget, loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, targets=targets
+                    )
                 except memfit.MemfitError as exc:
                     row.error = str(exc)
                     rows.append(row)
@@ -157,4 +161,6 @@ def _recipe_peak(target: str, recipe: str, batch_size: int | None, sizes: Mappin
     """Exact peak of the step with a hand-picked recipe applied (fake tensors, a fresh copy)."""
     fresh = load_target(target, batch_size=batch_size, sizes=sizes)
     model = setup(recipe, fresh.model)
-    return memfit.profile(model, fresh.inputs, loss_fn=fresh.loss_fn, optimizer=fresh.make_optimizer(), fake=True).peak_bytes
+    return memfit.profile(
+        model, fresh.inputs, loss_fn=fresh.loss_fn, optimizer=fresh.make_optimizer(), fake=True, targets=fresh.targets
+    ).peak_bytes

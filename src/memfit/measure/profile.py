@@ -29,7 +29,7 @@ from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
-from memfit.workload import check_arguments, default_optimizer, split_inputs, split_micro_batches
+from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
 
@@ -172,30 +172,23 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_devices(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+def _check_devices(model: nn.Module, args: tuple, kwargs: dict, targets: Any) -> torch.device:
     from torch.utils._pytree import tree_flatten
 
-    device = _model_device(model)
-    # One device for the whole model: memfit measures (and bounds) one device's memory, and
-    # a part left on "meta" has no data to run or to restore afterwards.
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in tensors:
-        if t.device != device:
-            raise WorkloadError(
-                f"the model is on more than one device: {tensors[0][0]!r} is on {device} but {name!r} is on {t.device}; "
-                "move the whole model to one device"
-            )
-    leaves, _ = tree_flatten((args, kwargs))
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise WorkloadError(f"an input is on {t.device} but the model is on {device}; move them to one device")
+    device = model_device(model)
+    for what, tree in (("an input is", (args, kwargs)), ("the targets are", targets)):
+        leaves, _ = tree_flatten(tree)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise WorkloadError(f"{what} on {t.device} but the model is on {device}; move them to one device")
     return device
 
 
-def check_step(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    """Refuse a step that cannot run before running anything: the model on several devices
-    or on another one than its inputs, or nothing to train. Returns the model's device."""
-    device = _check_devices(model, args, kwargs)
+def check_step(model: nn.Module, args: tuple, kwargs: dict, targets: Any = None) -> torch.device:
+    """Refuse a step that cannot run before running anything: the model on several devices,
+    on meta, or on another one than its inputs or targets, or nothing to train. Returns the
+    model's device."""
+    device = _check_devices(model, args, kwargs, targets)
     if not any(p.requires_grad for p in model.parameters()):
         raise WorkloadError("the model has no parameter that requires grad: there is no training step to measure")
     return device
@@ -250,19 +243,22 @@ def profile(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     fake: bool = False,
     progress: Progress | None = None,
     step: StepOptions | None = None,
+    targets: Any = None,
 ) -> Profile:
     """Measure one steady-state training step of ``model`` on ``inputs``.
 
     Args:
         model: the model, on the device to measure (its parameters' device).
-        inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
-        loss_fn: ``loss_fn(output)`` -> scalar; default ``output.loss`` if present, else
-            the sum of the output.
+        inputs: what the model is called with: a tensor, a tuple of positional arguments
+            or a dict of keyword arguments.
+        loss_fn: ``loss_fn(output)`` -> scalar, or ``loss_fn(output, targets)`` when
+            ``targets`` are given; default ``output.loss`` if present, else the sum of the
+            output (refused for an output of several tensors: pass loss_fn).
         optimizer: the optimizer training uses; default AdamW over the trainable
             parameters. Its state is created by a warm-up step if it has none.
         fake: run on fake tensors (FakeTensorMode): exact memory with no memory used
@@ -271,6 +267,9 @@ def profile(
         step: how the step runs (:class:`StepOptions`: micro-batches, autocast, a
             GradScaler, ``zero_grad(set_to_none=False)``, parameters cast to another
             dtype, the optimizer's foreach flag); default the usual step.
+        targets: what the loss compares the output with (labels: a tensor, or a tuple or
+            dict of them), never given to the model; cut into micro-batches with the
+            inputs (each tensor whose dim 0 is the inputs' batch size).
 
     Returns:
         A :class:`Profile`. The model, its gradients and buffers, the optimizer and
@@ -284,29 +283,30 @@ def profile(
         >>> p.peak_bytes >= p.start_bytes
         True
     """
-    return _profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step)
+    return _profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets)
 
 
 def _profile(
     model: nn.Module,
     inputs: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
     optimizer: torch.optim.Optimizer | None,
     fake: bool,
     progress: Progress | None,
     step: StepOptions | None,
     warm: bool = False,
+    targets: Any = None,
 ) -> Profile:
     """:func:`profile`; with ``warm``, a real profile skips its warm-up step when the
     optimizer has state already and the process has run the step (the planner profiles
     inside its verifier's sandbox, whose first step was that warm-up)."""
-    check_arguments(model, optimizer, loss_fn)
+    check_arguments(model, optimizer, loss_fn, targets)
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
     options = step or StepOptions()
     args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs)
+    device = check_step(model, args, kwargs, targets)
     if options.offload and device.type != "cuda":
         raise WorkloadError(
             f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
@@ -319,7 +319,8 @@ def _profile(
     total = 2 if fake else 3
 
     with ExitStack() as stack:
-        box = stack.enter_context((fake_sandbox if fake else real_sandbox)(model, args, kwargs, optimizer, step=options))
+        sandbox = fake_sandbox if fake else real_sandbox
+        box = stack.enter_context(sandbox(model, args, kwargs, optimizer, step=options, targets=targets))
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
         if not box.optimizer.state or not (fake or warm):
@@ -372,7 +373,7 @@ def _register_start(recorder: Recorder, box: Sandbox) -> None:
     recorder.register_start(box.model.buffers(), Category.BUFFER)
     recorder.register_start((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
     recorder.register_start(_state_tensors(box.optimizer), Category.OPTIMIZER)
-    leaves, _ = tree_flatten((box.args, box.kwargs))
+    leaves, _ = tree_flatten((box.args, box.kwargs, box.targets))
     recorder.register_start((t for t in leaves if isinstance(t, torch.Tensor)), Category.INPUT)
 
 

@@ -48,6 +48,7 @@ class Sandbox:
     fake_mode: Any = None
     options: StepOptions = StepOptions()
     scaler: Any = None
+    targets: Any = None
 
     def step(self, loss_fn: Any, on_phase: Callable[[Phase], None] = lambda phase: None) -> float:
         """One training step on the sandbox's objects, as its options say (call it inside
@@ -67,6 +68,7 @@ class Sandbox:
             set_to_none=o.set_to_none,
             inference=o.inference,
             offload=o.offload,
+            targets=self.targets,
         )
 
     @contextmanager
@@ -123,13 +125,19 @@ def _prepare(box: Sandbox) -> Sandbox:
 
 @contextmanager
 def real_sandbox(
-    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, *, step: StepOptions | None = None
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: StepOptions | None = None,
+    targets: Any = None,
 ) -> Iterator[Sandbox]:
     """Steps on the user's own objects, restored afterwards; with ``step.param_dtype``, on
     a cast copy instead (the user's model is not touched)."""
     options = step or StepOptions()
     if options.param_dtype is not None:
-        with _cast_sandbox(model, args, kwargs, optimizer, options) as box:
+        with _cast_sandbox(model, args, kwargs, optimizer, options, targets) as box:
             yield box
         return
     params = list(model.parameters())
@@ -154,7 +162,7 @@ def real_sandbox(
     for p in params:
         p.grad = None  # a steady-state step starts after zero_grad(set_to_none=True)
     try:
-        yield _prepare(Sandbox(model, args, kwargs, optimizer, options=options))
+        yield _prepare(Sandbox(model, args, kwargs, optimizer, options=options, targets=targets))
     finally:
         with torch.no_grad():
             for p, v, g in zip(params, saved_params, saved_grads):
@@ -199,7 +207,8 @@ def _copy_step(
     scalar: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[nn.Module, tuple, dict, torch.optim.Optimizer]:
     """A copy of the model, inputs and optimizer (state included) whose tensors are
-    ``tensor(t)`` (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied."""
+    ``tensor(t)`` (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied.
+    (Targets are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)"""
     memo: dict[int, Any] = {}
     copies: dict[nn.Parameter, nn.Parameter] = {}
     for p in model.parameters():
@@ -246,7 +255,7 @@ def _caster(dtype: torch.dtype | None, base: Callable[[torch.Tensor], torch.Tens
 
 @contextmanager
 def _cast_sandbox(
-    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, options: StepOptions
+    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, options: StepOptions, targets: Any
 ) -> Iterator[Sandbox]:
     """Real tensors, cast to ``options.param_dtype``, on a copy: the cast is lossy, so the
     user's own parameters could not be put back bitwise by casting again."""
@@ -255,7 +264,7 @@ def _cast_sandbox(
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
-        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, options=options))
+        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, options=options, targets=targets))
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
@@ -274,7 +283,13 @@ def _fake_state(mode: Any, value: Any) -> Any:
 
 @contextmanager
 def fake_sandbox(
-    model: nn.Module, args: tuple, kwargs: dict, optimizer: torch.optim.Optimizer, *, step: StepOptions | None = None
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: StepOptions | None = None,
+    targets: Any = None,
 ) -> Iterator[Sandbox]:
     options = step or StepOptions()
     mode = _torch_compat.new_fake_mode()
@@ -288,8 +303,9 @@ def fake_sandbox(
             return ft.to(dtype)
 
     new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, fake, lambda t: _fake_state(mode, t))
+    new_targets = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, targets)
     cpu_rng = torch.get_rng_state()
     try:
-        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options))
+        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets))
     finally:
         torch.set_rng_state(cpu_rng)  # fake dropout does not draw, but be sure

@@ -25,7 +25,7 @@ from torch import nn
 
 from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
-from memfit.workload import check_loss, default_loss, split_micro_batches
+from memfit.workload import call_loss, check_loss, split_batch
 
 __all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode", "offload_saved"]
 
@@ -153,7 +153,7 @@ def train_step(
     model: nn.Module,
     args: tuple,
     kwargs: dict,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
     optimizer: torch.optim.Optimizer,
     on_phase: Callable[[Phase], None] = lambda phase: None,
     *,
@@ -164,23 +164,25 @@ def train_step(
     set_to_none: bool = True,
     inference: bool = False,
     offload: bool = False,
+    targets: Any = None,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
-    micro-batches, the sum of the scaled micro-batch losses (their mean, by default).
+    micro-batches, the sum of the scaled micro-batch losses (their mean, by default); each
+    micro-batch's loss sees its own slice of ``targets``.
     With ``inference``, an evaluation step (see :attr:`StepOptions.inference`)."""
     if inference:
-        return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast)
+        return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast, targets)
     if loss_scale is None and micro_batches > 1:
         loss_scale = 1.0 / micro_batches
     total: torch.Tensor | None = None
-    for margs, mkwargs in split_micro_batches(args, kwargs, micro_batches):
+    for margs, mkwargs, mtargets in split_batch(args, kwargs, targets, micro_batches):
         on_phase(Phase.FORWARD)
         with (
             torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext(),
             offload_saved() if offload else contextlib.nullcontext(),
         ):
             output = model(*margs, **mkwargs)
-            loss = check_loss((loss_fn or default_loss)(output))
+            loss = check_loss(call_loss(loss_fn, output, mtargets))
             if loss_scale is not None:
                 loss = loss * loss_scale
         on_phase(Phase.BACKWARD)
@@ -218,16 +220,17 @@ def _inference_step(
     model: nn.Module,
     args: tuple,
     kwargs: dict,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
     on_phase: Callable[[Phase], None],
     autocast: torch.dtype | None,
+    targets: Any,
 ) -> float:
     """Forward and loss as an evaluation loop runs them; the modules' training flags are restored."""
     on_phase(Phase.FORWARD)
     with eval_mode(model), torch.inference_mode():
         with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
             output = model(*args, **kwargs)
-            loss = (loss_fn or default_loss)(output)
+            loss = call_loss(loss_fn, output, targets)
         del output
     try:
         return float(loss)

@@ -34,6 +34,7 @@ def median_step_time(
     warmup: int = 1,
     step: StepOptions | None = None,
     give_up_over: float | None = None,
+    targets: Any = None,
 ) -> float:
     """Median wall time of ``steps`` training steps (synchronised on CUDA), run as
     ``step`` says (default the usual step). With ``give_up_over``, a first timed step
@@ -42,7 +43,7 @@ def median_step_time(
     args, kwargs = split_inputs(inputs)
     device = next(model.parameters()).device
     times: list[float] = []
-    with real_sandbox(model, args, kwargs, optimizer, step=step) as box:
+    with real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets) as box:
         for i in range(warmup + steps):
             _sync(device)
             t0 = time.perf_counter()

@@ -3,8 +3,10 @@
 A budget is either absolute (bytes bounding the whole step's peak: ``6442450944``,
 ``"6GiB"``, ``"800MB"``) or relative: a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``,
 ``"0.5"``) meaning ``P_min + f * (P_none - P_min)``, where ``P_none`` is the peak with
-nothing recomputed and ``P_min`` the lowest peak memfit can reach. Integers are bytes;
-floats and percentages are fractions.
+nothing recomputed and ``P_min`` the lowest peak memfit can reach. Python integers are
+bytes; floats and percentages are fractions. A string (a command line's ``--budget``)
+needs a unit (``"50B"``, ``"6GiB"``), a ``%`` or a decimal point (``"0.5"``): a bare
+``"50"`` is refused, since ``"1"`` would be one byte where ``"1.0"`` is 100%.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ __all__ = ["Budget", "parse_budget"]
 
 # A sign is accepted so that "-50%" is refused as out of range, not as an unparsable byte amount.
 _FRACTION = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*(%?)\s*$")
+# A number with no unit, %, or plain decimal point ("50", "1e9"): bytes or a fraction? Refused
+# (a negative one is refused as negative, further on).
+_BARE = re.compile(r"^\s*\+?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\s*$")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,12 @@ def parse_budget(value: object) -> Budget:
             return _fraction(float(m.group(1)) / 100, value)
         if m and "." in m.group(1):
             return _fraction(float(m.group(1)), value)
+        if _BARE.match(value):
+            number = value.strip()
+            raise BudgetError(
+                f"budget {value!r} has no unit: write '{number}%' for a fraction, '{number}B' or '{number}MiB' for bytes, "
+                "or a fraction with a decimal point (0.5 = 50%)"
+            )
         n = parse_bytes(value)
         if n <= 0:
             raise BudgetError(f"budget in bytes must be positive, got {value!r}")

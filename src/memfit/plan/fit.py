@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
-from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError
+from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError
 from memfit.measure import _optim8bit, _torch_compat
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
@@ -59,12 +59,12 @@ from memfit.plan.result import Plan, fingerprint
 from memfit.units import format_bytes
 from memfit.workload import (
     batch_size_of,
+    call_loss,
     check_arguments,
-    default_loss,
     default_optimizer,
     join_inputs,
+    split_batch,
     split_inputs,
-    split_micro_batches,
 )
 
 __all__ = ["fit", "parse_allow", "fit_budget", "EXACT_LEVERS", "OPT_IN_LEVERS"]
@@ -126,7 +126,7 @@ def parse_allow(allow: str | Iterable[str] | None) -> set[str]:
 
 
 def _loss_scales(
-    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, ks: list[int]
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, ks: list[int], targets: Any
 ) -> tuple[dict[int, float], str | None]:
     """Per micro-batch count, the factor on each micro-batch's loss that makes the
     accumulated gradient the full batch's: ``1/k`` for a mean over samples, 1 for a sum.
@@ -136,19 +136,23 @@ def _loss_scales(
     contrastive loss): micro-batches would change the gradient, so that count is left out."""
     scales: dict[int, float] = {}
     why = None
-    loss = loss_fn or default_loss
-    with real_sandbox(model, args, kwargs, optimizer) as box, torch.no_grad(), eval_mode(box.model):
+    with real_sandbox(model, args, kwargs, optimizer, targets=targets) as box, torch.no_grad(), eval_mode(box.model):
         try:
-            full = float(loss(box.model(*box.args, **box.kwargs)))
+            full = float(call_loss(loss_fn, box.model(*box.args, **box.kwargs), box.targets))
         except Exception as exc:  # the training step itself is checked elsewhere; this only probes
             return {}, f"the loss could not be probed in evaluation mode ({type(exc).__name__}: {str(exc)[:120]})"
         for k in ks:
             try:
-                parts = [float(loss(box.model(*a, **kw))) for a, kw in split_micro_batches(box.args, box.kwargs, k)]
+                parts = [
+                    float(call_loss(loss_fn, box.model(*a, **kw), t))
+                    for a, kw, t in split_batch(box.args, box.kwargs, box.targets, k)
+                ]
             except Exception as exc:
+                cause = exc.__cause__ if isinstance(exc, LossError) and exc.__cause__ is not None else exc
                 why = (
-                    f"the loss of a micro-batch cannot be computed ({type(exc).__name__}: {str(exc)[:120]}); "
-                    "a loss_fn that holds the whole batch's targets sees only a micro-batch's outputs: pass the targets among the inputs"
+                    f"the loss of a micro-batch cannot be computed ({type(cause).__name__}: {str(cause)[:120]}); "
+                    "a loss_fn that holds the whole batch's targets sees only a micro-batch's outputs: pass the targets "
+                    "as targets= and take them as loss_fn(output, targets)"
                 )
                 break
             mean, total = sum(parts) / k, sum(parts)
@@ -166,7 +170,7 @@ def _loss_scales(
 
 
 def _micro_batching(
-    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, targets: Any = None
 ) -> tuple[dict[int, float], str | None]:
     norms = [name for name, m in model.named_modules() if _torch_compat.uses_batch_statistics(m)]
     if norms:
@@ -181,7 +185,7 @@ def _micro_batching(
     ks = [k for k in _MICRO_BATCHES if batch % k == 0]
     if not ks:
         return {}, f"a batch of {batch} does not split into {', '.join(map(str, _MICRO_BATCHES))} equal micro-batches"
-    scales, why = _loss_scales(model, args, kwargs, loss_fn, optimizer, ks)
+    scales, why = _loss_scales(model, args, kwargs, loss_fn, optimizer, ks, targets)
     return scales, (why if not scales else None)
 
 
@@ -207,11 +211,13 @@ class _Search:
         base_set_to_none: bool,
         scales: dict[int, float],
         report: Progress,
+        targets: Any,
     ) -> None:
         self.model = model
         self.inputs = inputs
         self.args, self.kwargs = split_inputs(inputs)
         self.loss_fn = loss_fn
+        self.targets = targets
         self.optimizer = optimizer
         self.budget = budget
         self.device = device
@@ -265,7 +271,13 @@ class _Search:
         if combo not in self.peaks:
             self.report(f"fake-tensor profile: {self.label(combo)}", 0, 0)
             prof = measure_profile(
-                self.model, self.inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, fake=True, step=self.options(combo)
+                self.model,
+                self.inputs,
+                loss_fn=self.loss_fn,
+                optimizer=self.optimizer,
+                fake=True,
+                step=self.options(combo),
+                targets=self.targets,
             )
             self.peaks[combo] = prof.peak_bytes
             self.host_peaks[combo] = prof.ledger.host_peak_bytes
@@ -292,6 +304,7 @@ class _Search:
                     steps=_TIMED_STEPS,
                     step=self.options(combo),
                     give_up_over=slow,
+                    targets=self.targets,
                 )
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
@@ -305,26 +318,25 @@ class _Search:
         self.report(f"planning recompute: {self.label(combo)}", 0, 0)
         k = combo.micro_batches
         options = self.options(combo)
-        inputs = self.inputs
+        inputs, targets = self.inputs, self.targets
         if k > 1:
             # One micro-batch's step, starting with the gradients the ones before it left
             # (views of the whole batch, so the inputs alive are the same).
-            args, kwargs = split_micro_batches(self.args, self.kwargs, k)[0]
+            args, kwargs, targets = split_batch(self.args, self.kwargs, self.targets, k)[0]
             inputs = args[0] if isinstance(self.inputs, torch.Tensor) else join_inputs(args, kwargs)
             options = replace(options, micro_batches=1, loss_scale=self.scales[k], set_to_none=False)
+        step = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, targets=targets)
         # Real tensors: the plan's recompute cost comes from module times measured here. A
         # step too big for the device is planned on fake tensors, its cost from FLOPs.
         try:
-            prof = measure_profile(self.model, inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, step=options)
+            prof = measure_profile(self.model, inputs, step=options, **step)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
-            prof = measure_profile(self.model, inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, step=options, fake=True)
+            prof = measure_profile(self.model, inputs, step=options, fake=True, **step)
         # The accumulated step holds a few scalars more than one micro-batch's (the loss sum).
         slack = max(0, self.peak(combo) - prof.peak_bytes) if k > 1 else 0
         try:
-            result: Plan | int = make_plan(
-                self.model, inputs, self.budget - slack, loss_fn=self.loss_fn, optimizer=self.optimizer, profile=prof
-            )
+            result: Plan | int = make_plan(self.model, inputs, self.budget - slack, profile=prof, **step)
         except BudgetInfeasibleError as exc:
             result = exc.min_peak_bytes + slack
         self.plans[combo] = result
@@ -354,7 +366,13 @@ class _Search:
         # Planned on fake tensors (the step did not fit the device): no module times, so
         # the recompute's share of the step's FLOPs, of the step's time.
         prof = measure_profile(
-            self.model, self.inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, fake=True, step=self.options(combo)
+            self.model,
+            self.inputs,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            fake=True,
+            step=self.options(combo),
+            targets=self.targets,
         )
         return self.time(combo) * combo.micro_batches * plan.extra_flops / max(1, prof.step_flops)
 
@@ -371,16 +389,18 @@ def fit(
     inputs: Any,
     budget: int | str,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     allow: str | Iterable[str] | None = None,
     set_to_none: bool = True,
     progress: Progress | None = None,
+    targets: Any = None,
 ) -> Recipe:
     """The fastest combination of memory levers whose training step peaks within ``budget``.
 
     Args:
-        model, inputs, loss_fn, optimizer: the step, as for :func:`memfit.profile`.
+        model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`
+            (micro-batches cut the targets with the inputs).
         budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``).
         allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"foreach"``,
             ``"8bit"``; a list or ``"amp,bf16"``). The exact levers (recompute,
@@ -401,12 +421,12 @@ def fit(
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_allow(allow)
-    check_arguments(model, optimizer, loss_fn)
+    check_arguments(model, optimizer, loss_fn, targets)
     model = unwrap(model)
     if applied_choices(model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before fitting it")
     args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs)
+    device = check_step(model, args, kwargs, targets)
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     steps = [0]
@@ -418,7 +438,7 @@ def fit(
 
     left_out: dict[str, str] = {}
     report("which levers apply", 0, 0)
-    scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer)
+    scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer, targets)
     if why:
         left_out["microbatch"] = why
     if set_to_none:
@@ -447,7 +467,7 @@ def fit(
     if why_not is not None:
         left_out["offload"] = why_not
 
-    search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report)
+    search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets)
     ks = [1, *sorted(scales)]
     foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
     zero = [set_to_none] + ([True] if not set_to_none else [])
@@ -530,7 +550,7 @@ def fit(
 
     report("measuring the chosen recipe", 0, 0)
     options = search.options(best.combo)
-    measured_peak, measured_time = _measure(model, inputs, loss_fn, optimizer, options, best.plan)
+    measured_peak, measured_time = _measure(model, inputs, loss_fn, optimizer, options, best.plan, targets)
 
     what_if = _what_if(search, singles, base, best, measured_peak, measured_time)
     unused = (
@@ -559,6 +579,7 @@ def fit(
         batch_size=batch,
         inputs_kind="tensor" if isinstance(inputs, torch.Tensor) else ("kwargs" if kwargs else "args"),
         default_loss=loss_fn is None,
+        targets=targets is not None,
         model_type=type(model).__name__,
         fingerprint=fingerprint(model),
         optimizer_type=type(optimizer).__name__,
@@ -569,14 +590,20 @@ def fit(
 
 
 def _measure(
-    model: nn.Module, inputs: Any, loss_fn: Any, optimizer: torch.optim.Optimizer, options: StepOptions, plan: Plan | None
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    optimizer: torch.optim.Optimizer,
+    options: StepOptions,
+    plan: Plan | None,
+    targets: Any,
 ) -> tuple[int, float]:
     """The recipe's step on the real model: the recorder ledger's peak and the median step time."""
     if plan is not None and plan.checkpointed:
         apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
     try:
-        prof = measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, step=options)
-        seconds = median_step_time(model, inputs, loss_fn, optimizer, steps=_TIMED_STEPS, step=options)
+        prof = measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, step=options, targets=targets)
+        seconds = median_step_time(model, inputs, loss_fn, optimizer, steps=_TIMED_STEPS, step=options, targets=targets)
     except torch.OutOfMemoryError as exc:
         torch.cuda.empty_cache()
         raise MemfitError(

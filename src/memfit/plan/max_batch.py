@@ -37,7 +37,7 @@ from memfit.plan.fit import fit, fit_budget, parse_allow
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.recipe import Recipe
 from memfit.units import format_bytes
-from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, split_inputs
+from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
 
 __all__ = ["max_batch", "MaxBatch", "BatchLimit"]
 
@@ -144,19 +144,20 @@ def max_batch(
     inputs: Any,
     budget: int | str,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     allow: str | Iterable[str] | None = None,
     set_to_none: bool = True,
     multiple_of: int = 1,
     progress: Progress | None = None,
+    targets: Any = None,
 ) -> MaxBatch:
     """The largest batch whose training step peaks within ``budget``, with the fastest recipe for it.
 
     Args:
-        model, inputs, loss_fn, optimizer: the step, as for :func:`memfit.profile`; ``inputs``
-            is an example batch: every tensor whose dim 0 is its batch size is tiled or cut
-            to the batch sizes tried.
+        model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`;
+            ``inputs`` is an example batch: every tensor whose dim 0 is its batch size (in
+            the inputs and the targets) is tiled or cut to the batch sizes tried.
         budget: bytes bounding the whole step's peak (``"6GiB"``).
         allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"8bit"``), as for :func:`memfit.fit`.
         set_to_none: what the training loop calls now, as for :func:`memfit.fit`.
@@ -175,10 +176,10 @@ def max_batch(
     allowed = parse_allow(allow)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
-    check_arguments(model, optimizer, loss_fn)
+    check_arguments(model, optimizer, loss_fn, targets)
     model = unwrap(model)
     args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs)
+    device = check_step(model, args, kwargs, targets)
     example = batch_size_of(args, kwargs)
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
@@ -201,16 +202,20 @@ def max_batch(
     def plain(step: StepOptions) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"fake-tensor profile at batch {b}", 0, 0)
-            batch = resize_batch(inputs, b)
-            return measure_profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step).peak_bytes
+            batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
+            return measure_profile(
+                model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step, targets=labels
+            ).peak_bytes
 
         return peak
 
     def recomputed(step: StepOptions) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"lowest recompute peak at batch {b}", 0, 0)
-            batch = resize_batch(inputs, b)
-            return make_plan(model, batch, 0.0, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step).min_peak_bytes
+            batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
+            return make_plan(
+                model, batch, 0.0, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step, targets=labels
+            ).min_peak_bytes
 
         return peak
 
@@ -239,6 +244,7 @@ def max_batch(
                 model,
                 resize_batch(inputs, batch),
                 target,
+                targets=resize_targets(targets, inputs, batch),
                 loss_fn=loss_fn,
                 optimizer=optimizer,
                 allow=allowed,

@@ -39,7 +39,7 @@ from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
 from memfit.plan.stateful import stateful_modules
 from memfit.units import format_bytes
-from memfit.workload import default_optimizer, split_inputs
+from memfit.workload import check_arguments, default_optimizer, split_inputs
 
 __all__ = ["plan"]
 
@@ -81,10 +81,11 @@ class _Verifier:
         *,
         fake: bool,
         step: StepOptions,
+        targets: Any = None,
     ) -> None:
         self._stack = ExitStack()
         sandbox = fake_sandbox if fake else real_sandbox
-        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer, step=step))
+        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer, step=step, targets=targets))
         self.loss_fn = loss_fn
         self.runs = 0
 
@@ -132,18 +133,19 @@ def plan(
     inputs: Any,
     budget: int | float | str,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     fake: bool = False,
     profile: Profile | None = None,
     objective: str = "time",
     progress: Progress | None = None,
     step: StepOptions | None = None,
+    targets: Any = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
 
     Args:
-        model, inputs, loss_fn, optimizer: the step, as for :func:`memfit.profile`.
+        model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`.
         budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``,
             ``"800MB"``), or a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``) meaning
             ``P_min + f * (P_none - P_min)``.
@@ -169,8 +171,7 @@ def plan(
     spec = parse_budget(budget)
     if objective not in _OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
-    if not isinstance(model, nn.Module):
-        raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_arguments(model, optimizer, loss_fn, targets)
     # A compiled or DDP-wrapped model is planned as the module inside: the plan names its
     # modules, and memfit.apply accepts the wrapper or the module alike.
     model = unwrap(model)
@@ -179,7 +180,7 @@ def plan(
     args, kwargs = split_inputs(inputs)
     # Before anything runs (with a profile given, nothing else would check the inputs'
     # device; without trainable parameters the default optimizer fails obscurely).
-    check_step(model, args, kwargs)
+    check_step(model, args, kwargs, targets)
     if profile is not None and not set(profile.modules) <= {name for name, _ in model.named_modules()}:
         raise PlanError(
             f"the profile was made for another model ({profile.model_type}, module names that this "
@@ -202,7 +203,7 @@ def plan(
     with ExitStack() as closing:
 
         def open_verifier(on_fake: bool) -> _Verifier:
-            opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options)
+            opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options, targets=targets)
             closing.callback(opened.close)
             # Modules that change Python state in forward (a counter, a KV cache): a recompute
             # would change it again, silently in some cases, so they are never offered.
@@ -215,11 +216,19 @@ def plan(
             # profile runs inside that sandbox and needs no warm-up of its own: a step less.
             verifier = open_verifier(False)
             prof = _profile(
-                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=False, progress=progress, step=options, warm=True
+                model,
+                inputs,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                fake=False,
+                progress=progress,
+                step=options,
+                warm=True,
+                targets=targets,
             )
         else:
             prof = profile or _profile(
-                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options
+                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options, targets=targets
             )
 
         ledger = prof.ledger

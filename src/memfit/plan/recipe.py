@@ -87,6 +87,8 @@ class Recipe:
     """How the inputs are passed: ``"tensor"``, ``"args"`` (a tuple) or ``"kwargs"`` (a dict)."""
     default_loss: bool = False
     """No ``loss_fn`` was given: the loss was memfit's default (``output.loss``, else the output's sum)."""
+    targets: bool = False
+    """The loss took targets: ``loss_fn(output, targets)``, cut into micro-batches with the inputs."""
     model_type: str = ""
     fingerprint: str = ""
     optimizer_type: str = ""
@@ -142,8 +144,14 @@ class Recipe:
         ]
         if scaler:
             lines.append("scaler = run.scaler  # torch.amp.GradScaler for float16")
-        lines.append("for batch in loader:  # batch: inputs like the ones memfit measured")
-        if k > 1:
+        loop = "batch, targets" if self.targets else "batch"
+        lines.append(f"for {loop} in loader:  # batch: inputs like the ones memfit measured")
+        if k > 1 and self.targets:
+            lines.append(
+                f"    for micro, micro_targets in run.split(batch, targets):  # {k} micro-batches" + self._batch_comment()
+            )
+            indent = "        "
+        elif k > 1:
             lines.append(f"    for micro in run.split(batch):  # {k} micro-batches" + self._batch_comment())
             indent = "        "
         else:
@@ -155,6 +163,8 @@ class Recipe:
             lines.insert(
                 1, "from memfit.workload import default_loss  # what memfit measured: output.loss, else the output's sum"
             )
+        elif self.targets:
+            forward = f"loss = loss_fn({call}, {'micro_targets' if k > 1 else 'targets'})"
         else:
             forward = f"loss = loss_fn({call})"
         if k > 1:

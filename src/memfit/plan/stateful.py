@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["stateful_modules"]
+__all__ = ["stateful_modules", "call_state", "changed"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward"}
@@ -70,6 +70,25 @@ def _passed(args: tuple, kwargs: dict, keep: list[Any]) -> dict[str, Any]:
     named = {f"argument {i} ({type(a).__name__})": a for i, a in enumerate(args)}
     named |= {f"argument {k!r} ({type(v).__name__})": v for k, v in kwargs.items()}
     return {k: _summary(v, _DEPTH, keep) for k, v in named.items() if not isinstance(v, torch.Tensor)}
+
+
+def call_state(module: nn.Module, args: tuple, kwargs: dict, keep: list[Any]) -> dict[str, Any]:
+    """A comparable summary of what a call of ``module`` could change outside its tensors:
+    its own and its submodules' attributes (``"attribute 'calls'"``, ``"attribute
+    'attn.cache'"``) and the objects passed to it (``"argument 'log'"``), as
+    :func:`stateful_modules` summarises them. ``keep`` holds the objects summarised."""
+    out = {}
+    for prefix, mod in module.named_modules():
+        for key, value in _own_state(mod, keep).items():
+            out[f"attribute {(prefix + '.' if prefix else '') + key!r}"] = value
+    passed = {f"argument {i}": a for i, a in enumerate(args)} | {f"argument {k!r}": v for k, v in kwargs.items()}
+    out |= {k: _summary(v, _DEPTH, keep) for k, v in passed.items() if not isinstance(v, torch.Tensor)}
+    return out
+
+
+def changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """The first key whose summary differs, or None."""
+    return _changed(before, after)
 
 
 def _changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
