@@ -306,3 +306,12 @@ def test_fit_max_batch_table_at_80_columns(tmp_path, capsys, monkeypatch):
     assert set(rows) == {"as it is", "recompute"}, table  # the label column is there, one line per row
     assert all(len(cells) >= 9 for cells in rows.values())  # label + fixed, per sample, peak (value unit) + 3 numbers
     assert max(len(line) for line in out.partition("in your training loop")[0].splitlines()) <= 80
+
+
+def test_fit_refused_budget_says_why_micro_batching_was_left_out(tmp_path, capsys):
+    path = tmp_path / "bn.py"
+    path.write_text(BATCHNORM)
+    assert main(["fit", f"{path}:build", "--budget", "1KiB"]) == 2
+    *progress, err = capsys.readouterr().err.strip().splitlines()  # found after seconds of work: progress before it
+    assert all(re.match(r"memfit: fitting \w+: ", line) for line in progress) and err.startswith("memfit: error: ")
+    assert "below the lowest peak" in err and "micro-batching left out: the model normalises with batch statistics" in err

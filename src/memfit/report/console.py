@@ -53,8 +53,8 @@ _PHASE_STYLE = {Phase.FORWARD: "cyan", Phase.BACKWARD: "magenta", Phase.OPTIMIZE
 
 
 _QUIET_S = 2.0
-"""Plain progress lines start after this long: a command that is over sooner needs none
-(and a bad-input error stays the one line on stderr)."""
+"""Plain progress lines start after this long: a command that is over sooner needs none,
+and an error found in the first seconds (bad input, mostly) stays the one line on stderr."""
 _GAP_S = 5.0
 """At most one plain progress line per this many seconds: a fit weighs a lever every few
 seconds for minutes, and a log should read as a handful of lines, not hundreds."""
@@ -163,7 +163,8 @@ class ProgressLines:
 def progress_bar(console: Console, description: str) -> Iterator[Callable[[str, int, int], None]]:
     """Progress on stderr; yields a ``progress(description, done, total)`` callback. On a
     terminal a rich bar that disappears when done; otherwise (a log, CI, a pipe) plain
-    lines (:class:`ProgressLines`). Never on stdout, which carries the results."""
+    lines (:class:`ProgressLines`). Never on ``console`` (stdout), which carries the
+    results: ``memfit plan ... > plan.txt`` keeps its progress on the terminal."""
     err = Console(stderr=True)
     if _live(err):
         with Progress(
