@@ -563,7 +563,7 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     and which modules were left out and why."""
     fits = plan.predicted_peak_bytes <= plan.budget_bytes
     console.print(
-        f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({escape(plan.budget)}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
+        f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({escape(str(plan.budget))}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
         + ("[green]fits[/]" if fits else "[red]over[/]")
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
     )
@@ -692,7 +692,7 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
     base_time = f", {recipe.base_step_time_s:.3f} s/step" if recipe.base_step_time_s is not None else ""
     console.print(
         f"[bold]{escape(title or recipe.model_type)}[/] on [bold]{recipe.device}[/]: budget [bold]{format_bytes(recipe.budget_bytes)}[/]"
-        f" ({escape(recipe.budget)}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
+        f" ({escape(str(recipe.budget))}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
         highlight=False,
     )
     rows = []
