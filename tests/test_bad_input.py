@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -436,8 +437,10 @@ SMALL = ["--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=32", "--s
 
 
 def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
+    # A budget below P_min is found after seconds of measuring, which stderr shows as
+    # progress lines (memfit: planning gpt: ..., 2.0 s) when it is not a terminal.
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    assert all(re.fullmatch(r"memfit: (?!error: )[^:]+: .*, \d+\.\d s", line) for line in progress), progress
     assert err.startswith("memfit: error: ") and "Traceback" not in err
     return err
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -297,16 +298,154 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert abs(predicted - measured) / measured < 0.03
 
 
-def test_plan_prints_and_writes_a_plan(tmp_path, capsys):
+def test_plan_prints_and_writes_a_plan(tmp_path, capsys, monkeypatch):
     import memfit
+    from memfit.report.console import describe_ops
 
+    monkeypatch.setenv("COLUMNS", "80")  # a log's width
     out = tmp_path / "plan.json"
     assert main(["plan", "gpt", "--batch-size", "4", *SMALL, "--budget", "50%", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted peak" in text and "no plan" in text and "predicted extra compute" in text
     plan = memfit.Plan.from_json(out.read_text())
     assert plan.budget == "50%" and plan.predicted_peak_bytes <= plan.budget_bytes < plan.none_peak_bytes
-    assert "Recomputed modules" in text and next(iter(plan.checkpointed)) in text
+    assert "Recomputed modules" in text and plan.checkpointed
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  transformer.")}
+    for name, choice in plan.checkpointed.items():  # each module whole, on one line with its mode
+        assert choice.mode in rows[name] and describe_ops(choice.save_ops).split(",")[0] in rows[name]
 
 
 # bad budgets: test_bad_input.py
+
+
+# -- output for logs and CI: plain progress on stderr, 80 columns ---------------------------
+
+SLOW = """
+import time, torch, memfit
+
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(1.5)  # a step of several seconds: long enough for progress
+        return self.fc(x)
+
+def build():
+    return memfit.Workload(Slow(), torch.randn(4, 8))
+"""
+
+
+def test_progress_lines_on_stderr_when_not_a_terminal(tmp_path):
+    import memfit
+
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW)
+    src = str(Path(memfit.__file__).parents[1])
+    # FORCE_COLOR (set by many CI systems) must not turn a pipe into a live bar
+    env = {
+        **os.environ,
+        "COLUMNS": "80",
+        "FORCE_COLOR": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "memfit", "profile", f"{path}:build"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines, "no progress on stderr"
+    for line in lines:
+        assert re.fullmatch(r"memfit: profiling \w+: .+, \d+\.\d s", line), line
+    assert lines[-1].startswith("memfit: profiling ") and ": finished, " in lines[-1]
+    assert "\x1b[" not in proc.stderr  # no cursor movement: a log reads line by line
+    assert "memfit:" not in proc.stdout and "Memory at the peak" in proc.stdout
+
+
+LEFT_OUT = """
+import torch, memfit
+
+class Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # Python state a recompute would change again
+        return torch.tanh(self.fc(x))
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)])
+        self.shared = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        self.counted = Counted()
+
+    def forward(self, x):
+        x = self.shared(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.shared(self.counted(x))  # shared: called twice
+
+def build(batch_size=32):
+    return memfit.Workload(Net(), torch.randn(batch_size, 64), meta={"batch_size": batch_size})
+"""
+
+
+def test_plan_prints_what_was_left_out_and_why(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "net.py"
+    path.write_text(LEFT_OUT)
+    assert main(["plan", f"{path}:build", "--budget", "0%"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "left out of the plan (" in text
+    assert "called more than once per step" in text and "shared (2 calls)" in text
+    assert "counted (attribute 'calls')" in text
+
+
+BATCHNORM = """
+import torch, memfit
+
+def build(batch_size=32):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    return memfit.Workload(model, torch.randn(batch_size, 64), meta={"batch_size": batch_size})
+"""
+
+
+def test_fit_prints_why_micro_batching_was_left_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "bn.py"
+    path.write_text(BATCHNORM)
+    assert main(["fit", f"{path}:build", "--budget", "1GiB"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "left out microbatch: the model normalises with batch statistics (BatchNorm1d '1')" in text
+    assert "the step fits as it is" in text and "did not write" not in text  # no levers: no recipe file to read
+
+
+def test_fit_max_batch_table_at_80_columns(tmp_path, capsys, monkeypatch):
+    import memfit
+
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "bn.py"
+    path.write_text(BATCHNORM)
+    work = memfit.load_target(f"{path}:build")
+    peak = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=True).peak_bytes
+    assert main(["fit", f"{path}:build", "--budget", str(int(peak * 1.3)), "--max-batch"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("Peak = fixed + per sample x batch")[1].split("line says:")[0]
+    assert "levers" in table
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in table.splitlines() if "MiB" in line or "KiB" in line}
+    assert set(rows) == {"as it is", "recompute"}, table  # the label column is there, one line per row
+    assert all(len(cells) >= 9 for cells in rows.values())  # label + fixed, per sample, peak (value unit) + 3 numbers
+    assert max(len(line) for line in out.partition("in your training loop")[0].splitlines()) <= 80
+
+
+def test_fit_refused_budget_says_why_micro_batching_was_left_out(tmp_path, capsys):
+    path = tmp_path / "bn.py"
+    path.write_text(BATCHNORM)
+    assert main(["fit", f"{path}:build", "--budget", "1KiB"]) == 2
+    *progress, err = capsys.readouterr().err.strip().splitlines()  # found after seconds of work: progress before it
+    assert all(re.match(r"memfit: fitting \w+: ", line) for line in progress) and err.startswith("memfit: error: ")
+    assert "below the lowest peak" in err and "micro-batching left out: the model normalises with batch statistics" in err

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 import memfit
 from memfit import zoo
@@ -160,7 +159,7 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         with progress_bar(console, f"fitting {work.name}") as progress:
             recipe = memfit.fit(model, inputs, budget, progress=progress, **common)
         recipe.budget = ns.budget
-    render_fit(recipe, console, title=work.name, path=ns.json or "recipe.json")
+    render_fit(recipe, console, title=work.name, path=ns.json)
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
         console.print(f"wrote {ns.json}")
@@ -215,12 +214,9 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
-    table = Table(title="memfit zoo (random weights, nothing downloaded)", title_justify="left")
-    table.add_column("name")
-    table.add_column("what")
-    for name, about in zoo.describe().items():
-        table.add_row(name + (" (default)" if name == zoo.DEFAULT else ""), about)
-    console.print(table)
+    from memfit.report.console import render_zoo
+
+    render_zoo(zoo.describe(), zoo.DEFAULT, console)
     return 0
 
 
@@ -229,7 +225,14 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
 
     from memfit.bench.child import measure_step_peak
     from memfit.measure.timing import median_step_time
-    from memfit.report.console import progress_bar, render_before_after, render_groundtruth, render_plan, render_profile
+    from memfit.report.console import (
+        progress_bar,
+        render_before_after,
+        render_groundtruth,
+        render_plan,
+        render_profile,
+        status,
+    )
 
     console.rule(f"[bold]1. Where the memory of a training step goes: zoo '{zoo.DEFAULT}' on cpu")
     work = zoo.build(zoo.DEFAULT)
@@ -237,7 +240,7 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     with progress_bar(console, f"profiling {work.name}") as progress:
         prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=optimizer, progress=progress)
     render_profile(prof, console, title=f"{work.name} (batch {work.meta['batch_size']})")
-    with console.status("measuring the same step in a fresh process (RSS high-water mark)"):
+    with status(console, "measuring the same step in a fresh process (RSS high-water mark)"):
         measured = measure_step_peak(zoo.DEFAULT)
     render_groundtruth(prof, measured, console)
 
@@ -252,9 +255,9 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(plan.to_json())
-        with console.status("measuring the planned step in a fresh process"):
+        with status(console, "measuring the planned step in a fresh process"):
             planned = measure_step_peak(zoo.DEFAULT, plan_path=str(path))
-    with console.status("timing steps without and with the plan"):
+    with status(console, "timing steps without and with the plan"):
         before_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)
         memfit.apply(work.model, plan)
         after_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)

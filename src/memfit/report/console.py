@@ -5,13 +5,23 @@ Functions take measured objects and a ``rich.console.Console``; they compute not
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
@@ -28,7 +38,13 @@ __all__ = [
     "render_bench",
     "render_fit",
     "render_max_batch",
+    "render_left_out",
+    "render_zoo",
+    "describe_ops",
+    "shorten_name",
     "progress_bar",
+    "status",
+    "ProgressLines",
     "sparkline",
 ]
 
@@ -36,18 +52,258 @@ _BARS = " ▁▂▃▄▅▆▇█"
 _PHASE_STYLE = {Phase.FORWARD: "cyan", Phase.BACKWARD: "magenta", Phase.OPTIMIZER: "yellow", Phase.START: "white"}
 
 
+_QUIET_S = 2.0
+"""Plain progress lines start after this long: a command that is over sooner needs none,
+and an error found in the first seconds (bad input, mostly) stays the one line on stderr."""
+_GAP_S = 5.0
+"""At most one plain progress line per this many seconds: a fit weighs a lever every few
+seconds for minutes, and a log should read as a handful of lines, not hundreds."""
+_HEARTBEAT_S = 30.0
+"""A stage that lasts longer (a MILP, a benchmark child) is repeated with its elapsed time,
+so a log shows the run is alive."""
+
+
+def _live(err: Console) -> bool:
+    """Whether stderr takes a live (redrawn) progress bar. Decided on the stream itself:
+    many CI systems set FORCE_COLOR, which makes rich treat a pipe as a terminal, and a bar
+    redrawn ten times a second into a log file floods it."""
+    isatty = getattr(err.file, "isatty", None)
+    try:
+        return bool(isatty and isatty()) and err.is_interactive
+    except ValueError:  # a closed stream
+        return False
+
+
+class ProgressLines:
+    """Progress as plain lines on stderr, for logs and CI where nothing redraws in place:
+    ``memfit: planning gpt: recorded step (2/3), 4.1 s``. A line when the stage changes (at
+    most one per :data:`_GAP_S`; the latest stage wins), the stage again when it lasts over
+    :data:`_HEARTBEAT_S`, nothing in the first :data:`_QUIET_S`, and a last line with the
+    total time if any line was printed. A background thread prints stages that arrive while
+    a line is held back and the heartbeats (the callback is not called during a long stage)."""
+
+    def __init__(
+        self,
+        description: str,
+        *,
+        quiet_s: float = _QUIET_S,
+        gap_s: float = _GAP_S,
+        heartbeat_s: float = _HEARTBEAT_S,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] | None = None,
+    ) -> None:
+        self.description = description
+        self.quiet_s, self.gap_s, self.heartbeat_s = quiet_s, gap_s, heartbeat_s
+        self.clock = clock
+        self._write = write
+        self.start = clock()
+        self.stage: str | None = None
+        self.shown: str | None = None
+        self.last: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, desc: str, done: int, total: int | None) -> None:
+        """The ``progress(description, done, total)`` callback."""
+        if desc == "done":  # an inner step ends (a profile inside a plan): the command goes on
+            return
+        with self._lock:
+            self.stage = f"{desc} ({done}/{total})" if total else desc
+            self._emit_due()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._emit_due()
+
+    def finish(self) -> None:
+        with self._lock:
+            if self.last is not None:
+                self._line("finished")
+
+    def _emit_due(self) -> None:
+        now = self.clock()
+        if now - self.start < self.quiet_s or (self.last is not None and now - self.last < self.gap_s):
+            return
+        if self.stage != self.shown or self.last is None or now - self.last >= self.heartbeat_s:
+            self._line(self.stage or "running")
+            self.shown = self.stage
+
+    def _line(self, what: str) -> None:
+        now = self.clock()
+        self.last = now
+        text = f"memfit: {self.description}: {what}, {now - self.start:.1f} s\n"
+        try:
+            if self._write is not None:
+                self._write(text)
+            else:  # sys.stderr at the time of writing: a redirected stream is honoured
+                sys.stderr.write(text)
+                sys.stderr.flush()
+        except (OSError, ValueError):  # a closed log must not stop the command
+            pass
+
+    def __enter__(self) -> ProgressLines:
+        def run() -> None:
+            while not self._stop.wait(0.5):
+                self.tick()
+
+        self._thread = threading.Thread(target=run, name="memfit-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if exc_type is None:  # on an error, the error line says what happened
+            self.finish()
+
+
 @contextmanager
-def progress_bar(console: Console, description: str) -> Iterator:
-    """A rich progress bar; yields a ``progress(description, done, total)`` callback."""
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
-    ) as bar:
-        task = bar.add_task(description, total=None)
+def progress_bar(console: Console, description: str) -> Iterator[Callable[[str, int, int], None]]:
+    """Progress on stderr; yields a ``progress(description, done, total)`` callback. On a
+    terminal a rich bar that disappears when done; otherwise (a log, CI, a pipe) plain
+    lines (:class:`ProgressLines`). Never on ``console`` (stdout), which carries the
+    results: ``memfit plan ... > plan.txt`` keeps its progress on the terminal."""
+    err = Console(stderr=True)
+    if _live(err):
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True
+        ) as bar:
+            task = bar.add_task(description, total=None)
 
-        def update(desc: str, done: int, total: int) -> None:
-            bar.update(task, description=f"{description}: {desc}", completed=done, total=total)
+            def update(desc: str, done: int, total: int | None) -> None:
+                bar.update(task, description=f"{description}: {desc}", completed=done, total=total or None)
 
-        yield update
+            yield update
+    else:
+        with ProgressLines(description) as lines:
+            yield lines.update
+
+
+@contextmanager
+def status(console: Console, description: str) -> Iterator[None]:
+    """A step without stages of its own (a fresh process measuring): a spinner on a
+    terminal, else plain lines as :func:`progress_bar` prints them."""
+    err = Console(stderr=True)
+    if _live(err):
+        with err.status(description):
+            yield
+    else:
+        with ProgressLines(description):
+            yield
+
+
+# -- tables at any width ------------------------------------------------------------------
+# Logs and CI render at 80 columns. Rich shrinks a table that is too wide by narrowing its
+# wrappable columns, down to nothing (a label column vanished) or below their min_width
+# (then the table is cropped at the edge), and folds long names in the middle. So widths
+# are settled here before rich sees the table: text columns wrap between words only and
+# are never narrower than their longest word, the widest shrinking first; then the name
+# column's qualified names are shortened (shorten_name keeps the indices that tell rows
+# apart). A name is never wrapped.
+
+_MIN_NAME = 20
+"""Fewer cells than this say little about a module."""
+_NAME_COMFORT = 32
+_TEXT_COMFORT = 24
+"""Widths that read well; below them, text wraps and names shorten in turns."""
+
+
+def shorten_name(name: str, width: int) -> str:
+    """A qualified module name in at most ``width`` cells. Components go from the left,
+    indices last (in ``bert.encoder.layer.11.attention`` the index tells the rows of a
+    table apart; ``bert.encoder`` is the same on every row), and the last component is
+    only ever cut at its start; an ellipsis marks each cut. Room left after a component
+    goes keeps that component's end."""
+    if cell_len(name) <= width:
+        return name
+    parts = name.split(".")
+    last = len(parts) - 1
+    shown: list[int | None] = [None] * len(parts)  # None: whole; 0: dropped; k: its last k characters
+
+    def text() -> str:
+        out, gap = "", False
+        for part, k in zip(parts, shown):
+            if k == 0:
+                gap = True
+                continue
+            cut = k is not None and k < len(part)
+            out += ("…" if gap or cut else ("." if out else "")) + (part[-k:] if k else part)
+            gap = False
+        return out
+
+    def longest_end(i: int, least: int) -> bool:
+        """Show as much of the end of component ``i`` as fits (at least ``least`` characters)."""
+        for k in range(len(parts[i]), least - 1, -1):
+            shown[i] = k
+            if cell_len(text()) <= width:
+                return True
+        return False
+
+    inner = [i for i in range(last) if not parts[i].isdigit()]
+    indices = [i for i in range(last) if parts[i].isdigit()]
+    for i in inner:
+        shown[i] = 0
+        if cell_len(text()) <= width:
+            if not longest_end(i, 4):
+                shown[i] = 0
+            return text()
+    for i in [*indices, None]:
+        if longest_end(last, min(8, len(parts[last])) if i is not None else 1):
+            return text()
+        shown[last] = None
+        if i is not None:
+            shown[i] = 0
+    return "…" + parts[last][len(parts[last]) - max(1, width - 1) :]
+
+
+def _longest_word(cells: list[str]) -> int:
+    return max((cell_len(w) for c in cells for w in Text.from_markup(c).plain.split()), default=1)
+
+
+def _natural(cells: list[str]) -> int:
+    return max((cell_len(line) for c in cells for line in Text.from_markup(c).plain.splitlines()), default=0)
+
+
+def _add_rows(console: Console, table: Table, rows: list[list[str]], *, names: int | None = 0) -> None:
+    """Add ``rows`` (rich markup) to ``table`` so that it fits the console: text columns
+    (those that may wrap) wrap between words; then column ``names``, which holds plain
+    qualified names, is shortened."""
+    columns = table.columns
+    probe = copy.deepcopy(table)
+    for row in rows:
+        probe.add_row(*row)
+    excess = Measurement.get(console, console.options.update_width(1 << 16), probe).maximum - console.width
+    widths = {}
+    for i, col in enumerate(columns):
+        cells = [str(col.header), *(r[i] for r in rows)]
+        widths[i] = max(_natural(cells), col.min_width or 0)
+    text_cols = [i for i, col in enumerate(columns) if not col.no_wrap and i != names]
+    floor = {i: max(_longest_word([str(columns[i].header), *(r[i] for r in rows)]), columns[i].min_width or 0) for i in text_cols}
+
+    def narrow(down_to: dict[int, int]) -> None:  # the widest text column gives a cell at a time
+        nonlocal excess
+        while excess > 0:
+            i = max((i for i in text_cols if widths[i] > down_to[i]), key=lambda i: widths[i], default=None)
+            if i is None:
+                return
+            widths[i] -= 1
+            excess -= 1
+            columns[i].width = widths[i]
+
+    longest = max((cell_len(r[names]) for r in rows), default=0) if names is not None else 0
+    # Text first down to a comfortable width, then names down to theirs, then text to its
+    # longest word, then names to the least that still says something.
+    narrow({i: max(floor[i], _TEXT_COMFORT) for i in text_cols})
+    name_width = max(longest - max(0, excess), min(longest, _NAME_COMFORT))
+    excess -= longest - name_width
+    narrow(floor)
+    name_width = max(name_width - max(0, excess), min(longest, _MIN_NAME))
+    if names is not None and rows:
+        rows = [[escape(shorten_name(c, name_width)) if i == names else c for i, c in enumerate(r)] for r in rows]
+    for row in rows:
+        table.add_row(*row)
 
 
 def _share(n: int, total: int) -> str:
@@ -144,20 +400,23 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
     show_type = console.width >= 100  # names matter more than types on a narrow terminal
-    mods.add_column("module", overflow="fold")
+    mods.add_column("module", no_wrap=True)
     if show_type:
         mods.add_column("type", overflow="ellipsis", no_wrap=True, max_width=18)
     for header in ("saved", "fwd time", "bwd time", "FLOPs"):
         mods.add_column(header, justify="right", no_wrap=True, min_width=9)
-    for m in _top_modules(profile, top):
-        mods.add_row(
+    rows = [
+        [
             m.name,
-            *([m.type] if show_type else []),
+            *([escape(m.type)] if show_type else []),
             format_bytes(m.saved_bytes),
             _seconds(m.forward_time_s) if timed else "-",
             _seconds(m.backward_time_s) if timed else "-",
             _flops(m.forward_flops + m.backward_flops),
-        )
+        ]
+        for m in _top_modules(profile, top)
+    ]
+    _add_rows(console, mods, rows)
     console.print(mods)
     if timed:
         console.print(f"step time {profile.step_time_s:.3f} s (one step after warm-up, measured on {profile.device})")
@@ -176,11 +435,141 @@ def render_groundtruth(profile: Profile, measured: dict, console: Console) -> No
     )
 
 
+# Selective recompute keeps the outputs of some aten op types (Choice.save_ops, what the
+# checkpoint policy matches) and recomputes the rest. Names such as "addmm", "tril" or
+# "scalar_tensor" are the dispatcher's vocabulary, not the model's; a reader wants to know
+# what stays in memory: the matrix products, a mask, constants. So the table names the
+# kind of op; the exact names are in the plan's JSON (--json, plan.checkpointed). An op
+# not listed here shows as its aten name, which is honest if terse.
+_OP_KINDS: dict[str, str] = {
+    **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "addbmm"), "matrix products"),
+    **dict.fromkeys(
+        ("convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable"), "convolutions"
+    ),
+    **dict.fromkeys(
+        (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_flash_attention_forward",
+            "_efficient_attention_forward",
+        ),
+        "attention",
+    ),
+    **dict.fromkeys(("tril", "triu", "masked_fill", "where"), "masks"),
+    **dict.fromkeys(
+        (
+            "ones",
+            "zeros",
+            "full",
+            "empty",
+            "arange",
+            "scalar_tensor",
+            "ones_like",
+            "zeros_like",
+            "full_like",
+            "empty_like",
+            "new_ones",
+            "new_zeros",
+            "new_full",
+            "new_empty",
+            "eye",
+            "lift_fresh",
+            "lift_fresh_copy",
+        ),
+        "constants",
+    ),
+    **dict.fromkeys(("_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"), "softmax"),
+    **dict.fromkeys(
+        (
+            "native_layer_norm",
+            "layer_norm",
+            "native_batch_norm",
+            "_native_batch_norm_legit",
+            "_native_batch_norm_legit_functional",
+            "_native_batch_norm_legit_no_training",
+            "native_group_norm",
+            "_fused_rms_norm",
+            "rms_norm",
+        ),
+        "normalisation",
+    ),
+    **dict.fromkeys(
+        ("gelu", "relu", "silu", "tanh", "sigmoid", "hardtanh", "leaky_relu", "elu", "softplus", "mish", "threshold"),
+        "activations",
+    ),
+    **dict.fromkeys(
+        ("mul", "add", "sub", "div", "pow", "exp", "log", "neg", "rsqrt", "sqrt", "reciprocal", "clamp", "abs"),
+        "elementwise math",
+    ),
+    **dict.fromkeys(("native_dropout", "bernoulli", "dropout", "rand", "randn", "rand_like"), "dropout masks"),
+    **dict.fromkeys(("embedding", "index_select", "gather"), "lookups"),
+    **dict.fromkeys(("sum", "mean", "amax", "max", "min", "var_mean", "logsumexp"), "reductions"),
+    **dict.fromkeys(
+        ("max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "max_pool1d"), "pooling"
+    ),
+    **dict.fromkeys(("cat", "stack", "clone", "_to_copy", "copy", "contiguous", "repeat"), "copies"),
+}
+
+
+def describe_ops(save_ops: tuple[str, ...] | list[str]) -> str:
+    """What selective recompute keeps, in words: ``("addmm", "tril")`` -> ``"matrix products, masks"``."""
+    kinds = dict.fromkeys(_OP_KINDS.get(op, op) for op in save_ops)
+    return ", ".join(kinds) or "-"
+
+
+_CALLED = re.compile(r"called (\d+) times in a step")
+_CHANGES = re.compile(r"recompute not reproducible: its forward changes (.+?), state outside its tensors")
+_CONTAINS = re.compile(r"recompute not reproducible: contains '([^']+)', whose forward changes")
+_FAILED = re.compile(r"(full|selective) recompute not reproducible: (\w+)")
+_SHOWN_PER_REASON = 6
+
+
+def _why_excluded(name: str, reason: str) -> tuple[str, str]:
+    """``(the reason in a few words, the module with what is particular to it)``; the
+    planner's whole sentence stays in plan.excluded."""
+    if m := _CALLED.match(reason):
+        return "called more than once per step", f"{name} ({m[1]} calls)"
+    if m := _CHANGES.match(reason):
+        hint = " (transformers: use_cache=False)" if "use_cache=False" in reason else ""
+        return f"forward changes state a recompute would change again{hint}", f"{name} ({m[1]})"
+    if m := _CONTAINS.match(reason):
+        return "contains a module whose forward changes state", f"{name} (contains {m[1]})"
+    if m := _FAILED.match(reason):
+        module, _, selective = name.partition(":")
+        return "recompute failed when tried", f"{module} ({'selective, ' if selective else ''}{m[2]})"
+    return reason, name
+
+
+def render_left_out(excluded: dict[str, str], console: Console, *, what: str = "the plan") -> None:
+    """Modules memfit would not recompute, grouped by reason, a few names per reason."""
+    if not excluded:
+        return
+    groups: dict[str, list[str]] = {}
+    for name, reason in excluded.items():
+        why, item = _why_excluded(name, reason)
+        groups.setdefault(why, []).append(item)
+    n = len(excluded)
+    console.print(
+        f"[yellow]left out of {what}[/] ({n} module{'s' if n != 1 else ''}; full reasons: plan.excluded, --json):",
+        highlight=False,
+    )
+    # A grid: a group's names wrap under its first line, between words.
+    grid = Table.grid()
+    grid.add_column()
+    for why, items in groups.items():
+        more = [f"... and {len(items) - _SHOWN_PER_REASON} more"] if len(items) > _SHOWN_PER_REASON else []
+        grid.add_row(escape(f"{why} ({len(items)}): " + ", ".join(items[:_SHOWN_PER_REASON] + more)))
+    console.print(Padding(grid, (0, 0, 0, 2)))
+
+
 def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
-    """What is recomputed, the predicted peak against budget and no-plan peak, the cost."""
+    """What is recomputed, the predicted peak against budget and no-plan peak, the cost,
+    and which modules were left out and why."""
     fits = plan.predicted_peak_bytes <= plan.budget_bytes
     console.print(
-        f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({plan.budget}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
+        f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({escape(str(plan.budget))}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
         + ("[green]fits[/]" if fits else "[red]over[/]")
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
     )
@@ -194,22 +583,19 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     if not plan.checkpointed:
         console.print("nothing to recompute: the step already fits")
     else:
+        rows = [
+            [name or "(root)", choice.mode, describe_ops(choice.save_ops)]
+            for name, choice in list(plan.checkpointed.items())[:top]
+        ]
+        if len(plan.checkpointed) > top:
+            rows.append([f"... and {len(plan.checkpointed) - top} more", "", ""])
         table = Table(title=f"Recomputed modules ({len(plan.checkpointed)})", title_justify="left", box=box.SIMPLE_HEAD)
-        table.add_column("module", overflow="fold")
-        table.add_column("recompute")
-        table.add_column("keeps outputs of", overflow="fold")
-        for i, (name, choice) in enumerate(plan.checkpointed.items()):
-            if i == top:
-                table.add_row(f"... and {len(plan.checkpointed) - top} more", "", "")
-                break
-            table.add_row(name or "(root)", choice.mode, ", ".join(choice.save_ops) or "-")
+        table.add_column("module", no_wrap=True)
+        table.add_column("recompute", no_wrap=True)
+        table.add_column("keeps outputs of")
+        _add_rows(console, table, rows)
         console.print(table)
-    failed = {k: v for k, v in plan.excluded.items() if "not reproducible" in v}
-    for i, (name, why) in enumerate(failed.items()):
-        if i == top:  # a 32-layer model with a KV cache would list ~65; plan.excluded has them all
-            console.print(f"[yellow]excluded[/] ... and {len(failed) - top} more (see plan.excluded or --json)", highlight=False)
-            break
-        console.print(f"[yellow]excluded[/] {name}: {why}", highlight=False)
+    render_left_out(plan.excluded, console)
     console.print(f"planned in {plan.planning_time_s:.1f} s")
 
 
@@ -241,26 +627,31 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("configuration", no_wrap=True)
-    for col in ("peak", "predicted", "step", "vs none", "+FLOPs", "plan"):
+    table.add_column("configuration")  # wraps between words at 80 columns
+    # Two-line headers where the figures are narrower than one-line ones.
+    for col in ("peak", "predicted", "step", "vs\nnone", "+FLOPs", "plan\ntime"):
         table.add_column(col, justify="right", no_wrap=True)
+    cells = []
     for r in rows:
         if r.error and r.measured_peak_bytes is None:
-            table.add_row(r.label, "[red]failed[/]", "", "", "", "", "")
+            cells.append([escape(r.label), "[red]failed[/]", "", "", "", "", ""])
             failures.append(f"{r.label}: {r.error}")
             continue
-        table.add_row(
-            r.label,
-            format_bytes(r.measured_peak_bytes) if r.measured_peak_bytes is not None else "-",
-            format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else "-",
-            f"{r.step_time_s:.3f}s" if r.step_time_s is not None else "-",
-            f"{r.step_time_s / base - 1:+.0%}" if base and r.step_time_s else "-",
-            _flops(r.recompute_flops) if r.recompute_flops is not None else "-",
-            f"{r.plan_time_s:.1f}s" if r.plan_time_s is not None else "-",
+        cells.append(
+            [
+                escape(r.label),
+                format_bytes(r.measured_peak_bytes) if r.measured_peak_bytes is not None else "-",
+                format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else "-",
+                f"{r.step_time_s:.3f}s" if r.step_time_s is not None else "-",
+                f"{r.step_time_s / base - 1:+.0%}" if base and r.step_time_s else "-",
+                _flops(r.recompute_flops) if r.recompute_flops is not None else "-",
+                f"{r.plan_time_s:.1f}s" if r.plan_time_s is not None else "-",
+            ]
         )
+    _add_rows(console, table, cells, names=None)
     console.print(table)
     for line in failures:
-        console.print(f"[red]failed[/] {line}", highlight=False)
+        console.print(f"[red]failed[/] {escape(line)}", highlight=False)
     console.print(
         "peak = tensors alive at the step's start + the measured rise over it (fresh process each); "
         "step = median after warm-up; +FLOPs = recomputed FLOPs (FlopCounterMode, 0 for pointwise ops)"
@@ -270,16 +661,13 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
 def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = None) -> None:
     """How each lever set's peak grows with the batch, and the largest batch each fits."""
     console.print(
-        f"[bold]{title or found.recipe.model_type}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
+        f"[bold]{escape(title or found.recipe.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
         f"[bold]{found.batch_size}[/] (example batch {found.example_batch}; searched in {found.search_time_s:.1f} s)",
         highlight=False,
     )
     table = Table(title="Peak = fixed + per sample x batch (fake tensors)", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("levers", overflow="fold")
-    for col in ("fixed", "per sample", "line says", "largest batch", "peak there", "measurements"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for lim in found.limits:
-        table.add_row(
+    rows = [
+        [
             lim.label,
             format_bytes(lim.fixed_bytes),
             format_bytes(lim.bytes_per_sample),
@@ -287,24 +675,33 @@ def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = N
             f"[bold]{lim.max_batch}[/]" if lim.max_batch == found.batch_size else str(lim.max_batch),
             format_bytes(lim.peak_bytes) if lim.max_batch else "-",
             str(lim.measurements),
-        )
+        ]
+        for lim in found.limits
+    ]
+    table.add_column("levers")
+    # Two-line headers: one-line ones made the numbers' columns 80 cells wide by themselves.
+    for col in ("fixed", "per\nsample", "line\nsays", "largest\nbatch", "peak\nthere", "fake\nsteps"):
+        table.add_column(col, justify="right", no_wrap=True)
+    _add_rows(console, table, rows, names=None)
     console.print(table)
+    console.print(
+        "line says: the batch the line through two measurements predicts; fake steps: fake-tensor steps measured",
+        highlight=False,
+    )
     console.print(f"the fastest recipe at batch {found.batch_size}, measured:")
 
 
-def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, path: str = "recipe.json") -> None:
-    """The what-if rows (those that fit first, fastest first), why other levers were left
-    out, the chosen recipe predicted against measured, and the snippet for the loop."""
+def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, path: str | None = None) -> None:
+    """The what-if rows (those that fit first, fastest first), why other levers (and, with
+    recompute, modules) were left out, the chosen recipe predicted against measured, and the
+    snippet for the loop. ``path``: where the recipe's JSON was written (None: nowhere)."""
     base_time = f", {recipe.base_step_time_s:.3f} s/step" if recipe.base_step_time_s is not None else ""
     console.print(
-        f"[bold]{title or recipe.model_type}[/] on [bold]{recipe.device}[/]: budget [bold]{format_bytes(recipe.budget_bytes)}[/]"
-        f" ({recipe.budget}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
+        f"[bold]{escape(title or recipe.model_type)}[/] on [bold]{recipe.device}[/]: budget [bold]{format_bytes(recipe.budget_bytes)}[/]"
+        f" ({escape(str(recipe.budget))}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
         highlight=False,
     )
-    table = Table(title="What if (within the budget first, fastest first)", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("configuration", overflow="fold")
-    for col in ("peak", "step", "vs as is", "fits", "measured"):
-        table.add_column(col, justify="right", no_wrap=col != "measured")
+    rows = []
     for row in recipe.what_if:
         peak = format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-"
         secs = row.predicted_step_time_s
@@ -314,18 +711,36 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
             measured = format_bytes(row.measured_peak_bytes)
             if row.measured_step_time_s is not None:
                 measured += f", {row.measured_step_time_s:.3f} s"
-        label = f"[bold]{row.label}[/] (chosen)" if row.chosen else row.label
-        table.add_row(
-            label,
-            peak,
-            f"{secs:.3f} s" if secs is not None else "-",
-            change,
-            "[green]yes[/]" if row.fits else ("[red]no[/]" if row.predicted_peak_bytes is not None else "-"),
-            measured if not row.note else (row.note if measured == "-" else f"{measured}; {row.note}"),
+        label = f"[bold]{escape(row.label)}[/] (chosen)" if row.chosen else escape(row.label)
+        rows.append(
+            [
+                label,
+                peak,
+                f"{secs:.3f} s" if secs is not None else "-",
+                change,
+                "[green]yes[/]" if row.fits else ("[red]no[/]" if row.predicted_peak_bytes is not None else "-"),
+                escape(measured if not row.note else (row.note if measured == "-" else f"{measured}; {row.note}")),
+            ]
         )
+    table = Table(title="What if (within the budget first, fastest first)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("configuration")
+    for col in ("peak", "step", "vs\nas is", "fits"):  # two lines: the figures are narrower
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("measured", justify="right")
+    _add_rows(console, table, rows, names=None)
     console.print(table)
+    # Levers not allowed share one reason and one remedy: one line, not one per lever.
+    opt_in = [lever for lever, why in recipe.left_out.items() if "opt in with allow=" in why]
     for lever, why in recipe.left_out.items():
-        console.print(f"[yellow]left out[/] {lever}: {why}", highlight=False)
+        if lever not in opt_in:
+            console.print(f"[yellow]left out[/] {lever}: {escape(why)}", highlight=False)
+    if opt_in:
+        console.print(
+            f"[yellow]left out[/] {', '.join(opt_in)}: they change the numerics; --allow {','.join(opt_in)} weighs them",
+            highlight=False,
+        )
+    if recipe.plan is not None:
+        render_left_out(recipe.plan.excluded, console, what="recompute")
     measured = []
     if recipe.measured_peak_bytes is not None:
         measured.append(f"peak measured {format_bytes(recipe.measured_peak_bytes)} (recorder ledger of the real step)")
@@ -333,10 +748,34 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
         predicted = f"predicted {recipe.predicted_step_time_s:.3f} s, " if recipe.predicted_step_time_s is not None else ""
         measured.append(f"step {predicted}measured {recipe.measured_step_time_s:.3f} s (median of 3 after warm-up)")
     console.print(
-        f"chosen: [bold]{recipe.summary()}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/]"
+        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/]"
         + (f"; {'; '.join(measured)}" if measured else ""),
         highlight=False,
     )
-    console.print("in your training loop:", highlight=False)
-    console.print(recipe.snippet(path), markup=False, highlight=False, soft_wrap=True)
+    snippet = recipe.snippet(path or "recipe.json")
+    if recipe.levers and path is None:
+        # The snippet reads the recipe from a file, which this run did not write. Saying so
+        # beats printing code that fails on its first line; a rerun measures again, so the
+        # recipe it writes is the one its own output shows.
+        console.print(
+            "in your training loop (it reads recipe.json, which this run did not write: "
+            "run memfit fit again with --json recipe.json):",
+            highlight=False,
+        )
+        head, _, rest = snippet.partition("\n")
+        snippet = f"{head}\n# recipe.json: written by memfit fit ... --json recipe.json (in Python: recipe.to_json())\n{rest}"
+    else:
+        console.print("in your training loop:", highlight=False)
+    console.print(snippet, markup=False, highlight=False, soft_wrap=True)
     console.print(f"fitted in {recipe.fit_time_s:.1f} s")
+
+
+def render_zoo(models: dict[str, str], default: str, console: Console) -> None:
+    """The zoo's models and what each is."""
+    table = Table(title="memfit zoo (random weights, nothing downloaded)", title_justify="left")
+    table.add_column("name", no_wrap=True)
+    table.add_column("what")  # wraps between words at 80 columns
+    for name, about in models.items():
+        # escaped: "(needs [hf])" is text, not rich markup
+        table.add_row(escape(name + (" (default)" if name == default else "")), escape(about))
+    console.print(table)
