@@ -25,5 +25,5 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     inner = unwrap(model)
     check_fingerprint(inner, plan.fingerprint, plan.model_type, "plan", "make a plan for it with memfit.plan")
-    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
+    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
     return model

@@ -122,7 +122,8 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
             raise PlanError(f"the recipe uses 8-bit optimizer state, but {why}")
     # The plan first: it was made (and fingerprinted) on the parameters as they were.
     if recipe.plan is not None and recipe.plan.checkpointed:
-        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in recipe.plan.checkpointed.items()})
+        plan = recipe.plan
+        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
     dtype = step.cast_dtype
     if dtype is not None:
         inner.to(dtype)  # floating parameters and buffers; the Parameter objects stay the same

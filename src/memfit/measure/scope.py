@@ -148,7 +148,7 @@ class Scope:
                 if tensors:
                     self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
 
-    def _post(self, mod: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = self.names[mod]
         # Pop this module's own frame, and any a child left behind by raising.
         for i in range(len(self._forward) - 1, -1, -1):
@@ -160,7 +160,11 @@ class Scope:
                 del self._forward[i:]
                 break
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            # An input handed back as it is (T5's position_bias, returned by every block
+            # that takes it) gets its gradient only once every user of it is done, this
+            # module's own ops included: it says nothing of when this module's backward begins.
+            passed = {id(t) for t in _grad_tensors((args, kwargs))}
+            tensors = [t for t in _grad_tensors(output) if id(t) not in passed]
             if tensors:
                 self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._enter_bw(n)))
 
@@ -180,7 +184,7 @@ class Scope:
     def __enter__(self) -> Scope:
         for mod in self.names:
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post))
+            self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
