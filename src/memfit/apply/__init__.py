@@ -18,6 +18,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     the plan was made for a model of another structure, or a plan is already applied.
     ``model`` may also be the model wrapped by ``torch.compile`` or DistributedDataParallel:
     the plan goes on the module inside (whose names it uses), and the wrapper is returned.
+    The modules in ``plan.use_cache_off`` run with ``use_cache=False`` while training
+    (transformers' KV cache, as its gradient checkpointing does; :mod:`memfit.apply.cache`).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")

@@ -2,7 +2,8 @@
 and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast,
 activation offload).
 
-In place: the recompute plan (undone by :func:`memfit.remove`), parameters cast to
+In place: the recompute plan, with transformers' KV cache off in training where the plan
+says so (both undone by :func:`memfit.remove`), parameters cast to
 bfloat16 (not undone: a cast back would not restore the lost bits), the optimizer's
 ``foreach`` flag. The ``8bit`` lever hands back a new bitsandbytes optimizer over the same
 parameters and hyperparameters; the one passed in is left as it is. The loop itself stays the user's; :meth:`AppliedRecipe.step` runs one
