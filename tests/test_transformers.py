@@ -333,12 +333,19 @@ def test_t5_plans_below_transformers_gradient_checkpointing():
     assert model.config.use_cache and _cache_of(model, inputs) is not None
 
 
-def test_plan_files_without_use_cache_off_load_and_a_bad_one_is_refused():
+def test_plan_files_without_use_cache_off_load_and_bad_ones_are_refused():
     data = make_plan().to_dict()
     assert "use_cache_off" not in data  # an older memfit reads a plan that needs no switch
     assert memfit.Plan.from_dict(data).use_cache_off == ()
     with pytest.raises(memfit.PlanError, match="use_cache_off"):
         memfit.Plan.from_dict({**data, "use_cache_off": "decoder"})
+    model, _, _ = _t5()
+    wrong = make_plan()
+    wrong.use_cache_off = ("lm_head",)
+    with pytest.raises(memfit.PlanError, match="takes no use_cache"):
+        memfit.apply(model, wrong)
+    assert "forward" not in vars(model.lm_head)
+    memfit.apply(model, make_plan())  # nothing was applied: a plan applies
 
 
 def test_a_recipe_carries_the_switch():

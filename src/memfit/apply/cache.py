@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["cache_modules", "install", "uninstall", "switched_off", "turned_off", "writers", "CACHE_OFF"]
+__all__ = ["takes_use_cache", "cache_modules", "install", "uninstall", "switched_off", "turned_off", "writers", "CACHE_OFF"]
 
 CACHE_OFF = "_memfit_cache_off"
 """``model.__dict__`` key: ``{module name: the forward it replaced}`` while a plan turns the cache off."""
@@ -52,13 +52,17 @@ def _takes_use_cache(mod: nn.Module) -> int | None:
     return None
 
 
+def takes_use_cache(mod: nn.Module) -> bool:
+    return _takes_use_cache(mod) is not None
+
+
 def cache_modules(model: nn.Module) -> list[str]:
     """Names of the outermost modules (``""``: the root) whose forward takes ``use_cache``."""
     found: list[str] = []
     for name, mod in model.named_modules():
         if any(name == f or name.startswith(f + ".") or f == "" for f in found):
             continue
-        if _takes_use_cache(mod) is not None:
+        if takes_use_cache(mod):
             found.append(name)
     return found
 

@@ -201,6 +201,9 @@ def apply_choices(
     missing = [n for n in [*choices, *cache_off] if n not in modules]
     if missing:
         raise PlanError(f"the plan names module {missing[0]!r}, which this model does not have: was it made for another model?")
+    for name in cache_off:
+        if not cache.takes_use_cache(modules[name]):
+            raise PlanError(f"the plan turns use_cache off in module {name!r}, whose forward takes no use_cache argument")
     for name, (mode, _) in choices.items():
         if mode not in ("full", "selective"):
             raise PlanError(f"unknown recompute mode {mode!r} for {name!r}; expected 'full' or 'selective'")
