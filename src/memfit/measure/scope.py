@@ -86,6 +86,7 @@ class Scope:
         self.calls: dict[str, int] = {}
         """Forward calls per module since the last :meth:`set_phase` to ``FORWARD``."""
         self._spans: list[tuple[Phase, str, Any, Any]] = []
+        self._passed: dict[nn.Module, list[dict[int, int]]] = {}  # per call: id -> version of its inputs needing grad
         self.listener: Any = None
         """Optional ``listener(phase, name, entering, inputs)``, told of every module entry and
         exit (``phase`` is FORWARD for forward calls, BACKWARD for their backward);
@@ -145,10 +146,11 @@ class Scope:
             self.calls[name] = self.calls.get(name, 0) + 1
             if torch.is_grad_enabled():
                 tensors = _grad_tensors((args, kwargs))
+                self._passed.setdefault(mod, []).append({id(t): t._version for t in tensors})
                 if tensors:
                     self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
 
-    def _post(self, mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _post(self, mod: nn.Module, args: Any, output: Any) -> None:
         name = self.names[mod]
         # Pop this module's own frame, and any a child left behind by raising.
         for i in range(len(self._forward) - 1, -1, -1):
@@ -162,9 +164,11 @@ class Scope:
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # An input handed back as it is (T5's position_bias, returned by every block
             # that takes it) gets its gradient only once every user of it is done, this
-            # module's own ops included: it says nothing of when this module's backward begins.
-            passed = {id(t) for t in _grad_tensors((args, kwargs))}
-            tensors = [t for t in _grad_tensors(output) if id(t) not in passed]
+            # module's own ops included: it says nothing of when this module's backward
+            # begins. (One it wrote in place, like ReLU(inplace=True)'s, does.)
+            frames = self._passed.get(mod)
+            passed = frames.pop() if frames else {}
+            tensors = [t for t in _grad_tensors(output) if passed.get(id(t)) != t._version]
             if tensors:
                 self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._enter_bw(n)))
 
@@ -184,7 +188,7 @@ class Scope:
     def __enter__(self) -> Scope:
         for mod in self.names:
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,3 +196,4 @@ class Scope:
             h.remove()
         self._handles.clear()
         self._grad_handles.clear()
+        self._passed.clear()
