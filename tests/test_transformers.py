@@ -348,6 +348,19 @@ def test_plan_files_without_use_cache_off_load_and_bad_ones_are_refused():
     memfit.apply(model, make_plan())  # nothing was applied: a plan applies
 
 
+def test_the_plan_says_so_in_one_line():
+    from rich.console import Console
+
+    from memfit.report.console import render_plan
+
+    plan = make_plan()
+    plan.use_cache_off = ("",)
+    console = Console(record=True, width=120)
+    render_plan(plan, console)
+    lines = [line for line in console.export_text().splitlines() if "use_cache" in line]
+    assert len(lines) == 1 and "use_cache=False while training in (root)" in lines[0]
+
+
 def test_a_recipe_carries_the_switch():
     torch.manual_seed(0)
     model, inputs, _ = _gpt2()
