@@ -176,6 +176,31 @@ def test_a_checkpointed_region_keeps_bookkeeping_instead_of_saved_records():
     assert {b.nbytes for b in nodes} == {GRAPH_NODE_BYTES + CHECKPOINT_BYTES_PER_NODE} and len(nodes) == 20
 
 
+class _OwnCheckpoint(nn.Module):
+    """Checkpoints its child itself, as transformers' gradient checkpointing does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_a_checkpoint_the_model_makes_itself_costs_what_memfits_does():
+    from memfit.apply.checkpoint import apply_choices
+
+    torch.manual_seed(0)
+    ours = nn.Sequential(_Chain(10), nn.Sequential(_Chain(10)))
+    theirs = nn.Sequential(_Chain(10), _OwnCheckpoint(_Chain(10)))
+    theirs.load_state_dict({k.replace("1.0.", "1.inner."): v for k, v in ours.state_dict().items()})
+    apply_choices(ours, {"1": ("full", ())})
+    x = torch.randn(4)
+    a = memfit.profile(ours, x, optimizer=torch.optim.SGD(ours.parameters(), lr=0.1))
+    b = memfit.profile(theirs, x, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.1))
+    assert b.breakdown["autograd_graph"] == a.breakdown["autograd_graph"] and b.peak_bytes == a.peak_bytes
+
+
 def test_graph_blocks_only_where_autograd_records():
     model = nn.Sequential(_Chain(20), nn.Linear(4, 4))
     model[0].w.requires_grad_(False)  # the chain runs on the input and a frozen weight: no node

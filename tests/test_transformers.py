@@ -4,8 +4,13 @@ Each transformers model is built from a tiny config with random weights (nothing
 downloaded) and dropout on, so the recompute must replay the RNG. memfit plans it, the
 plan is applied to a copy, and three AdamW steps end bitwise where they end without it.
 
-Modules whose forward changes state outside their tensors (transformers' KV cache, on by
-default in training; a call counter; a list appended to) would have it changed again by a
+transformers' KV cache is on by default, even in training, where nothing reads it; a
+recompute would write it again. Like transformers' own gradient checkpointing, a plan
+runs the training step with ``use_cache=False`` (``plan.use_cache_off``), which computes
+the same loss and gradients, and ``memfit.remove`` undoes it.
+
+Modules whose forward changes other state outside their tensors (a call counter; a list
+appended to; the KV cache when a plan cannot turn it off) would have it changed again by a
 recompute: the planner excludes them, and everything containing them, with the reason.
 """
 
@@ -17,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_equivalent, assert_same, snapshot
+from conftest import assert_bitwise, assert_equivalent, assert_same, make_plan, snapshot, train
 from torch import nn
 
 import memfit
@@ -123,14 +128,59 @@ def _vit() -> tuple[nn.Module, Any, Callable]:
     return tf.ViTForImageClassification(cfg), torch.randn(BATCH, 3, 16, 16), lambda out: out.logits.logsumexp(-1).mean()
 
 
+def _bart() -> tuple[nn.Module, Any, Callable]:
+    cfg = tf.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=SEQ,
+        dropout=DROP,
+        attn_implementation="eager",
+    )
+    # No labels: with them BART turns its cache off itself. The loss from the logits.
+    ids = _ids()
+    inputs = {"input_ids": ids, "decoder_input_ids": _ids(SEQ // 2)}
+    return tf.BartForConditionalGeneration(cfg), inputs, lambda out: out.logits.logsumexp(-1).mean()
+
+
+def _whisper() -> tuple[nn.Module, Any, Callable]:
+    cfg = tf.WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=8,  # input features of 16 frames (the convolutions halve them)
+        max_target_positions=SEQ,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        dropout=DROP,
+        attn_implementation="eager",
+    )
+    inputs = {"input_features": torch.randn(BATCH, 8, 16), "labels": _ids(SEQ // 2)}
+    return tf.WhisperForConditionalGeneration(cfg), inputs, _loss
+
+
 MODELS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5, "vit": _vit}
-# Modules that update transformers' KV cache (on by default, even in training): each
-# attention layer and everything holding one (``model`` in Llama, ``decoder`` in T5).
+# Models whose training step runs with transformers' KV cache on (their default config),
+# with the modules that would update it: each attention layer and everything holding one.
 CACHED = {
     "gpt2": ["transformer", "transformer.h.0", "transformer.h.1.attn"],
     "llama": ["model", "model.layers.0", "model.layers.1.self_attn"],
     "t5": ["decoder", "decoder.block.0", "decoder.block.1.layer.0.SelfAttention", "decoder.block.1.layer.1.EncDecAttention"],
 }
+CACHE_MODELS = {"gpt2": _gpt2, "llama": _llama, "t5": _t5, "bart": _bart, "whisper": _whisper}
 
 
 def _plans(model: nn.Module, inputs: Any, loss_fn: Callable, budgets=(0.0, 0.5), recomputes: bool = True) -> list[memfit.Plan]:
@@ -147,9 +197,17 @@ def _plans(model: nn.Module, inputs: Any, loss_fn: Callable, budgets=(0.0, 0.5),
 
 
 def _trains_alike(model: nn.Module, inputs: Any, loss_fn: Callable, plans: list[memfit.Plan]) -> None:
+    """Each plan trains bitwise like the model without it: with ``use_cache=False`` passed
+    when the plan turns the cache off (see test_the_cache_off_trains_like_the_cache_on)."""
     distinct = {tuple(sorted(p.checkpointed.items())): p for p in plans}
     for plan in distinct.values():
-        assert_equivalent(copy.deepcopy(model), inputs, loss_fn, plan)
+        if not plan.use_cache_off:
+            assert_equivalent(copy.deepcopy(model), inputs, loss_fn, plan)
+            continue
+        planned = copy.deepcopy(model)
+        reference = train(copy.deepcopy(model), {**inputs, "use_cache": False}, loss_fn, 3)
+        memfit.apply(planned, plan)
+        assert_bitwise(reference, train(planned, inputs, loss_fn, 3))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -157,9 +215,11 @@ def test_plan_apply_and_train_like_without_a_plan(name):
     torch.manual_seed(0)
     model, inputs, loss_fn = MODELS[name]()
     plans = _plans(model, inputs, loss_fn)
-    for module in CACHED.get(name, []):
-        why = plans[0].excluded.get(module, "")
-        assert "not reproducible" in why and ("Cache" in why or "contains" in why), (module, why)
+    for plan in plans:
+        # the cache off, as transformers' checkpointing does: its layers can be recomputed
+        assert plan.use_cache_off == (("",) if name in CACHED else ())
+        assert not [n for n, why in plan.excluded.items() if "not reproducible" in why]
+    # the reference trains as it is, cache on: the plan computes the same
     _trains_alike(model, inputs, loss_fn, plans)
 
 
@@ -174,6 +234,170 @@ def test_without_the_kv_cache_whole_decoder_layers_are_recomputed(attn):
     assert {"model.layers.0", "model.layers.1"} & set(plan.checkpointed), "no whole decoder layer is recomputed"
     assert not [n for n, why in plan.excluded.items() if "not reproducible" in why]
     _trains_alike(model, inputs, loss_fn, [plan])
+
+
+# -- transformers' KV cache: off while training, as transformers' checkpointing does ---------
+
+
+def _cache_of(model: nn.Module, inputs: Any, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return model(**inputs, **kwargs).past_key_values
+
+
+# Whose loss and gradients the cache changes by float rounding: its keys and values are
+# contiguous copies (torch.cat), whose matmuls round differently from the views they copy.
+ROUNDS = {"t5", "bart"}
+
+
+@pytest.mark.parametrize("name", CACHE_MODELS)
+def test_the_cache_off_trains_like_the_cache_on(name):
+    """What a plan changes besides recomputing: ``use_cache=False``, as transformers'
+    checkpointing does. Loss and gradients are bitwise the same with the cache on (the
+    step's default) and off (``use_cache=False`` passed; T5's decoder has a config of its
+    own, so ``model.config.use_cache = False`` would not do), except that T5's and BART's
+    round differently (loss within 1e-6, gradients within 1e-5 of the largest). Training with memfit's
+    switch (a plan that only turns the cache off) ends bitwise where training with
+    ``use_cache=False`` does: the reference every plan that turns it off is held to."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = CACHE_MODELS[name]()
+    assert model.training and model.config.use_cache and _cache_of(model, inputs) is not None
+    off, off_inputs = copy.deepcopy(model), {**inputs, "use_cache": False}
+    assert _cache_of(off, off_inputs) is None
+    switched = copy.deepcopy(model)
+    plan = make_plan()
+    plan.use_cache_off = ("",)
+    memfit.apply(switched, plan)
+    assert _cache_of(switched, inputs) is None and switched.config.use_cache
+
+    losses = []
+    for m, x in ((model, inputs), (off, off_inputs)):
+        torch.manual_seed(0)  # the same dropout masks
+        loss = loss_fn(m(**x))
+        loss.backward()
+        losses.append(loss.detach())
+    if name in ROUNDS:
+        torch.testing.assert_close(*losses, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(*losses)
+    on_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    off_grads = {n: p.grad for n, p in off.named_parameters() if p.grad is not None}
+    assert on_grads.keys() == off_grads.keys()
+    scale = max(g.abs().max().item() for g in on_grads.values())
+    for n, g in on_grads.items():
+        if name in ROUNDS:
+            torch.testing.assert_close(off_grads[n], g, rtol=1e-5, atol=1e-5 * scale, msg=n)
+        else:
+            assert torch.equal(off_grads[n], g), n
+    model.zero_grad(set_to_none=True)
+    off.zero_grad(set_to_none=True)
+    assert_bitwise(train(off, off_inputs, loss_fn, 3), train(switched, inputs, loss_fn, 3))
+
+
+def test_the_switch_mirrors_transformers_and_remove_restores_the_model():
+    torch.manual_seed(0)
+    model, inputs, _ = _t5()
+    plan = make_plan()
+    plan.use_cache_off = ("",)
+    memfit.apply(model, plan)
+    assert _cache_of(model, inputs, use_cache=True) is None, "an explicit use_cache=True trains without the cache too"
+    model.eval()  # evaluation and generate() keep their cache
+    assert _cache_of(model, inputs) is not None
+    model.train()
+    memfit.remove(model)
+    assert not [n for n, m in model.named_modules() if "forward" in vars(m)], "remove left a forward behind"
+    assert model.config.use_cache and _cache_of(model, inputs) is not None
+
+
+def test_t5_plans_below_transformers_gradient_checkpointing():
+    """The issue: a T5 with its default use_cache=True could not be planned below its
+    decoder blocks. Now P_min is at or below the peak of transformers' own
+    gradient_checkpointing_enable() on the same step, the plan says the cache goes off,
+    and neither planning nor remove leaves any trace on the model or its config."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _t5()
+    ids = _ids(64)
+    inputs = {"input_ids": ids, "labels": _ids(64)}  # long enough that activations dominate
+    hf = copy.deepcopy(model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_peak = memfit.profile(hf, inputs, loss_fn=loss_fn).peak_bytes
+    (plan,) = _plans(model, inputs, loss_fn, budgets=(0.0,))
+    assert plan.min_peak_bytes <= hf_peak, (memfit.format_bytes(plan.min_peak_bytes), memfit.format_bytes(hf_peak))
+    assert plan.use_cache_off == ("",)
+    assert [n for n in plan.checkpointed if n.startswith("decoder.block.")], "nothing in a decoder block is recomputed"
+    assert model.config.use_cache and not [n for n, m in model.named_modules() if "forward" in vars(m)]
+    again = memfit.Plan.from_json(plan.to_json())
+    assert again == plan and again.use_cache_off == ("",)
+    memfit.apply(model, plan)
+    assert model.config.use_cache and _cache_of(model, inputs) is None
+    memfit.remove(model)
+    assert model.config.use_cache and _cache_of(model, inputs) is not None
+
+
+def test_plan_files_without_use_cache_off_load_and_bad_ones_are_refused():
+    data = make_plan().to_dict()
+    assert "use_cache_off" not in data  # an older memfit reads a plan that needs no switch
+    assert memfit.Plan.from_dict(data).use_cache_off == ()
+    with pytest.raises(memfit.PlanError, match="use_cache_off"):
+        memfit.Plan.from_dict({**data, "use_cache_off": "decoder"})
+    model, _, _ = _t5()
+    wrong = make_plan()
+    wrong.use_cache_off = ("lm_head",)
+    with pytest.raises(memfit.PlanError, match="takes no use_cache"):
+        memfit.apply(model, wrong)
+    assert "forward" not in vars(model.lm_head)
+    memfit.apply(model, make_plan())  # nothing was applied: a plan applies
+
+
+def test_the_plan_says_so_in_one_line():
+    from rich.console import Console
+
+    from memfit.report.console import render_plan
+
+    plan = make_plan()
+    plan.use_cache_off = ("",)
+    console = Console(record=True, width=120)
+    render_plan(plan, console)
+    lines = [line for line in console.export_text().splitlines() if "use_cache" in line]
+    assert len(lines) == 1 and "use_cache=False while training in (root)" in lines[0]
+
+
+def test_a_recipe_carries_the_switch():
+    torch.manual_seed(0)
+    model, inputs, _ = _gpt2()
+    plan = make_plan(transformer__h__0=memfit.Choice("full"))
+    plan.use_cache_off = ("",)
+    recipe = memfit.Recipe(
+        budget_bytes=1,
+        levers=("recompute",),
+        step=memfit.StepOptions(),
+        plan=plan,
+        predicted_peak_bytes=1,
+        predicted_step_time_s=None,
+        measured_peak_bytes=None,
+        measured_step_time_s=None,
+        base_peak_bytes=2,
+        base_step_time_s=None,
+        inputs_kind="kwargs",
+    )
+    recipe = memfit.Recipe.from_json(recipe.to_json())
+    assert recipe.plan.use_cache_off == ("",) and "use_cache=False" in recipe.snippet()
+    recipe.apply(model)
+    assert _cache_of(model, inputs) is None
+    memfit.remove(model)
+    assert _cache_of(model, inputs) is not None
+
+
+def test_in_eval_mode_the_cache_stays_on_and_its_writers_are_excluded():
+    """transformers keeps the cache in eval mode even under checkpointing, and so does
+    memfit: the layers writing it are then refused, with the reason."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _gpt2()
+    model.eval()
+    (plan,) = _plans(model, inputs, loss_fn, budgets=(0.0,), recomputes=False)
+    assert plan.use_cache_off == ()
+    for module in CACHED["gpt2"]:
+        why = plan.excluded.get(module, "")
+        assert "not reproducible" in why and ("Cache" in why or "contains" in why), (module, why)
 
 
 # -- modules that change Python state in forward -------------------------------------------

@@ -18,6 +18,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     the plan was made for a model of another structure, or a plan is already applied.
     ``model`` may also be the model wrapped by ``torch.compile`` or DistributedDataParallel:
     the plan goes on the module inside (whose names it uses), and the wrapper is returned.
+    The modules in ``plan.use_cache_off`` run with ``use_cache=False`` while training
+    (transformers' KV cache, as its gradient checkpointing does; :mod:`memfit.apply.cache`).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")
@@ -25,5 +27,5 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     inner = unwrap(model)
     check_fingerprint(inner, plan.fingerprint, plan.model_type, "plan", "make a plan for it with memfit.plan")
-    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
+    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
     return model

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from memfit.apply import cache
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
 from memfit.measure.recorder import CHECKPOINTED
@@ -230,17 +231,26 @@ def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] 
     return {name: model.get_submodule(name).forward.choice for name in applied}
 
 
-def apply_choices(model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...]]]) -> nn.Module:
-    """Recompute ``choices`` (``{module name: (mode, save_ops)}``) in ``model``, in place."""
+def apply_choices(
+    model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...]]], cache_off: tuple[str, ...] | list[str] = ()
+) -> nn.Module:
+    """Recompute ``choices`` (``{module name: (mode, save_ops)}``) in ``model``, in place,
+    with transformers' KV cache off in training in the modules ``cache_off`` names
+    (:mod:`memfit.apply.cache`)."""
     if model.__dict__.get(_APPLIED) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying another")
     modules = dict(model.named_modules())
-    missing = [n for n in choices if n not in modules]
+    missing = [n for n in [*choices, *cache_off] if n not in modules]
     if missing:
         raise PlanError(f"the plan names module {missing[0]!r}, which this model does not have: was it made for another model?")
+    for name in cache_off:
+        if not cache.takes_use_cache(modules[name]):
+            raise PlanError(f"the plan turns use_cache off in module {name!r}, whose forward takes no use_cache argument")
     for name, (mode, _) in choices.items():
         if mode not in ("full", "selective"):
             raise PlanError(f"unknown recompute mode {mode!r} for {name!r}; expected 'full' or 'selective'")
+    # The switch first: a checkpoint on the same module then replays the switched forward.
+    switched = cache.install(model, cache_off)
     originals: dict[str, Any] = {}
     for name, (mode, save_ops) in choices.items():
         mod = modules[name]
@@ -249,6 +259,8 @@ def apply_choices(model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...
         own = None if original is _NO_INSTANCE_FORWARD else original
         mod.forward = _CheckpointedForward(mod, name, own, mode, tuple(save_ops))
     model.__dict__[_APPLIED] = originals
+    if switched:
+        model.__dict__[cache.CACHE_OFF] = switched
     return model
 
 
@@ -285,4 +297,5 @@ def remove(model: nn.Module) -> nn.Module:
         else:
             mod.forward = original
     del inner.__dict__[_APPLIED]
+    cache.uninstall(inner, inner.__dict__.pop(cache.CACHE_OFF, {}))
     return model

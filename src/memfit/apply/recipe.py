@@ -2,7 +2,8 @@
 and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast,
 activation offload).
 
-In place: the recompute plan (undone by :func:`memfit.remove`), parameters cast to
+In place: the recompute plan, with transformers' KV cache off in training where the plan
+says so (both undone by :func:`memfit.remove`), parameters cast to
 bfloat16 (not undone: a cast back would not restore the lost bits), the optimizer's
 ``foreach`` flag. The ``8bit`` lever hands back a new bitsandbytes optimizer over the same
 parameters and hyperparameters; the one passed in is left as it is. The loop itself stays the user's; :meth:`AppliedRecipe.step` runs one
@@ -128,7 +129,8 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
             raise PlanError(f"the recipe uses 8-bit optimizer state, but {why}")
     # The plan first: it was made (and fingerprinted) on the parameters as they were.
     if recipe.plan is not None and recipe.plan.checkpointed:
-        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in recipe.plan.checkpointed.items()})
+        plan = recipe.plan
+        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
     dtype = step.cast_dtype
     if dtype is not None:
         inner.to(dtype)  # floating parameters and buffers; the Parameter objects stay the same

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
@@ -77,6 +78,10 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     step: StepOptions = field(default_factory=StepOptions)
     """How the measured step ran (micro-batches, autocast, ...); the default is the usual step."""
+    use_cache_off: tuple[str, ...] = ()
+    """Modules whose ``use_cache`` the measured step turned off (the step a plan trains,
+    measured by :func:`memfit.plan`; :mod:`memfit.apply.cache`). Empty for
+    :func:`memfit.profile`, which measures the step as it is."""
 
     @property
     def peak_bytes(self) -> int:
@@ -140,6 +145,7 @@ class Profile:
             "step": self.step.to_dict(),
             "host_peak_bytes": self.ledger.host_peak_bytes,
             "unmeasured_ops": self.ledger.unmeasured_ops,
+            "use_cache_off": list(self.use_cache_off),
         }
         if ledger:
             out["ledger"] = self.ledger.to_dict()
@@ -163,6 +169,7 @@ class Profile:
             step_flops=data.get("step_flops", 0),
             meta=data.get("meta", {}),
             step=StepOptions.from_dict(data.get("step", {})),
+            use_cache_off=tuple(data.get("use_cache_off", ())),
         )
 
 
@@ -340,6 +347,7 @@ def _profile(
         ledger, flops = record_step(box, scope, loss_fn)
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
+        use_cache_off = turned_off(box.model)
     return Profile(
         ledger=ledger,
         modules=modules,
@@ -350,6 +358,7 @@ def _profile(
         model_type=type(model).__name__,
         step_flops=sum(flops.values()),
         step=options,
+        use_cache_off=use_cache_off,
     )
 
 

@@ -67,6 +67,7 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _CUDA_BLOCK = 512
 
 CHECKPOINTED = "_memfit_applied"
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_tracing: None)
 """Key in a model's ``__dict__`` under which :mod:`memfit.apply` lists the modules it runs
 under a checkpoint (a mapping keyed by qualified name): their ops keep the checkpoint's
 bookkeeping instead of saved records."""
@@ -249,7 +250,12 @@ class Recorder(TorchDispatchMode):
 
     def _in_checkpoint(self) -> bool:
         module = self.scope.module
-        return module is not None and any(m in self.checkpointed for m in ancestors(module))
+        if module is not None and any(m in self.checkpointed for m in ancestors(module)):
+            return True
+        # Someone else's checkpoint (transformers' gradient checkpointing, a model's own
+        # torch.utils.checkpoint): its saved-tensor hooks sit above the recorder's.
+        top = _top_saved_tensors_hooks(False)
+        return top is not None and top[0] is not self._hooks_pack
 
     def free_graph(self) -> None:
         """The step let go of the graph (after backward): its nodes and any saved record
@@ -402,7 +408,8 @@ class Recorder(TorchDispatchMode):
                 self._trace.__enter__()
             except RuntimeError:  # a profiler already running (the user's): nothing to measure with
                 self._trace = None
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_pack = self._pack  # one bound method object, to recognise it on the hooks' stack
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._hooks_pack, self._unpack)
         self._hooks.__enter__()
         return super().__enter__()
 

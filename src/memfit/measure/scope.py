@@ -86,6 +86,7 @@ class Scope:
         self.calls: dict[str, int] = {}
         """Forward calls per module since the last :meth:`set_phase` to ``FORWARD``."""
         self._spans: list[tuple[Phase, str, Any, Any]] = []
+        self._passed: dict[nn.Module, list[dict[int, int]]] = {}  # per call: id -> version of its inputs needing grad
         self.listener: Any = None
         """Optional ``listener(phase, name, entering, inputs)``, told of every module entry and
         exit (``phase`` is FORWARD for forward calls, BACKWARD for their backward);
@@ -145,6 +146,7 @@ class Scope:
             self.calls[name] = self.calls.get(name, 0) + 1
             if torch.is_grad_enabled():
                 tensors = _grad_tensors((args, kwargs))
+                self._passed.setdefault(mod, []).append({id(t): t._version for t in tensors})
                 if tensors:
                     self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
 
@@ -160,7 +162,13 @@ class Scope:
                 del self._forward[i:]
                 break
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            # An input handed back as it is (T5's position_bias, returned by every block
+            # that takes it) gets its gradient only once every user of it is done, this
+            # module's own ops included: it says nothing of when this module's backward
+            # begins. (One it wrote in place, like ReLU(inplace=True)'s, does.)
+            frames = self._passed.get(mod)
+            passed = frames.pop() if frames else {}
+            tensors = [t for t in _grad_tensors(output) if passed.get(id(t)) != t._version]
             if tensors:
                 self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._enter_bw(n)))
 
@@ -188,3 +196,4 @@ class Scope:
             h.remove()
         self._handles.clear()
         self._grad_handles.clear()
+        self._passed.clear()

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.apply.cache import switched_off
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError
 from memfit.measure import _optim8bit, _torch_compat
@@ -228,6 +229,8 @@ class _Search:
         self.host_peaks: dict[_Combo, int] = {}
         self.times: dict[_Combo, float] = {}
         self.plans: dict[_Combo, Plan | int] = {}
+        self.use_cache_off: tuple[str, ...] = ()
+        """Modules whose KV cache the plans turn off (learnt from the first plan made)."""
 
     def options(self, combo: _Combo) -> StepOptions:
         k = combo.micro_batches
@@ -328,17 +331,23 @@ class _Search:
         step = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, targets=targets)
         # Real tensors: the plan's recompute cost comes from module times measured here. A
         # step too big for the device is planned on fake tensors, its cost from FLOPs.
-        try:
-            prof = measure_profile(self.model, inputs, step=options, **step)
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            prof = measure_profile(self.model, inputs, step=options, fake=True, **step)
+        # With transformers' KV cache off in training where an earlier plan turned it off,
+        # as this plan will run the step (memfit.apply.cache): the planner would measure
+        # the step again otherwise.
+        with switched_off(self.model, self.use_cache_off):
+            try:
+                prof = measure_profile(self.model, inputs, step=options, **step)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                prof = measure_profile(self.model, inputs, step=options, fake=True, **step)
         # The accumulated step holds a few scalars more than one micro-batch's (the loss sum).
         slack = max(0, self.peak(combo) - prof.peak_bytes) if k > 1 else 0
         try:
             result: Plan | int = make_plan(self.model, inputs, self.budget - slack, profile=prof, **step)
         except BudgetInfeasibleError as exc:
             result = exc.min_peak_bytes + slack
+        if isinstance(result, Plan):
+            self.use_cache_off = result.use_cache_off
         self.plans[combo] = result
         return result
 
@@ -602,7 +611,7 @@ def _measure(
 ) -> tuple[int, float]:
     """The recipe's step on the real model: the recorder ledger's peak and the median step time."""
     if plan is not None and plan.checkpointed:
-        apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()})
+        apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
     try:
         prof = measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, step=options, targets=targets)
         seconds = median_step_time(model, inputs, loss_fn, optimizer, steps=_TIMED_STEPS, step=options, targets=targets)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.ledger import Phase
@@ -89,21 +90,37 @@ class _Verifier:
         self.loss_fn = loss_fn
         self.runs = 0
 
-    def stateful(self) -> dict[str, str]:
-        """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`). The
-        check's first forward is the warm-up step that creates the optimizer's state when
-        it has none (runs measure steady state): one forward less to pay for."""
+    def stateful(self) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`), and the
+        modules whose KV cache goes off (:mod:`memfit.apply.cache`). The check's first
+        forward is the warm-up step that creates the optimizer's state when it has none
+        (runs measure steady state): one forward less to pay for. It runs with probes on
+        the modules taking ``use_cache``; those that return a cache get the switch, which
+        stays on the sandbox's model for every later run, and the check's second forward,
+        the one that counts, runs with it."""
         box = self.box
         # The first step of a plan may be this one: a failing forward is named as the
         # profile names it (step_errors), not left as the model's own traceback.
         with box.active(), Scope(box.model) as scope, step_errors(box, scope):
+            probes = cache.install(box.model, cache.cache_modules(box.model), probe=True)
+            self._stack.callback(cache.uninstall, box.model, probes)  # if the first forward raises
+            off: tuple[str, ...] = ()
 
-            def warm_up() -> None:
-                box.step(self.loss_fn, scope.set_phase)
-                scope.set_phase(Phase.FORWARD)  # the check's second forward
+            def first() -> None:
+                nonlocal off
+                if box.optimizer.state:
+                    with torch.no_grad():
+                        box.model(*box.args, **box.kwargs)
+                else:
+                    box.step(self.loss_fn, scope.set_phase)
+                    scope.set_phase(Phase.FORWARD)  # the check's second forward
+                off = cache.writers(box.model)
+                cache.uninstall(box.model, probes)
+                probes.clear()
+                self._stack.callback(cache.uninstall, box.model, cache.install(box.model, off))
 
             scope.set_phase(Phase.FORWARD)
-            return stateful_modules(box.model, box.args, box.kwargs, first=None if box.optimizer.state else warm_up)
+            return stateful_modules(box.model, box.args, box.kwargs, first=first), off
 
     def close(self) -> None:
         self._stack.close()
@@ -205,30 +222,36 @@ def plan(
         def open_verifier(on_fake: bool) -> _Verifier:
             opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options, targets=targets)
             closing.callback(opened.close)
-            # Modules that change Python state in forward (a counter, a KV cache): a recompute
-            # would change it again, silently in some cases, so they are never offered.
-            excluded.update(opened.stateful())
             return opened
 
-        verifier: _Verifier | None = None
-        if profile is None and not fake:
-            # The verifier's first step creates the optimizer's state (its warm-up); the
-            # profile runs inside that sandbox and needs no warm-up of its own: a step less.
-            verifier = open_verifier(False)
+        # The verifier's first step creates the optimizer's state (its warm-up); a real
+        # profile runs inside that sandbox and needs no warm-up of its own: a step less.
+        on_fake = profile.fake if profile is not None else fake
+        verifier = open_verifier(on_fake)
+        # Modules that change Python state in forward (a counter, a list): a recompute would
+        # change it again, silently in some cases, so they are never offered. transformers'
+        # KV cache goes off while the model trains, as its own gradient checkpointing does
+        # (memfit.apply.cache): the step measured and planned from here on is the one the
+        # plan trains.
+        stateful, use_cache_off = verifier.stateful()
+        excluded.update(stateful)
+        if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
+            closing.enter_context(cache.switched_off(model, use_cache_off))
+        if profile is not None and profile.use_cache_off == use_cache_off:
+            prof = profile
+        else:
+            # (a profile given was measured with the cache on: memfit.profile measures the
+            # step as it is; the plan's step runs with it off, and is measured so)
             prof = _profile(
                 model,
                 inputs,
                 loss_fn=loss_fn,
                 optimizer=optimizer,
-                fake=False,
+                fake=on_fake,
                 progress=progress,
                 step=options,
                 warm=True,
                 targets=targets,
-            )
-        else:
-            prof = profile or _profile(
-                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=options, targets=targets
             )
 
         ledger = prof.ledger
@@ -243,8 +266,6 @@ def plan(
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
 
-        if verifier is None:
-            verifier = open_verifier(prof.fake)
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
             problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective])
@@ -292,6 +313,7 @@ def plan(
         extra_flops=max(0, run.step_flops - prof.step_flops),
         step_time_s=prof.step_time_s,
         excluded=excluded,
+        use_cache_off=use_cache_off,
         model_type=type(model).__name__,
         fingerprint=fingerprint(model),
         device=prof.device,

@@ -203,7 +203,8 @@ class Recipe:
         parts = []
         if self.plan is not None and self.plan.checkpointed:
             n = len(self.plan.checkpointed)
-            parts.append(f"recompute {n} module{'s' if n != 1 else ''} (memfit.remove(model) undoes it)")
+            off = " with use_cache=False while training" if self.plan.use_cache_off else ""
+            parts.append(f"recompute {n} module{'s' if n != 1 else ''}{off} (memfit.remove(model) undoes it)")
         if "bf16" in self.levers:
             parts.append("parameters cast to bfloat16")
         return ": " + "; ".join(parts) if parts else ""

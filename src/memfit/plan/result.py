@@ -102,6 +102,12 @@ class Plan:
     """The unplanned step's measured time, for scale."""
     excluded: dict[str, str] = field(default_factory=dict)
     """Modules memfit would not recompute, with the reason."""
+    use_cache_off: tuple[str, ...] = ()
+    """Modules (``""``: the root) whose ``use_cache`` argument the plan turns off while the
+    model trains, as transformers' own gradient checkpointing does: their forward would
+    otherwise write a KV cache that a training step never reads and a recompute would
+    write again. The plan was measured with it off; :func:`memfit.apply` turns it off and
+    :func:`memfit.remove` back (:mod:`memfit.apply.cache`). Empty for most models."""
     model_type: str = ""
     fingerprint: str = ""
     device: str = "cpu"
@@ -121,6 +127,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["checkpointed"] = {k: {"mode": c.mode, "save_ops": list(c.save_ops)} for k, c in self.checkpointed.items()}
+        data["use_cache_off"] = list(self.use_cache_off)
+        if not self.use_cache_off:
+            # Left out when empty: such a plan stays readable by a memfit from before the
+            # field, while one that needs the cache off is refused there, not applied wrongly.
+            del data["use_cache_off"]
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -138,6 +149,10 @@ class Plan:
             ops = v.get("save_ops", []) if isinstance(v, dict) else []
             if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):  # a str would become letters
                 raise PlanError(f"plan JSON: module {name!r} has save_ops {ops!r}; expected a list of aten op names")
+        off = body.get("use_cache_off", [])
+        if not isinstance(off, list) or not all(isinstance(n, str) for n in off):
+            raise PlanError(f"plan JSON: use_cache_off must be a list of module names, got {off!r}")
+        body["use_cache_off"] = tuple(off)
         try:
             body["checkpointed"] = {
                 k: Choice(v["mode"], tuple(v.get("save_ops", ()))) for k, v in body.get("checkpointed", {}).items()

@@ -580,6 +580,9 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     else:
         cost = "time not measured (fake tensors)"
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
+    if plan.use_cache_off:
+        where = ", ".join(n or "(root)" for n in plan.use_cache_off)
+        console.print(f"use_cache=False while training in {where}: transformers' KV cache, as its gradient checkpointing does")
     if not plan.checkpointed:
         console.print("nothing to recompute: the step already fits")
     else:

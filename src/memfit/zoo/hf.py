@@ -35,8 +35,8 @@ def build_bert(batch_size: int = 8, seq_len: int = 128, **config: Any) -> Worklo
 def build_gpt2(batch_size: int = 4, seq_len: int = 256, **config: Any) -> Workload:
     tf = _transformers()
     # A training step keeps no KV cache (transformers turns it off for gradient
-    # checkpointing too): a recompute would extend it again, so memfit excludes any block
-    # that updates one.
+    # checkpointing, and a memfit plan does too: plan.use_cache_off); off here, the step
+    # is the same with and without a plan.
     cfg = tf.GPT2Config(**{"use_cache": False, **config})
     model = tf.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
