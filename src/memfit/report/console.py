@@ -331,6 +331,8 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
         + (f"; {'; '.join(measured)}" if measured else ""),
         highlight=False,
     )
+    for note in recipe.notes:
+        console.print(f"[yellow]note[/] {note}", highlight=False)
     console.print("in your training loop:", highlight=False)
     console.print(recipe.snippet(path), markup=False, highlight=False, soft_wrap=True)
     console.print(f"fitted in {recipe.fit_time_s:.1f} s")
