@@ -482,7 +482,9 @@ class _Search:
             for i, (key, combo) in enumerate(keys.items()):
                 self.report(f"optimizer step alone {i + 1}/{len(keys)}: {self.label(combo)}")
                 try:
-                    t.optimizer[key] = optimizer_step_time(self.model, self.inputs, self.optimizer, step=self.options(combo))
+                    t.optimizer[key] = optimizer_step_time(
+                        self.model, self.inputs, self.optimizer, step=self.options(combo), steps=2
+                    )
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
         if any(c.offload for c in combos):
@@ -674,10 +676,16 @@ def fit(
             micro-batching, ``zero_grad(set_to_none=True)``, offload) are always weighed.
         set_to_none: what the training loop calls now, ``zero_grad(set_to_none=...)``;
             with False its gradients stay allocated between steps, and switching is a lever.
+        progress: optional ``progress(description, stage, stages)`` callback, called as
+            each stage (which levers apply, timing probes, exact peaks and plans, timing
+            the candidates) advances.
 
     Returns:
         A :class:`Recipe`: the levers, the predicted and the measured peak and step time,
-        the what-if rows and why each other lever was left out. ``recipe.snippet()`` is
+        the what-if rows (peaks exact; step times predicted, measured beside for the few
+        candidates that ran), why each other lever was left out, ``notes`` (prediction
+        and measurement that part, noisy timings) and ``search`` (how many combinations
+        were considered, weighed, planned and timed). ``recipe.snippet()`` is
         code for a training loop; ``recipe.apply(model, optimizer)`` applies it. The model,
         its gradients and buffers, the optimizer and the RNG are left as they were.
 
@@ -777,18 +785,9 @@ def fit(
         report.start(2)
         for combo in singles:
             search.peak(combo)
-        combos.sort(key=lambda c: (search.predict(c)[0], len(search.levers(c, None))))
-        cands: list[_Candidate] = []
-        lowest: tuple[int, _Combo] | None = None
-        for combo in combos:
-            if cands and search.predict(combo)[0] > min(c.time_s for c in cands) * (1 + _MARGIN):
-                break
-            result = search.candidate(combo)
-            if isinstance(result, int):
-                if lowest is None or result < lowest[0]:
-                    lowest = (result, combo)
-                continue
-            cands.append(result)
+        queue = _Queue(search, combos)
+        queue.weigh()
+        cands, lowest = queue.cands, queue.lowest
         if not cands:
             assert lowest is not None
             opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
@@ -806,7 +805,7 @@ def fit(
 
         # 4. The few predicted fastest, for real.
         report.start(3)
-        best = _time_candidates(search, cands, notes)
+        best = _time_candidates(search, queue, notes)
         if best.measured is not None and best.measured.peak_bytes is not None and best.measured.peak_bytes > target:
             notes.append(
                 f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
@@ -885,7 +884,47 @@ def _optimizer_state(
         yield
 
 
-def _time_candidates(search: _Search, cands: list[_Candidate], notes: list[str]) -> _Candidate:
+class _Queue:
+    """The combinations in order of predicted time, weighed (exact peak, a plan where it is
+    over) as far as needed: those that fit are :attr:`cands`."""
+
+    def __init__(self, search: _Search, combos: list[_Combo]) -> None:
+        self.search = search
+        self.order = sorted(combos, key=lambda c: (search.predict(c)[0], len(search.levers(c, None))))
+        self.cands: list[_Candidate] = []
+        self.lowest: tuple[int, _Combo] | None = None
+        """The lowest peak reached by a combination that does not fit, and which."""
+
+    def bound(self) -> float | None:
+        """No combination predicted slower than this (without recompute, which only adds)
+        can change which candidates :func:`_time_candidates` runs: they are the one
+        :func:`_choose` picks among those within :data:`_TIE` of the fastest, and the
+        fastest others within :data:`_MARGIN`, :data:`_MAX_TIMED` in all."""
+        if not self.cands:
+            return None
+        times = sorted(c.time_s for c in self.cands)
+        fastest = times[0]
+        if len(times) >= _MAX_TIMED:
+            return min(fastest * (1 + _MARGIN), max(fastest * (1 + _TIE), times[_MAX_TIMED - 1]))
+        return fastest * (1 + _MARGIN)
+
+    def weigh(self, up_to: float | None = None) -> None:
+        """Weigh combinations until the next is predicted slower than ``up_to`` (default
+        :meth:`bound`)."""
+        while self.order:
+            bound = up_to if up_to is not None else self.bound()
+            if bound is not None and self.search.predict(self.order[0])[0] > bound:
+                return
+            combo = self.order.pop(0)
+            result = self.search.candidate(combo)
+            if isinstance(result, int):
+                if self.lowest is None or result < self.lowest[0]:
+                    self.lowest = (result, combo)
+            else:
+                self.cands.append(result)
+
+
+def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate:
     """Run for real the candidate the predictions choose and those predicted within
     :data:`_MARGIN` of the fastest (at most :data:`_MAX_TIMED` in all), and choose by the
     measured times; by the predictions when those are too noisy to rank.
@@ -894,18 +933,42 @@ def _time_candidates(search: _Search, cands: list[_Candidate], notes: list[str])
     is the recipe's measured peak). Each other one races it: a warm-up, then its steps
     until most of them are over the first's median plus :data:`_TIE` (it cannot be chosen
     then). One that wins has its peak recorded after."""
+    cands = queue.cands
     fastest = min(c.time_s for c in cands)
     pool = sorted((c for c in cands if c.time_s <= fastest * (1 + _MARGIN)), key=lambda c: c.time_s)
     pick = _choose(pool)
     finalists = [pick] + [c for c in pool if c is not pick][: _MAX_TIMED - 1]
     base = search.times.base
     threshold = None
-    for i, cand in enumerate(finalists):
-        search.report(f"{i + 1}/{len(finalists)}: {search.label(cand.combo, cand.plan)}")
-        slow = base is not None and cand.time_s > _SLOW * base.median  # a slow step is timed once, as before
-        cand.measured = search.run(cand, 1 if slow else _TIMED_STEPS, record=cand is pick, stop_above=threshold)
-        if cand is pick and cand.measured is not None and not math.isinf(cand.measured.median):
-            threshold = cand.measured.median * (1 + _TIE)
+
+    def race(group: list[_Candidate]) -> None:
+        nonlocal threshold
+        for cand in group:
+            search.report(f"{len(timed) + 1}/{len(finalists)}: {search.label(cand.combo, cand.plan)}")
+            slow = base is not None and cand.time_s > _SLOW * base.median  # a slow step is timed once, as before
+            cand.measured = search.run(cand, 1 if slow else _TIMED_STEPS, record=cand is pick, stop_above=threshold)
+            timed.append(cand)
+            if cand is pick and cand.measured is not None and not math.isinf(cand.measured.median):
+                threshold = cand.measured.median * (1 + _TIE)
+
+    timed: list[_Candidate] = []
+    race(finalists)
+    # The predictions' choice measured far slower than predicted (a probe that misled, a
+    # kernel that is slow only in this combination): what was predicted faster than that
+    # measurement runs too, before anything is chosen on a prediction that did not hold.
+    if pick.measured is not None and pick.measured_s > pick.time_s * (1 + _PARTED):
+        search.report("the first candidate measured slower than predicted: weighing more")
+        queue.weigh(up_to=pick.measured_s)
+        more = sorted((c for c in cands if c not in finalists and c.time_s < pick.measured_s), key=lambda c: c.time_s)
+        more = more[: _MAX_TIMED - 1]
+        if more:
+            finalists += more
+            notes.append(
+                f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against "
+                f"{pick.time_s:.3f} s predicted: {len(more)} more recipe{'s' if len(more) > 1 else ''} predicted faster "
+                "than that measurement ran too"
+            )
+            race(more)
     ran = [c for c in finalists if c.measured is not None and not math.isinf(c.measured.median)]
     if not ran:
         raise MemfitError(
