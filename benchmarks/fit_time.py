@@ -1,7 +1,8 @@
 """How long ``memfit fit`` takes, and where the time goes.
 
     python benchmarks/fit_time.py [--model gpt] [--size KEY=VALUE ...] [--budget 400MiB]
-                                  [--allow amp,bf16,foreach,8bit] [--repeat 1]
+                                  [--allow amp,bf16,foreach,8bit] [--repeat 1] [--json recipe.json]
+    python benchmarks/fit_time.py [--model gpt] [--size ...] --compare a.json b.json [--rounds 4]
 
 Runs :func:`memfit.fit` on a zoo model and prints its wall time, the chosen recipe, the
 predicted against the measured step time, and a breakdown of the work by phase: how many
@@ -10,14 +11,21 @@ time spent in it. The phases are fit's stages (probing which levers apply, fake-
 profiles, timing steps, recompute planning, measuring the chosen recipe), found by
 wrapping the functions fit calls; this works on any version of fit.
 
-The nanoGPT-sized case used in BENCHMARKS.md is ``--size n_layer=12 n_embd=768 n_head=12
-block_size=256 --batch-size 4`` (GPT-2 small's width and depth, vocab 8192, 256 tokens).
+``--compare`` times two recipes' steps (``Recipe.to_json`` files, e.g. from this script's
+``--json`` run on two versions of memfit) on the same model, alternating rounds of 3 steps
+after a warm-up each, and prints each one's median: which choice is faster, measured in the
+same conditions.
+
+The nanoGPT-style case in BENCHMARKS.md is nanoGPT's shakespeare-char model:
+``--size n_layer=6 n_head=6 n_embd=384 block_size=256 vocab_size=65 dropout=0.2 --batch-size 8``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -100,9 +108,15 @@ def main() -> None:
     parser.add_argument("--budget", default="400MiB")
     parser.add_argument("--allow", default=None)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the (last) recipe here")
+    parser.add_argument("--compare", nargs=2, default=None, metavar="RECIPE_JSON")
+    parser.add_argument("--rounds", type=int, default=4)
     ns = parser.parse_args()
-    instrument()
     work = zoo.build(ns.model, batch_size=ns.batch_size, **_sizes(ns.size))
+    if ns.compare:
+        compare(work, ns.compare, ns.rounds)
+        return
+    instrument()
     opt = work.make_optimizer()
     for run in range(ns.repeat):
         _steps.clear()
@@ -147,6 +161,31 @@ def main() -> None:
         for line in log:
             print("  " + line)
         print(flush=True)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                f.write(recipe.to_json())
+
+
+def compare(work: Any, paths: list[str], rounds: int) -> None:
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            recipe = memfit.Recipe.from_json(f.read())
+        model = copy.deepcopy(work.model)
+        run = recipe.apply(model)  # a new AdamW over the copy, as the zoo trains
+        runs.append((path, recipe, run, []))
+    for _ in range(rounds):
+        for _path, _recipe, run, times in runs:
+            run.step(work.inputs, work.loss_fn)  # warm-up
+            for _ in range(3):
+                t0 = time.perf_counter()
+                run.step(work.inputs, work.loss_fn)
+                times.append(time.perf_counter() - t0)
+    for path, recipe, _run, times in runs:
+        print(
+            f"{path}: {recipe.summary()}: median {statistics.median(times):.3f} s over {len(times)} steps "
+            f"(fit measured {recipe.measured_step_time_s:.3f} s, predicted {recipe.predicted_step_time_s:.3f} s)"
+        )
 
 
 if __name__ == "__main__":

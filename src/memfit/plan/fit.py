@@ -23,7 +23,8 @@ measurements, and only the few combinations predicted fastest are timed for real
    the per-op and launch part of the fitted cost model: FLOPs and bytes scale with the
    batch, op counts do not); autocast and bfloat16 parameters, one step each (a warm-up
    and 2), stopped once past twice the step as it is (a CPU without native bfloat16 runs
-   it 30x slower: the lever is then known to be at least that slow); the optimizer phase
+   it 30x slower: the lever is then known to be at least that slow), and one micro-batch
+   of ``K`` in each (its kernels' fixed costs are its own); the optimizer phase
    alone, on zero gradients, for each optimizer the combinations use (foreach flag, 8-bit
    state, bfloat16 parameters, gradients kept); offload, one step. A combination with
    ``k`` micro-batches is predicted at its precision's forward and backward plus ``k - 1``
@@ -266,7 +267,8 @@ class _Times:
     def __init__(self) -> None:
         self.base: StepTimes | None = None
         """The step as it is (None: it does not run on the device)."""
-        self.micro: StepTimes | None = None
+        self.micro: dict[str, StepTimes] = {}
+        """One micro-batch of :attr:`micro_k`, per precision."""
         self.micro_k = 1
         self.precision: dict[str, StepTimes] = {}
         self.optimizer: dict[tuple, float] = {}
@@ -279,13 +281,22 @@ class _Times:
 
     # -- what was measured --------------------------------------------------------------------
 
-    @property
-    def per_micro_batch_s(self) -> float:
-        """The fixed cost each micro-batch adds: ``K * t(B/K) = A + K*c`` and ``t(B) = A + c``."""
-        if self.base is None or self.micro is None or self.micro_k < 2:
+    def full(self, precision: str) -> StepTimes | None:
+        """The whole batch's probe in ``precision`` (None: not measured, or stopped)."""
+        probe = self.base if precision == "fp32" else self.precision.get(precision)
+        return probe if probe is not None and probe.seconds else None
+
+    def per_micro_batch_s(self, precision: str) -> float:
+        """The fixed cost each micro-batch adds in ``precision``: ``K * t(B/K) = A + K*c``
+        and ``t(B) = A + c`` (forward and backward); fp32's where that precision has no
+        micro-batch probe."""
+        full, part = self.full(precision), self.micro.get(precision)
+        if full is None or part is None or not part.seconds:
+            if precision != "fp32":
+                return self.per_micro_batch_s("fp32")
             return 0.0
-        whole, part = self.base.forward_backward_median, self.micro.forward_backward_median
-        return (self.micro_k * part - whole) / (self.micro_k - 1)
+        k = self.micro_k
+        return (k * part.forward_backward_median - full.forward_backward_median) / (k - 1)
 
     def forward_backward(self, precision: str) -> tuple[float, bool]:
         """The whole batch's forward and backward in ``precision``, and whether that is only
@@ -303,7 +314,7 @@ class _Times:
         if self.base is None:
             return math.inf, False
         fb, lower = self.forward_backward(combo.precision)
-        t = fb + (combo.micro_batches - 1) * self.per_micro_batch_s
+        t = fb + (combo.micro_batches - 1) * self.per_micro_batch_s(combo.precision)
         t += self.base.median - self.base.forward_backward_median  # the optimizer phase as it is
         key, base_key = _optimizer_key(combo), _optimizer_key(base)
         if key in self.optimizer and base_key in self.optimizer:
@@ -314,36 +325,31 @@ class _Times:
 
     def module_times(self, combo: _Combo) -> dict[str, tuple[float, float]] | None:
         """(forward, backward) seconds of every module in one micro-batch's step of
-        ``combo``: measured for the whole batch (and in its precision when that probe
-        has them), per module ``a/k + c`` through the whole batch's and the ``K``-th's."""
+        ``combo``: measured for the whole batch in its precision, and for ``k``
+        micro-batches per module ``a/k + c`` through the whole batch's and the ``K``-th's.
+        A precision whose probe was stopped: fp32's times, scaled by its lower bound."""
         if self.base is None or not self.base.module_times:
             return None
-        whole = _module_seconds(self.base.module_times)
-        k = combo.micro_batches
-        if k > 1 and self.micro is not None and self.micro.module_times:
-            part = _module_seconds(self.micro.module_times)
+        k, p = combo.micro_batches, combo.precision
+        full = self.full(p)
+        own = p if full is not None and full.module_times else "fp32"
+        whole = _module_seconds((full if own == p else self.base).module_times)  # type: ignore[union-attr]
+        part = self.micro.get(own)
+        if k > 1 and part is not None and part.module_times:
+            small = _module_seconds(part.module_times)
             kk = self.micro_k
 
             def at(t1: float, tk: float) -> float:
                 a = (t1 - tk) / (1 - 1 / kk)
                 return max(0.0, a / k + (t1 - a))
 
-            whole = {n: (at(f, part.get(n, (f, b))[0]), at(b, part.get(n, (f, b))[1])) for n, (f, b) in whole.items()}
+            whole = {n: (at(f, small.get(n, (f, b))[0]), at(b, small.get(n, (f, b))[1])) for n, (f, b) in whole.items()}
         elif k > 1:
             whole = {n: (f / k, b / k) for n, (f, b) in whole.items()}
-        probe = self.precision.get(combo.precision)
-        if probe is not None:
-            fb, _ = self.forward_backward(combo.precision)
+        if own != p:
+            fb, _ = self.forward_backward(p)
             ratio = fb / max(self.base.forward_backward_median, 1e-12)
-            own = _module_seconds(probe.module_times) if probe.module_times else {}
-            base_own = _module_seconds(self.base.module_times)
-
-            def scaled(n: str, i: int, t: float) -> float:
-                if n in own and base_own.get(n, (0.0, 0.0))[i] > 0:
-                    return t * own[n][i] / base_own[n][i]
-                return t * ratio
-
-            whole = {n: (scaled(n, 0, f), scaled(n, 1, b)) for n, (f, b) in whole.items()}
+            whole = {n: (f * ratio, b * ratio) for n, (f, b) in whole.items()}
         return whole
 
 
@@ -460,8 +466,9 @@ class _Search:
             part = self.micro_inputs(k)
             # a micro-batch after the first: gradients exist and accumulate
             options = replace(self.options(base), loss_scale=self.scales[k], set_to_none=False)
-            t.micro = self._timed(f"one micro-batch of {k}", part, options, steps=_TIMED_STEPS, clock=True, retry_spread=_SPREAD)
-            t.micro_k = k if t.micro is not None else 1
+            got = self._timed(f"one micro-batch of {k}", part, options, steps=_TIMED_STEPS, clock=True, retry_spread=_SPREAD)
+            if got is not None:
+                t.micro["fp32"], t.micro_k = got, k
         for p in precisions[1:]:
             combo = replace(base, precision=p)
             got = self._timed(
@@ -475,6 +482,15 @@ class _Search:
             )
             if got is not None:
                 t.precision[p] = got
+            if got is not None and got.seconds and t.micro_k > 1:
+                # micro-batches in this precision: their fixed cost is its own (kernels, casts)
+                k = t.micro_k
+                options = replace(self.options(combo), loss_scale=self.scales[k], set_to_none=False)
+                small = self._timed(
+                    f"one micro-batch of {k}, {self.label(combo)}", self.micro_inputs(k), options, steps=_TIMED_STEPS, clock=True
+                )
+                if small is not None:
+                    t.micro[p] = small
         keys: dict[tuple, _Combo] = {}
         for combo in combos:
             keys.setdefault(_optimizer_key(combo), replace(combo, micro_batches=1, offload=False))
@@ -490,7 +506,7 @@ class _Search:
         if any(c.offload for c in combos):
             combo = replace(base, offload=True)
             t.offload = self._timed(self.label(combo), self.inputs, self.options(combo), steps=_TIMED_STEPS)
-        t.probes = 1 + (len(ks) > 1) + len(precisions) - 1 + (len(keys) if len(keys) > 1 else 0) + any(c.offload for c in combos)
+        t.probes = 1 + len(t.micro) + len(precisions) - 1 + (len(keys) if len(keys) > 1 else 0) + any(c.offload for c in combos)
 
     def predict(self, combo: _Combo) -> tuple[float, bool]:
         """Predicted step time without recompute, and whether it is only a lower bound."""
