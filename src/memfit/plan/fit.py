@@ -643,6 +643,17 @@ class _Search:
         prof = self.profile(self.options(combo))
         return self.predict(combo)[0] * combo.micro_batches * plan.extra_flops / max(1, prof.step_flops)
 
+    def host_drift(self) -> float | None:
+        """The step as it is, timed again: its median over the probe's (how much slower the
+        host runs now than when the predictions were made)."""
+        base = self.times.base
+        if base is None or not base.seconds:
+            return None
+        again = self._timed("", self.inputs, self.options(self.base), steps=_TIMED_STEPS, warmup=0 if self.warm else 1)
+        if again is None or not again.seconds:
+            return None
+        return again.median / base.median
+
     def run(self, cand: _Candidate, steps: int, *, record: bool = True, stop_above: float | None = None) -> StepTimes | None:
         """``cand`` for real, its plan applied: step times and (``record``) the ledger's peak."""
         plan = cand.plan
@@ -972,7 +983,19 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
     # The predictions' choice measured far slower than predicted (a probe that misled, a
     # kernel that is slow only in this combination): what was predicted faster than that
     # measurement runs too, before anything is chosen on a prediction that did not hold.
+    drift = None
     if pick.measured is not None and pick.measured_s > pick.time_s * (1 + _PARTED):
+        # First, whether the host itself slowed down since the probes ran (a shared
+        # machine): the step as it is, again. Then the predictions still rank correctly.
+        search.report("the first candidate measured slower than predicted: the step as it is, again")
+        drift = search.host_drift()
+        if drift is not None and pick.measured_s <= pick.time_s * drift * (1 + _PARTED):
+            notes.append(
+                f"the step as it is ran {drift - 1:+.0%} slower than when fit's probes timed it (a busy host): "
+                f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against {pick.time_s:.3f} s "
+                "predicted is that slowdown, not a prediction that failed"
+            )
+    if pick.measured is not None and pick.measured_s > pick.time_s * (drift or 1.0) * (1 + _PARTED):
         search.report("the first candidate measured slower than predicted: weighing more")
         queue.weigh(up_to=pick.measured_s)
         more = sorted((c for c in cands if c not in finalists and c.time_s < pick.measured_s), key=lambda c: c.time_s)
