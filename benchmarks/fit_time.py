@@ -96,7 +96,14 @@ def _sizes(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
     return out
 
 
