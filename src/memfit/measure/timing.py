@@ -150,10 +150,15 @@ class StepTimes:
 
     @property
     def spread(self) -> float:
-        """``(max - min) / median`` of the timed steps: 0 for fewer than two."""
+        """``(max - min) / median`` of the timed steps, the fastest and the slowest left out
+        from five on (one step that a busy host stalled does not make the rest noisy); 0
+        for fewer than two."""
         if len(self.seconds) < 2:
             return 0.0
-        return (max(self.seconds) - min(self.seconds)) / max(statistics.median(self.seconds), 1e-12)
+        times = sorted(self.seconds)
+        if len(times) >= 5:
+            times = times[1:-1]
+        return (times[-1] - times[0]) / max(statistics.median(self.seconds), 1e-12)
 
 
 def time_steps(

@@ -393,6 +393,7 @@ class _Search:
         self.host_peaks: dict[_Combo, int] = {}
         self.plans: dict[_Combo, Plan | int] = {}
         self.fake_profiles = 0
+        self.chosen_by = "the measured times"
 
     def options(self, combo: _Combo) -> StepOptions:
         k = combo.micro_batches
@@ -858,7 +859,7 @@ def fit(
                     "predictions: the host's speed changed since the probes, not the predictions' order"
                 )
             else:
-                text += "; the measured times chose"
+                text += f"; {search.chosen_by} chose"
             if best.measured is not None and best.measured.spread > _NOISY:
                 text += " (timings on this host were noisy)"
             notes.append(text)
@@ -998,7 +999,8 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
     # kernel that is slow only in this combination): what was predicted faster than that
     # measurement runs too, before anything is chosen on a prediction that did not hold.
     drift = None
-    if pick.measured is not None and pick.measured_s > pick.time_s * (1 + _PARTED):
+    trusted = pick.measured is not None and pick.measured.spread <= _NOISY  # else noise explains it
+    if trusted and pick.measured_s > pick.time_s * (1 + _PARTED):
         # First, whether the host itself slowed down since the probes ran (a shared
         # machine): the step as it is, again. Then the predictions still rank correctly.
         search.report("the first candidate measured slower than predicted: the step as it is, again")
@@ -1009,7 +1011,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
                 f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against {pick.time_s:.3f} s "
                 "predicted is that slowdown, not a prediction that failed"
             )
-    if pick.measured is not None and pick.measured_s > pick.time_s * (drift or 1.0) * (1 + _PARTED):
+    if trusted and pick.measured_s > pick.time_s * (drift or 1.0) * (1 + _PARTED):
         search.report("the first candidate measured slower than predicted: weighing more")
         queue.weigh(up_to=pick.measured_s)
         more = sorted((c for c in cands if c not in finalists and c.time_s < pick.measured_s), key=lambda c: c.time_s)
@@ -1036,6 +1038,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
             f"{len(ran)} recipes predicted within {_MARGIN:.0%} of each other, so the cost model's predictions chose"
         )
         best = _choose(ran)
+        search.chosen_by = "the predictions"
     else:
         best = _choose(ran, key=lambda c: c.measured_s)
     if best.measured is not None and best.measured.peak_bytes is None:
