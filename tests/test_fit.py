@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 import memfit
 from memfit import StepOptions
 from memfit.cli import main
+from memfit.measure.timing import median_step_time
 from memfit.plan.fit import _micro_batching
 from memfit.workload import resize_batch
 
@@ -135,6 +137,29 @@ def test_each_lever_predicted_peak_matches_measured(name):
         assert predicted.breakdown["optimizer_state"] == expected + maps
         steps = 4 * len(list(model.parameters()))  # torch keeps each tensor's step count as a float32 scalar
         assert base.breakdown["optimizer_state"] == 8 * (big + small) + steps
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_the_first_three_micro_batches_have_the_whole_steps_peak(k):
+    """fit profiles a step of k micro-batches on its first three (the others repeat the
+    third's memory exactly): the peak must be the whole step's."""
+    from memfit.measure.step import first_micro_batches
+
+    act, act_inputs = _act_net()
+    work = memfit.zoo.build("gpt", batch_size=8, n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=512)
+    for model, inputs in ((act, act_inputs), (work.model, work.inputs)):
+        opt = _with_state(model, inputs) if model is act else torch.optim.AdamW(model.parameters())
+        for step in (
+            StepOptions(micro_batches=k),
+            StepOptions(micro_batches=k, set_to_none=False, loss_scale=1.0),
+            StepOptions(micro_batches=k, autocast="bfloat16"),
+            StepOptions(micro_batches=k, param_dtype="bfloat16", foreach=True),
+        ):
+            whole = memfit.profile(model, inputs, optimizer=opt, fake=True, step=step)
+            with first_micro_batches(3):
+                short = memfit.profile(model, inputs, optimizer=opt, fake=True, step=step)
+            assert short.peak_bytes == whole.peak_bytes, step
+            assert len(short.ledger.ticks) < len(whole.ledger.ticks)
 
 
 def test_evaluation_step_runs_in_eval_mode_and_saves_nothing(capsys):
@@ -499,6 +524,81 @@ def test_recorder_keeps_other_devices_out_of_the_ledger():
     assert ledger.host_peak_bytes == 6000
     assert memfit.measure.ledger.Ledger.from_dict(ledger.to_dict()).host_peak_bytes == 6000
     del b, c
+
+
+class SlowForward(ActNet):
+    """ActNet whose forward also waits 80 ms (a per-call cost: Python, a data-dependent
+    branch, a host sync): every extra micro-batch pays it again, a recompute of a block does
+    not. So recomputing one block is clearly the fastest way under a budget a little below
+    the step's peak, and micro-batches are clearly slower, whatever the host's noise."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.08)
+        return super().forward(x, y)
+
+
+def test_fit_chooses_what_timing_every_combination_chooses_and_times_few():
+    torch.manual_seed(0)
+    model, inputs = SlowForward(), (torch.randn(16, 32, 64), torch.randn(16, 32, 8))
+    opt = _with_state(model, inputs)
+    before = snapshot(model, opt)
+    budget = int(0.9 * memfit.profile(model, inputs, optimizer=opt, fake=True).peak_bytes)
+
+    # Exhaustive: every micro-batch count, each timed for real, and recompute alone planned and timed.
+    timed = {}
+    for k in (2, 4, 8):
+        step = StepOptions(micro_batches=k)
+        assert memfit.profile(model, inputs, optimizer=opt, fake=True, step=step).peak_bytes <= budget  # no plan needed
+        timed[("microbatch",)] = min(timed.get(("microbatch",), 1e9), median_step_time(model, inputs, None, opt, step=step))
+    plan = memfit.plan(model, inputs, budget, optimizer=opt)
+    memfit.apply(model, plan)
+    timed[("recompute",)] = median_step_time(model, inputs, None, opt)
+    memfit.remove(model)
+    exhaustive = min(timed, key=timed.get)
+    assert exhaustive == ("recompute",) and timed[("microbatch",)] > 1.2 * timed[("recompute",)]  # the answer is clear
+
+    recipe = memfit.fit(model, inputs, budget, optimizer=opt)
+    assert_same(before, snapshot(model, opt))
+    print(
+        f"fit {recipe.summary()}: {recipe.search}; predicted {recipe.predicted_step_time_s:.3f} s, measured {recipe.measured_step_time_s:.3f} s"
+    )
+    assert recipe.levers == exhaustive and recipe.plan is not None
+    assert recipe.search["combinations"] == 4 and recipe.search["weighed"] == 4  # k = 1, 2, 4, 8: each peak exact
+    assert recipe.search["timed"] == 1 < recipe.search["combinations"]  # micro-batches predicted clearly slower
+    rows = {w.levers: w for w in recipe.what_if}
+    assert rows[("microbatch",)].predicted_step_time_s > 1.2 * recipe.predicted_step_time_s
+    assert recipe.predicted_peak_bytes <= budget and _close(recipe.predicted_peak_bytes, recipe.measured_peak_bytes)
+
+
+@pytest.mark.parametrize("slower", ["the candidates", "the host"])
+def test_fit_says_when_prediction_and_measurement_part(monkeypatch, slower):
+    from memfit.plan import fit as fit_module
+
+    model, inputs = _act_net(32)
+    peak = memfit.profile(model, inputs, fake=True).peak_bytes
+    real = fit_module.time_steps
+
+    def slower_after_the_probes(*args, **kwargs):
+        got = real(*args, **kwargs)
+        candidate = kwargs.get("record") or kwargs.get("stop_above") is not None
+        again = not kwargs.get("clock")  # the step as it is, re-timed (the probes time modules too)
+        if candidate:  # four times slower than the probes said (far beyond a busy host's noise)
+            got.seconds = [4 * s for s in got.seconds]
+        elif slower == "the host" and again:
+            got.seconds = [6 * s for s in got.seconds]  # the host slowed down at least as much
+        return got
+
+    monkeypatch.setattr(fit_module, "time_steps", slower_after_the_probes)
+    recipe = memfit.fit(model, inputs, peak)
+    assert recipe.measured_step_time_s > 1.15 * recipe.predicted_step_time_s
+    assert any("part by more than 15%" in note for note in recipe.notes), recipe.notes
+    if slower == "the candidates":
+        # what was predicted faster than the first candidate measured ran as well
+        assert any("ran too" in note for note in recipe.notes) and recipe.search["timed"] >= 2
+    else:
+        # the step as it is, re-timed, slowed down as much: the host, not the prediction
+        assert any("a busy host" in note for note in recipe.notes) and not any("ran too" in n for n in recipe.notes)
+    assert memfit.Recipe.from_json(recipe.to_json()).notes == recipe.notes
 
 
 def test_a_step_much_slower_than_the_base_is_timed_once():

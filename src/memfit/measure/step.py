@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,7 +28,29 @@ from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.workload import call_loss, check_loss, split_batch
 
-__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode", "offload_saved"]
+__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode", "offload_saved", "first_micro_batches"]
+
+_RUN_MICRO_BATCHES: ContextVar[int | None] = ContextVar("memfit_run_micro_batches", default=None)
+
+
+@contextlib.contextmanager
+def first_micro_batches(n: int) -> Iterator[None]:
+    """Inside, a step of more than ``n >= 3`` micro-batches runs only its first ``n``, then
+    the optimizer step. From the third on, every micro-batch starts with the same tensors
+    alive (parameters, optimizer state, the whole batch's inputs, the accumulated
+    gradients, the running loss and the last micro-batch's loss: in the second, the running
+    loss is still the first's) and allocates the same shapes, so the ones after the third
+    repeat its memory exactly: the peak of the short step is the whole step's.
+    :func:`memfit.fit` profiles steps of many micro-batches on fake tensors this way,
+    whose cost is per op dispatched (``tests/test_fit.py`` checks the peaks are equal)."""
+    if n < 3:
+        raise ValueError("micro-batches repeat each other's memory from the third on: keep at least 3")
+    token = _RUN_MICRO_BATCHES.set(n)
+    try:
+        yield
+    finally:
+        _RUN_MICRO_BATCHES.reset(token)
+
 
 _DTYPES = ("bfloat16", "float16")
 
@@ -175,7 +198,9 @@ def train_step(
     if loss_scale is None and micro_batches > 1:
         loss_scale = 1.0 / micro_batches
     total: torch.Tensor | None = None
-    for margs, mkwargs, mtargets in split_batch(args, kwargs, targets, micro_batches):
+    parts = split_batch(args, kwargs, targets, micro_batches)
+    limit = _RUN_MICRO_BATCHES.get()
+    for margs, mkwargs, mtargets in parts[:limit] if limit else parts:
         on_phase(Phase.FORWARD)
         with (
             torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext(),

@@ -8,25 +8,42 @@ autocast (``amp``), bfloat16 parameters (``bf16``), the optimizer's other implem
 (``foreach``) and 8-bit optimizer state (``8bit``: bitsandbytes' AdamW8bit or Adam8bit in
 place of torch's AdamW or Adam).
 
+Peaks are never predicted: every peak fit reports is an exact fake-tensor profile of that
+very step, or a plan verified by running it. Step times are predicted from a few
+measurements, and only the few combinations predicted fastest are timed for real.
+
 1. What each lever may do here: micro-batching is left out for a model that normalises
    with batch statistics (BatchNorm) and for a loss that is neither the mean nor the sum
-   of its micro-batches' losses (probed on the real model, in evaluation mode, restored).
-2. Each lever alone: the exact peak of its step on fake tensors (:func:`memfit.profile`
-   with :class:`~memfit.measure.step.StepOptions`: nothing estimated by subtraction) and
-   its measured step time (median of 3 real steps after a warm-up, in a sandbox; one
-   step when that one is over twice the base step's).
-3. Every combination, in order of estimated time (the base time plus each lever's
-   measured change): its exact peak on fake tensors; over the budget, a recompute plan
-   at the budget (planned on one micro-batch's step when there are several: a module
-   called once per micro-batch is called several times per step, which the planner does
-   not plan; that step starts with the gradients of the micro-batches before it, and its
-   peak is the whole step's). A combination's time is measured (median of 3) when it
-   fits, plus the plan's predicted recompute time per micro-batch. The search stops once
-   the next estimate is slower than the best found.
-4. The fastest fitting combination wins; within 5% of it (timing noise on a busy
-   host), the one with the fewest levers, then the fewest micro-batches. It is then run for real: its peak from the
-   recorder's ledger and its step time (median of 3) go in the Recipe beside the
-   predictions.
+   of its micro-batches' losses (probed on the real model, in evaluation mode, restored;
+   at the largest micro-batch count, which the others follow).
+2. Measurements (real steps, in sandboxes), from which every combination's time follows:
+   the step as it is (median of 3 after a warm-up, split at the optimizer phase, every
+   module's time from one of them); one micro-batch of the most micro-batches ``K`` (its
+   forward and backward against the whole batch's give the fixed cost a micro-batch adds,
+   the per-op and launch part of the fitted cost model: FLOPs and bytes scale with the
+   batch, op counts do not); autocast and bfloat16 parameters, one step each (a warm-up
+   and 2), stopped once past twice the step as it is (a CPU without native bfloat16 runs
+   it 30x slower: the lever is then known to be at least that slow), and one micro-batch
+   of ``K`` in each (its kernels' fixed costs are its own); the optimizer phase
+   alone, on zero gradients, for each optimizer the combinations use (foreach flag, 8-bit
+   state, bfloat16 parameters, gradients kept); offload, one step. A combination with
+   ``k`` micro-batches is predicted at its precision's forward and backward plus ``k - 1``
+   fixed costs, plus its optimizer phase, plus its plan's recompute time.
+3. Every combination, in order of predicted time: its exact peak on fake tensors; over
+   the budget, a recompute plan at the budget (planned on one micro-batch's step when there
+   are several: a module called once per micro-batch is called several times per step,
+   which the planner does not plan; that step starts with the gradients of the
+   micro-batches before it, and its peak is the whole step's), verified on fake tensors and
+   costed with the module times measured in 2 (for ``k`` micro-batches, each module's time
+   ``a/k + c`` through the whole batch's and the ``K``-th's). The search stops once the
+   next prediction is over :data:`_MARGIN` slower than the fastest fitting one.
+4. The fitting combinations predicted within :data:`_MARGIN` of the fastest (at most
+   :data:`_MAX_TIMED`) run for real, each with its plan applied: median of 3 steps after a
+   warm-up (3 more when they spread by over 20%), and the recorder's ledger peak of one
+   more step. The fastest measured wins; within 5% (timing noise on a busy host), the one
+   with the fewest levers, then the fewest micro-batches. If the timings still spread by
+   over 30%, the predictions rank them instead. The Recipe's notes say so, and say when
+   the chosen recipe's predicted and measured step times part by more than 15%.
 
 Everything runs in sandboxes, so the model, its gradients and buffers, the optimizer and
 the RNG are as they were.
@@ -34,10 +51,11 @@ the RNG are as they were.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,12 +66,16 @@ from memfit.apply.cache import switched_off
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError
 from memfit.measure import _optim8bit, _torch_compat
-from memfit.measure.profile import Progress, check_step
+from memfit.measure.ledger import Phase
+from memfit.measure.profile import Profile, Progress, check_step
+from memfit.measure.profile import _run as run_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import real_sandbox
-from memfit.measure.step import StepOptions, eval_mode
-from memfit.measure.timing import median_step_time
+from memfit.measure.scope import Scope
+from memfit.measure.step import StepOptions, eval_mode, first_micro_batches
+from memfit.measure.timing import StepTimes, optimizer_step_time, selective_overhead_s, time_steps
 from memfit.plan.budget import parse_budget
+from memfit.plan.candidates import DeviceRates
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.plan.result import Plan, fingerprint
@@ -78,7 +100,13 @@ OPT_IN_LEVERS = ("amp", "bf16", "foreach", "8bit")
 _MICRO_BATCHES = (2, 4, 8)
 _TIMED_STEPS = 3
 _TIE = 0.05  # times within 5% are a tie on a busy host: the simpler recipe wins
-_SLOW = 2.0  # a lever's step this many times the base step's is timed once, not 3 times
+_SLOW = 2.0  # a probe step running past this many times the base step's is stopped
+_SLOW_WARMUP = 4.0  # the same for its warm-up step (one-time costs), forgiven once
+_MARGIN = 0.15  # combinations predicted within 15% of the fastest are timed for real
+_MAX_TIMED = 3  # at most this many
+_SPREAD = 0.2  # timed steps spread wider than this (max - min over median) are timed again
+_NOISY = 0.3  # still wider: the timings cannot rank candidates; the predictions do
+_PARTED = 0.15  # predicted and measured step time further apart than this: said in the notes
 _LOSS_RTOL = 1e-4
 
 
@@ -100,7 +128,14 @@ class _Candidate:
     plan: Plan | None
     peak_bytes: int
     time_s: float
+    """Predicted step time (the combination's prediction plus the plan's recompute time)."""
     levers: tuple[str, ...]
+    measured: StepTimes | None = None
+    """Its real steps, when it was one of the few timed."""
+
+    @property
+    def measured_s(self) -> float:
+        return self.measured.median if self.measured is not None else math.inf
 
 
 def fit_budget(budget: object) -> int:
@@ -198,8 +233,134 @@ def _offload_unavailable(device: torch.device) -> str | None:
     return f"activation offload to host memory is modelled for CUDA steps; this one runs on {device.type}"
 
 
+class _Stages:
+    """Progress: ``progress(description, stage, stages)`` through fit's stages."""
+
+    NAMES = ("which levers apply", "timing probes", "exact peaks and plans", "timing the candidates")
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.stage = 0
+
+    def start(self, stage: int, detail: str = "") -> None:
+        self.stage = stage
+        self(detail)
+
+    def __call__(self, detail: str = "") -> None:
+        if self.progress is not None:
+            name = self.NAMES[self.stage]
+            self.progress(f"{name}: {detail}" if detail else name, self.stage, len(self.NAMES))
+
+
+def _module_seconds(times: dict[tuple[Phase, str], float]) -> dict[str, tuple[float, float]]:
+    out: dict[str, list[float]] = {}
+    for (phase, name), seconds in times.items():
+        pair = out.setdefault(name, [0.0, 0.0])
+        pair[0 if phase is Phase.FORWARD else 1] += seconds
+    return {name: (f, b) for name, (f, b) in out.items()}
+
+
+class _Times:
+    """Step times of every combination, predicted from a few measurements (module
+    docstring, step 2). Times only: peaks are always measured."""
+
+    def __init__(self) -> None:
+        self.base: StepTimes | None = None
+        """The step as it is (None: it does not run on the device)."""
+        self.micro: dict[str, StepTimes] = {}
+        """One micro-batch of :attr:`micro_k`, per precision."""
+        self.micro_k = 1
+        self.precision: dict[str, StepTimes] = {}
+        self.optimizer: dict[tuple, float] = {}
+        self.offload: StepTimes | None = None
+        self.overhead: dict[str, float] = {}
+        """Per precision: what selective recompute's dispatch mode adds per op."""
+        self.fallback: DeviceRates | None = None
+        self.probes = 0
+        """Configurations run for real to measure these."""
+
+    # -- what was measured --------------------------------------------------------------------
+
+    def full(self, precision: str) -> StepTimes | None:
+        """The whole batch's probe in ``precision`` (None: not measured, or stopped)."""
+        probe = self.base if precision == "fp32" else self.precision.get(precision)
+        return probe if probe is not None and probe.seconds else None
+
+    def per_micro_batch_s(self, precision: str) -> float:
+        """The fixed cost each micro-batch adds in ``precision``: ``K * t(B/K) = A + K*c``
+        and ``t(B) = A + c`` (forward and backward); fp32's where that precision has no
+        micro-batch probe."""
+        full, part = self.full(precision), self.micro.get(precision)
+        if full is None or part is None or not part.seconds:
+            if precision != "fp32":
+                return self.per_micro_batch_s("fp32")
+            return 0.0
+        k = self.micro_k
+        return (k * part.forward_backward_median - full.forward_backward_median) / (k - 1)
+
+    def forward_backward(self, precision: str) -> tuple[float, bool]:
+        """The whole batch's forward and backward in ``precision``, and whether that is only
+        a lower bound (its probe was stopped)."""
+        assert self.base is not None
+        if precision == "fp32" or precision not in self.precision:
+            return self.base.forward_backward_median, False
+        probe = self.precision[precision]
+        if probe.seconds:
+            return probe.forward_backward_median, False
+        return max(probe.median, self.base.forward_backward_median), True
+
+    def seconds(self, combo: _Combo, base: _Combo) -> tuple[float, bool]:
+        """Predicted step time of ``combo`` without recompute, and whether it is a lower bound."""
+        if self.base is None:
+            return math.inf, False
+        fb, lower = self.forward_backward(combo.precision)
+        t = fb + (combo.micro_batches - 1) * self.per_micro_batch_s(combo.precision)
+        t += self.base.median - self.base.forward_backward_median  # the optimizer phase as it is
+        key, base_key = _optimizer_key(combo), _optimizer_key(base)
+        if key in self.optimizer and base_key in self.optimizer:
+            t += self.optimizer[key] - self.optimizer[base_key]
+        if combo.offload and self.offload is not None:
+            t += self.offload.median - self.base.median
+        return max(t, 0.0), lower
+
+    def module_times(self, combo: _Combo) -> dict[str, tuple[float, float]] | None:
+        """(forward, backward) seconds of every module in one micro-batch's step of
+        ``combo``: measured for the whole batch in its precision, and for ``k``
+        micro-batches per module ``a/k + c`` through the whole batch's and the ``K``-th's.
+        A precision whose probe was stopped: fp32's times, scaled by its lower bound."""
+        if self.base is None or not self.base.module_times:
+            return None
+        k, p = combo.micro_batches, combo.precision
+        full = self.full(p)
+        own = p if full is not None and full.module_times else "fp32"
+        whole = _module_seconds((full if own == p else self.base).module_times)  # type: ignore[union-attr]
+        part = self.micro.get(own)
+        if k > 1 and part is not None and part.module_times:
+            small = _module_seconds(part.module_times)
+            kk = self.micro_k
+
+            def at(t1: float, tk: float) -> float:
+                a = (t1 - tk) / (1 - 1 / kk)
+                return max(0.0, a / k + (t1 - a))
+
+            whole = {n: (at(f, small.get(n, (f, b))[0]), at(b, small.get(n, (f, b))[1])) for n, (f, b) in whole.items()}
+        elif k > 1:
+            whole = {n: (f / k, b / k) for n, (f, b) in whole.items()}
+        if own != p:
+            fb, _ = self.forward_backward(p)
+            ratio = fb / max(self.base.forward_backward_median, 1e-12)
+            whole = {n: (f * ratio, b * ratio) for n, (f, b) in whole.items()}
+        return whole
+
+
+def _optimizer_key(combo: _Combo) -> tuple:
+    """What the optimizer phase depends on: the parameters' dtype, the implementation and
+    whether gradients are kept."""
+    return (combo.precision == "bf16", combo.foreach, combo.eight_bit, combo.set_to_none)
+
+
 class _Search:
-    """Profiles, times and plans combinations, each once."""
+    """Profiles, predicts, plans and times combinations, each once."""
 
     def __init__(
         self,
@@ -211,7 +372,7 @@ class _Search:
         device: torch.device,
         base_set_to_none: bool,
         scales: dict[int, float],
-        report: Progress,
+        report: _Stages,
         targets: Any,
     ) -> None:
         self.model = model
@@ -219,18 +380,24 @@ class _Search:
         self.args, self.kwargs = split_inputs(inputs)
         self.loss_fn = loss_fn
         self.targets = targets
+        self.use_cache_off: tuple[str, ...] = ()
+        """Modules whose KV cache the plans turn off (learnt from the first plan made)."""
         self.optimizer = optimizer
         self.budget = budget
         self.device = device
         self.base_set_to_none = base_set_to_none
+        self.base = _Combo(set_to_none=base_set_to_none)
         self.scales = scales
         self.report = report
+        self.times = _Times()
+        self.profiles: dict[tuple[StepOptions, int], Profile] = {}
+        self.warm = bool(optimizer.state)
+        """The optimizer has its state (fit's own first step): the step as it is runs warm."""
         self.peaks: dict[_Combo, int] = {}
         self.host_peaks: dict[_Combo, int] = {}
-        self.times: dict[_Combo, float] = {}
         self.plans: dict[_Combo, Plan | int] = {}
-        self.use_cache_off: tuple[str, ...] = ()
-        """Modules whose KV cache the plans turn off (learnt from the first plan made)."""
+        self.fake_profiles = 0
+        self.chosen_by = "the measured times"
 
     def options(self, combo: _Combo) -> StepOptions:
         k = combo.micro_batches
@@ -270,18 +437,127 @@ class _Search:
         levers = self.levers(combo, plan)
         return describe(levers, self.options(combo), plan, optimizer_type=type(self.optimizer).__name__) or "as it is"
 
+    # -- measurements ---------------------------------------------------------------------------
+
+    def _timed(self, what: str, inputs: Any, options: StepOptions, targets: Any, **kw: Any) -> StepTimes | None:
+        """Real steps of one configuration (see :func:`time_steps`); None when it does not
+        fit on the device."""
+        if what:
+            self.report(what)
+        try:
+            return time_steps(self.model, inputs, self.loss_fn, self.optimizer, step=options, targets=targets, **kw)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
+
+    def probe(self, ks: list[int], precisions: list[str], combos: list[_Combo]) -> None:
+        """The measurements every prediction rests on (module docstring, step 2)."""
+        t = self.times
+        base = self.base
+        t.base = self._timed(
+            "the step as it is",
+            self.inputs,
+            self.options(base),
+            self.targets,
+            steps=_TIMED_STEPS,
+            warmup=0 if self.warm and base == _Combo() else 1,  # fit's first step was this one
+            clock=True,
+            retry_spread=_SPREAD,
+        )
+        if t.base is None:
+            return  # predictions then come from the cost model alone (see seconds())
+        slow, slow_warmup = _SLOW * t.base.median, _SLOW_WARMUP * t.base.median
+        if len(ks) > 1:
+            k = ks[-1]
+            part, part_targets = self.micro(k)
+            # a micro-batch after the first: gradients exist and accumulate
+            options = replace(self.options(base), loss_scale=self.scales[k], set_to_none=False)
+            got = self._timed(
+                f"one micro-batch of {k}", part, options, part_targets, steps=_TIMED_STEPS, clock=True, retry_spread=_SPREAD
+            )
+            if got is not None:
+                t.micro["fp32"], t.micro_k = got, k
+        for p in precisions[1:]:
+            combo = replace(base, precision=p)
+            got = self._timed(
+                self.label(combo),
+                self.inputs,
+                self.options(combo),
+                self.targets,
+                steps=2,
+                clock=True,
+                give_up_over=slow,
+                warmup_give_up_over=slow_warmup,
+            )
+            if got is not None:
+                t.precision[p] = got
+            if got is not None and got.seconds and t.micro_k > 1:
+                # micro-batches in this precision: their fixed cost is its own (kernels, casts)
+                k = t.micro_k
+                options = replace(self.options(combo), loss_scale=self.scales[k], set_to_none=False)
+                part, part_targets = self.micro(k)
+                small = self._timed(
+                    f"one micro-batch of {k}, {self.label(combo)}", part, options, part_targets, steps=_TIMED_STEPS, clock=True
+                )
+                if small is not None:
+                    t.micro[p] = small
+        keys: dict[tuple, _Combo] = {}
+        for combo in combos:
+            keys.setdefault(_optimizer_key(combo), replace(combo, micro_batches=1, offload=False))
+        if len(keys) > 1:
+            for i, (key, combo) in enumerate(keys.items()):
+                self.report(f"optimizer step alone {i + 1}/{len(keys)}: {self.label(combo)}")
+                try:
+                    t.optimizer[key] = optimizer_step_time(
+                        self.model, self.inputs, self.optimizer, step=self.options(combo), steps=2
+                    )
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+        if any(c.offload for c in combos):
+            combo = replace(base, offload=True)
+            t.offload = self._timed(self.label(combo), self.inputs, self.options(combo), self.targets, steps=_TIMED_STEPS)
+        t.probes = 1 + len(t.micro) + len(precisions) - 1 + (len(keys) if len(keys) > 1 else 0) + any(c.offload for c in combos)
+
+    def predict(self, combo: _Combo) -> tuple[float, bool]:
+        """Predicted step time without recompute, and whether it is only a lower bound."""
+        if self.times.base is not None:
+            return self.times.seconds(combo, self.base)
+        # The step does not run on the device: the cost model's round figures, from FLOPs,
+        # output bytes and op count of its exact fake-tensor profile.
+        if self.times.fallback is None:
+            self.times.fallback = DeviceRates.for_device(str(self.device))
+        prof = self.profile(self.options(combo))
+        ops = len(prof.ledger.ops)
+        nbytes = sum(b.nbytes for b in prof.ledger.blocks if b.born >= 0)
+        return self.times.fallback.estimate(prof.step_flops, nbytes, 3 * ops), False
+
+    # -- peaks and plans ------------------------------------------------------------------------
+
+    def micro(self, k: int) -> tuple[Any, Any]:
+        """The first of ``k`` micro-batches (views of the whole batch): inputs and targets."""
+        args, kwargs, targets = split_batch(self.args, self.kwargs, self.targets, k)[0]
+        return (args[0] if isinstance(self.inputs, torch.Tensor) else join_inputs(args, kwargs)), targets
+
+    def profile(self, options: StepOptions, micro_of: int = 1) -> Profile:
+        """The exact fake-tensor profile of a step (of the first of ``micro_of``
+        micro-batches, default the whole batch), once. Of many micro-batches, the first three
+        run (:func:`first_micro_batches`): the peak is the whole step's, and fake tensors
+        cost per op dispatched."""
+        key = (options, micro_of)
+        if key not in self.profiles:
+            self.fake_profiles += 1
+            inputs, targets = (self.inputs, self.targets) if micro_of == 1 else self.micro(micro_of)
+            # With transformers' KV cache off where a plan turned it off: the step the plan trains.
+            with first_micro_batches(3), switched_off(self.model, self.use_cache_off):
+                self.profiles[key] = measure_profile(
+                    self.model, inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, fake=True, step=options, targets=targets
+                )
+        return self.profiles[key]
+
     def peak(self, combo: _Combo) -> int:
         if combo not in self.peaks:
-            self.report(f"fake-tensor profile: {self.label(combo)}", 0, 0)
-            prof = measure_profile(
-                self.model,
-                self.inputs,
-                loss_fn=self.loss_fn,
-                optimizer=self.optimizer,
-                fake=True,
-                step=self.options(combo),
-                targets=self.targets,
-            )
+            self.report(f"fake-tensor profile: {self.label(combo)}")
+            prof = self.profile(self.options(combo))
             self.peaks[combo] = prof.peak_bytes
             self.host_peaks[combo] = prof.ledger.host_peak_bytes
         return self.peaks[combo]
@@ -290,65 +566,69 @@ class _Search:
         """What an offloading step holds in host memory, for its what-if row."""
         return f"host memory {format_bytes(self.host_peaks[combo])}" if combo.offload else ""
 
-    def time(self, combo: _Combo) -> float:
-        """Median step time, measured; infinite for a step that does not fit on the device.
-        A step over :data:`_SLOW` times the base step's is timed once (bfloat16 on a CPU
-        without native support runs 30x slower: minutes of timing that choose nothing)."""
-        if combo not in self.times:
-            self.report(f"timing: {self.label(combo)}", 0, 0)
-            base = self.times.get(_Combo(set_to_none=self.base_set_to_none))
-            slow = _SLOW * base if base is not None and not math.isinf(base) else None
+    def overhead(self, combo: _Combo) -> float:
+        """Seconds selective recompute's dispatch mode adds per op, measured once per precision."""
+        t = self.times
+        if combo.precision not in t.overhead:
+            options = replace(
+                self.options(self.base), autocast=self.options(combo).autocast, param_dtype=self.options(combo).param_dtype
+            )
+            ops = len(self.profile(self.options(self.base)).ledger.ops)
             try:
-                self.times[combo] = median_step_time(
-                    self.model,
-                    self.inputs,
-                    self.loss_fn,
-                    self.optimizer,
-                    steps=_TIMED_STEPS,
-                    step=self.options(combo),
-                    give_up_over=slow,
-                    targets=self.targets,
+                t.overhead[combo.precision] = selective_overhead_s(
+                    self.model, self.inputs, self.optimizer, forward_ops=ops, step=options
                 )
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                self.times[combo] = math.inf
-        return self.times[combo]
+                t.overhead[combo.precision] = 0.0
+        return t.overhead[combo.precision]
 
     def plan(self, combo: _Combo) -> Plan | int:
         """A recompute plan for ``combo`` at the budget, or ``P_min`` when none fits."""
         if combo in self.plans:
             return self.plans[combo]
-        self.report(f"planning recompute: {self.label(combo)}", 0, 0)
+        self.report(f"planning recompute: {self.label(combo)}")
         k = combo.micro_batches
         options = self.options(combo)
         inputs, targets = self.inputs, self.targets
         if k > 1:
             # One micro-batch's step, starting with the gradients the ones before it left
             # (views of the whole batch, so the inputs alive are the same).
-            args, kwargs, targets = split_batch(self.args, self.kwargs, self.targets, k)[0]
-            inputs = args[0] if isinstance(self.inputs, torch.Tensor) else join_inputs(args, kwargs)
+            inputs, targets = self.micro(k)
             options = replace(options, micro_batches=1, loss_scale=self.scales[k], set_to_none=False)
-        step = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, targets=targets)
-        # Real tensors: the plan's recompute cost comes from module times measured here. A
-        # step too big for the device is planned on fake tensors, its cost from FLOPs.
-        # With transformers' KV cache off in training where an earlier plan turned it off,
-        # as this plan will run the step (memfit.apply.cache): the planner would measure
-        # the step again otherwise.
-        with switched_off(self.model, self.use_cache_off):
-            try:
-                prof = measure_profile(self.model, inputs, step=options, **step)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                prof = measure_profile(self.model, inputs, step=options, fake=True, **step)
+        # The exact step on fake tensors (verified there too), its modules' times those
+        # measured by the probes: the recompute time is predicted, the peak is exact.
+        prof = self.profile(options, k)
+        seconds = self.times.module_times(combo)
+        overhead = None
+        if seconds is not None:
+            modules = {
+                name: replace(
+                    m, forward_time_s=seconds.get(name, (0.0, 0.0))[0], backward_time_s=seconds.get(name, (0.0, 0.0))[1]
+                )
+                for name, m in prof.modules.items()
+            }
+            predicted, _ = self.predict(combo)
+            prof = replace(prof, modules=modules, time_source="measured", step_time_s=predicted / k, device=str(self.device))
+            overhead = self.overhead(combo)
         # The accumulated step holds a few scalars more than one micro-batch's (the loss sum).
         slack = max(0, self.peak(combo) - prof.peak_bytes) if k > 1 else 0
         try:
-            result: Plan | int = make_plan(self.model, inputs, self.budget - slack, profile=prof, **step)
+            result: Plan | int = make_plan(
+                self.model,
+                inputs,
+                self.budget - slack,
+                loss_fn=self.loss_fn,
+                optimizer=self.optimizer,
+                profile=prof,
+                op_overhead_s=overhead,
+                targets=targets,
+            )
         except BudgetInfeasibleError as exc:
             result = exc.min_peak_bytes + slack
+        self.plans[combo] = result
         if isinstance(result, Plan):
             self.use_cache_off = result.use_cache_off
-        self.plans[combo] = result
         return result
 
     def candidate(self, combo: _Combo) -> _Candidate | int:
@@ -365,32 +645,58 @@ class _Search:
                 return result
             plan = result
             peak = plan.predicted_peak_bytes + max(0, self.peak(combo) - plan.none_peak_bytes)
-        seconds = self.time(combo) + (self.recompute_s(combo, plan) if plan is not None else 0.0)
+        seconds = self.predict(combo)[0] + (self.recompute_s(combo, plan) if plan is not None else 0.0)
         return _Candidate(combo, plan, peak, seconds, self.levers(combo, plan))
 
     def recompute_s(self, combo: _Combo, plan: Plan) -> float:
         """The plan's predicted recompute time per step (a plan per micro-batch)."""
         if plan.extra_compute_s is not None:
             return combo.micro_batches * plan.extra_compute_s
-        # Planned on fake tensors (the step did not fit the device): no module times, so
-        # the recompute's share of the step's FLOPs, of the step's time.
-        prof = measure_profile(
-            self.model,
-            self.inputs,
-            loss_fn=self.loss_fn,
-            optimizer=self.optimizer,
-            fake=True,
-            step=self.options(combo),
-            targets=self.targets,
+        # No module times (the step did not run on the device): the recompute's share of
+        # the step's FLOPs, of the step's time.
+        prof = self.profile(self.options(combo))
+        return self.predict(combo)[0] * combo.micro_batches * plan.extra_flops / max(1, prof.step_flops)
+
+    def host_drift(self) -> float | None:
+        """The step as it is, timed again: its median over the probe's (how much slower the
+        host runs now than when the predictions were made)."""
+        base = self.times.base
+        if base is None or not base.seconds:
+            return None
+        again = self._timed(
+            "", self.inputs, self.options(self.base), self.targets, steps=_TIMED_STEPS, warmup=0 if self.warm else 1
         )
-        return self.time(combo) * combo.micro_batches * plan.extra_flops / max(1, prof.step_flops)
+        if again is None or not again.seconds:
+            return None
+        return again.median / base.median
+
+    def run(self, cand: _Candidate, steps: int, *, record: bool = True, stop_above: float | None = None) -> StepTimes | None:
+        """``cand`` for real, its plan applied: step times and (``record``) the ledger's peak."""
+        plan = cand.plan
+        if plan is not None and plan.checkpointed:
+            apply_choices(self.model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
+        try:
+            return self._timed(
+                "",
+                self.inputs,
+                self.options(cand.combo),
+                self.targets,
+                steps=steps,
+                warmup=0 if record or steps == 0 else 1,  # the recorded step warms up
+                retry_spread=_SPREAD if steps > 1 else None,
+                record=record,
+                stop_above=stop_above,
+            )
+        finally:
+            if plan is not None and plan.checkpointed:
+                remove(self.model)
 
 
-def _choose(cands: list[_Candidate]) -> _Candidate:
-    fastest = min(c.time_s for c in cands)
-    close = [c for c in cands if c.time_s <= fastest * (1 + _TIE)]
+def _choose(cands: list[_Candidate], key: Callable[[_Candidate], float] = lambda c: c.time_s) -> _Candidate:
+    fastest = min(key(c) for c in cands)
+    close = [c for c in cands if key(c) <= fastest * (1 + _TIE)]
     # then fewer micro-batches: bigger ones keep the device busier, which noise can hide
-    return min(close, key=lambda c: (len(c.levers), c.combo.micro_batches, c.time_s))
+    return min(close, key=lambda c: (len(c.levers), c.combo.micro_batches, key(c)))
 
 
 def fit(
@@ -416,10 +722,16 @@ def fit(
             micro-batching, ``zero_grad(set_to_none=True)``, offload) are always weighed.
         set_to_none: what the training loop calls now, ``zero_grad(set_to_none=...)``;
             with False its gradients stay allocated between steps, and switching is a lever.
+        progress: optional ``progress(description, stage, stages)`` callback, called as
+            each stage (which levers apply, timing probes, exact peaks and plans, timing
+            the candidates) advances.
 
     Returns:
         A :class:`Recipe`: the levers, the predicted and the measured peak and step time,
-        the what-if rows and why each other lever was left out. ``recipe.snippet()`` is
+        the what-if rows (peaks exact; step times predicted, measured beside for the few
+        candidates that ran), why each other lever was left out, ``notes`` (prediction
+        and measurement that part, noisy timings) and ``search`` (how many combinations
+        were considered, weighed, planned and timed). ``recipe.snippet()`` is
         code for a training loop; ``recipe.apply(model, optimizer)`` applies it. The model,
         its gradients and buffers, the optimizer and the RNG are left as they were.
 
@@ -438,15 +750,10 @@ def fit(
     device = check_step(model, args, kwargs, targets)
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    steps = [0]
-
-    def report(desc: str, done: int, total: int | None) -> None:
-        if progress is not None:
-            steps[0] += 1
-            progress(desc, steps[0], None)  # type: ignore[arg-type]  # how many steps depends on what fits
+    report = _Stages(progress)
 
     left_out: dict[str, str] = {}
-    report("which levers apply", 0, 0)
+    report.start(0)
     scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer, targets)
     if why:
         left_out["microbatch"] = why
@@ -476,193 +783,345 @@ def fit(
     if why_not is not None:
         left_out["offload"] = why_not
 
-    search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets)
-    ks = [1, *sorted(scales)]
-    foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
-    zero = [set_to_none] + ([True] if not set_to_none else [])
-    eight = [False] + ([True] if "8bit" not in left_out else [])
-    offload = [False]
-    if "offload" not in left_out:
-        try:
-            search.peak(replace(_Combo(set_to_none=set_to_none), offload=True))
-            offload.append(True)
-        except MemfitError:
-            raise
-        except Exception as exc:  # a lever that cannot be measured here must not stop the search
-            left_out["offload"] = f"could not be measured here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-    base = _Combo(set_to_none=set_to_none)
-    singles = [base]
-    singles += [replace(base, micro_batches=k) for k in ks[1:]]
-    singles += [replace(base, precision=p) for p in precisions[1:]]
-    singles += [replace(base, foreach=f) for f in foreach[1:]]
-    singles += [replace(base, set_to_none=z) for z in zero[1:]]
-    singles += [replace(base, eight_bit=e) for e in eight[1:]]
-    singles += [replace(base, offload=o) for o in offload[1:]]
-
-    # Each lever alone: exact peak (fake) and measured time, for the table and the estimates.
-    for combo in singles:
-        search.peak(combo)
-        search.time(combo)
-    # The first steps a process times can carry one-time costs that one warm-up step does
-    # not absorb (seen on this CPU: 0.475 s against 0.258 s in the same fit): the base step
-    # was timed first, so it is timed again after the others and the faster median kept.
-    if len(singles) > 1 and not math.isinf(search.times[base]):
-        search.times[base] = min(search.times.pop(base), search.time(base))
-    base_time = search.times[base]
-
-    def estimate(combo: _Combo) -> float:
-        alone = [
-            search.times[replace(base, micro_batches=combo.micro_batches)],
-            search.times[replace(base, precision=combo.precision)],
-            search.times[replace(base, foreach=combo.foreach)],
-            search.times[replace(base, set_to_none=combo.set_to_none)],
-            search.times[replace(base, eight_bit=combo.eight_bit)],
-            search.times[replace(base, offload=combo.offload)],
+    # One real step in a sandbox that stays open for the whole search: the optimizer has its
+    # state from here on, so no fake-tensor profile, plan or timed run needs a warm-up step
+    # of its own to create it. Closing it restores the model and the optimizer.
+    with _optimizer_state(model, args, kwargs, loss_fn, optimizer, targets):
+        search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets)
+        ks = [1, *sorted(scales)]
+        foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
+        zero = [set_to_none] + ([True] if not set_to_none else [])
+        eight = [False] + ([True] if "8bit" not in left_out else [])
+        offload = [False]
+        if "offload" not in left_out:
+            try:
+                search.peak(replace(_Combo(set_to_none=set_to_none), offload=True))
+                offload.append(True)
+            except MemfitError:
+                raise
+            except Exception as exc:  # a lever that cannot be measured here must not stop the search
+                left_out["offload"] = f"could not be measured here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        base = search.base
+        singles = [base]
+        singles += [replace(base, micro_batches=k) for k in ks[1:]]
+        singles += [replace(base, precision=p) for p in precisions[1:]]
+        singles += [replace(base, foreach=f) for f in foreach[1:]]
+        singles += [replace(base, set_to_none=z) for z in zero[1:]]
+        singles += [replace(base, eight_bit=e) for e in eight[1:]]
+        singles += [replace(base, offload=o) for o in offload[1:]]
+        # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
+        combos = [
+            _Combo(k, p, f, z, e, o)
+            for k, p, f, z, e, o in itertools.product(ks, precisions, foreach, zero, eight, offload)
+            if not (e and f is not None)
         ]
-        if math.isinf(base_time) or any(math.isinf(t) for t in alone):
-            return math.inf  # a step that did not run on the device: no estimate, no pruning
-        return base_time + sum(t - base_time for t in alone)
 
-    # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
-    combos = [
-        _Combo(k, p, f, z, e, o)
-        for k, p, f, z, e, o in itertools.product(ks, precisions, foreach, zero, eight, offload)
-        if not (e and f is not None)
-    ]
-    combos.sort(key=lambda c: (estimate(c), len(search.levers(c, None))))
-    cands: list[_Candidate] = []
-    lowest: tuple[int, _Combo] | None = None
-    for combo in combos:
-        if cands and estimate(combo) > _choose(cands).time_s * (1 + _TIE):
-            break
-        result = search.candidate(combo)
-        if isinstance(result, int):
-            if lowest is None or result < lowest[0]:
-                lowest = (result, combo)
-            continue
-        cands.append(result)
-    if not cands:
-        assert lowest is not None
-        opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
-        raise BudgetInfeasibleError(
-            f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
-            f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])}"
-            + ("; " if lowest[1].offload else " and recompute; ")  # offload is not combined with recompute
-            + f"as it is the step peaks at {format_bytes(search.peaks[base])}"
-            # the one line a refused budget prints: say why micro-batches were not weighed
-            + (f"; micro-batching left out: {left_out['microbatch']}" if "microbatch" in left_out else "")
-            + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
-            min_peak_bytes=lowest[0],
-            budget_bytes=target,
+        # 2. The few measurements every combination's time is predicted from.
+        report.start(1)
+        search.probe(ks, precisions, combos)
+        notes: list[str] = []
+        if search.times.base is None:
+            notes.append(
+                "the step as it is did not run on the device (out of memory): step times are the cost model's round "
+                "figures for this device until the candidates are timed"
+            )
+
+        # 3. Exact peaks (each lever alone for the table), then every combination in order of
+        # predicted time, planned where it is over, until the next is clearly slower.
+        report.start(2)
+        for combo in singles:
+            search.peak(combo)
+        queue = _Queue(search, combos)
+        queue.weigh()
+        cands, lowest = queue.cands, queue.lowest
+        if not cands:
+            assert lowest is not None
+            opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
+            raise BudgetInfeasibleError(
+                f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
+                f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])}"
+                + ("; " if lowest[1].offload else " and recompute; ")  # offload is not combined with recompute
+                + f"as it is the step peaks at {format_bytes(search.peaks[base])}"
+                + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
+                min_peak_bytes=lowest[0],
+                budget_bytes=target,
+            )
+        if search.peaks[base] > target and base not in search.plans:
+            search.plan(base)  # recompute alone, for the what-if table
+
+        # 4. The few predicted fastest, for real.
+        report.start(3)
+        best = _time_candidates(search, queue, notes)
+        if best.measured is not None and best.measured.peak_bytes is not None and best.measured.peak_bytes > target:
+            notes.append(
+                f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
+                f"the budget that fake tensors met ({best.peak_bytes} bytes): lower the budget by that much"
+            )
+
+        options = search.options(best.combo)
+        measured_time = best.measured.median if best.measured is not None else None
+        measured_peak = best.measured.peak_bytes if best.measured is not None else None
+        if measured_time is not None and best.time_s > 0 and abs(measured_time / best.time_s - 1) > _PARTED:
+            text = (
+                f"predicted {best.time_s:.3f} s/step but measured {measured_time:.3f} s ({measured_time / best.time_s - 1:+.0%}): "
+                "prediction and measurement part by more than 15%"
+            )
+            # Every recipe that ran parting alike (a shared host whose load changed since the
+            # probes) moves the times, not their order.
+            ratios = sorted(
+                c.measured_s / c.time_s for c in cands if c.measured is not None and len(c.measured.seconds) >= _TIMED_STEPS
+            )
+            if len(ratios) >= 2 and abs(measured_time / best.time_s / ratios[len(ratios) // 2] - 1) <= _PARTED:
+                text += (
+                    f"; all {len(ratios)} recipes timed in full ran {ratios[len(ratios) // 2] - 1:+.0%} against their "
+                    "predictions: the host's speed changed since the probes, not the predictions' order"
+                )
+            else:
+                text += f"; {search.chosen_by} chose"
+            if best.measured is not None and best.measured.spread > _NOISY:
+                text += " (timings on this host were noisy)"
+            notes.append(text)
+        what_if = _what_if(search, singles, base, best, cands)
+        unused = (
+            "not needed: the step fits as it is"
+            if search.peaks[base] <= target
+            else "the chosen recipe fits faster (see the what-if rows)"
         )
-    best = _choose(cands)
-    if search.peaks[base] > target and base not in search.plans:
-        search.plan(base)  # recompute alone, for the what-if table
-
-    report("measuring the chosen recipe", 0, 0)
-    options = search.options(best.combo)
-    measured_peak, measured_time = _measure(model, inputs, loss_fn, optimizer, options, best.plan, targets)
-
-    what_if = _what_if(search, singles, base, best, measured_peak, measured_time)
-    unused = (
-        "not needed: the step fits as it is"
-        if search.peaks[base] <= target
-        else "the chosen recipe fits faster (see the what-if rows)"
-    )
-    for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload"):
-        if lever not in best.levers and lever not in left_out:
-            left_out[lever] = unused
-    batch = batch_size_of(args, kwargs)
-    return Recipe(
-        budget_bytes=target,
-        levers=best.levers,
-        step=options,
-        plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
-        predicted_peak_bytes=best.peak_bytes,
-        predicted_step_time_s=best.time_s,
-        measured_peak_bytes=measured_peak,
-        measured_step_time_s=measured_time,
-        base_peak_bytes=search.peaks[base],
-        base_step_time_s=base_time,
-        what_if=what_if,
-        left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
-        precision=best.combo.precision,
-        batch_size=batch,
-        inputs_kind="tensor" if isinstance(inputs, torch.Tensor) else ("kwargs" if kwargs else "args"),
-        default_loss=loss_fn is None,
-        targets=targets is not None,
-        model_type=type(model).__name__,
-        fingerprint=fingerprint(model),
-        optimizer_type=type(optimizer).__name__,
-        device=str(device),
-        budget=str(budget),
-        fit_time_s=time.perf_counter() - started,
-    )
+        for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload"):
+            if lever not in best.levers and lever not in left_out:
+                left_out[lever] = unused
+        batch = batch_size_of(args, kwargs)
+        base_time = search.times.base.median if search.times.base is not None else None
+        return Recipe(
+            budget_bytes=target,
+            levers=best.levers,
+            step=options,
+            plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
+            predicted_peak_bytes=best.peak_bytes,
+            predicted_step_time_s=best.time_s,
+            measured_peak_bytes=measured_peak,
+            measured_step_time_s=measured_time,
+            base_peak_bytes=search.peaks[base],
+            base_step_time_s=base_time,
+            what_if=what_if,
+            left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
+            precision=best.combo.precision,
+            batch_size=batch,
+            inputs_kind="tensor" if isinstance(inputs, torch.Tensor) else ("kwargs" if kwargs else "args"),
+            default_loss=loss_fn is None,
+            targets=targets is not None,
+            model_type=type(model).__name__,
+            fingerprint=fingerprint(model),
+            optimizer_type=type(optimizer).__name__,
+            device=str(device),
+            budget=str(budget),
+            fit_time_s=time.perf_counter() - started,
+            notes=notes,
+            search={
+                "combinations": len(combos),
+                "weighed": len(search.peaks),
+                "planned": len(search.plans),
+                "timed": sum(1 for c in cands if c.measured is not None),
+                "probes": search.times.probes,
+                "fake_profiles": search.fake_profiles,
+            },
+        )
 
 
-def _measure(
-    model: nn.Module,
-    inputs: Any,
-    loss_fn: Any,
-    optimizer: torch.optim.Optimizer,
-    options: StepOptions,
-    plan: Plan | None,
-    targets: Any,
-) -> tuple[int, float]:
-    """The recipe's step on the real model: the recorder ledger's peak and the median step time."""
-    if plan is not None and plan.checkpointed:
-        apply_choices(model, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
-    try:
-        prof = measure_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, step=options, targets=targets)
-        seconds = median_step_time(model, inputs, loss_fn, optimizer, steps=_TIMED_STEPS, step=options, targets=targets)
-    except torch.OutOfMemoryError as exc:
-        torch.cuda.empty_cache()
+@contextlib.contextmanager
+def _optimizer_state(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, targets: Any
+) -> Iterator[None]:
+    """Inside, the optimizer has its state (one real step, in a sandbox restored on exit)."""
+    with real_sandbox(model, args, kwargs, optimizer, targets=targets) as box:
+        if not optimizer.state:
+            try:
+                with Scope(box.model) as scope:
+                    run_step(box, scope, loss_fn)  # a failing forward is named as the profile names it
+            except torch.OutOfMemoryError:
+                # The step does not fit the device: each measurement creates the state as it needs.
+                optimizer.state.clear()
+                torch.cuda.empty_cache()
+        yield
+
+
+class _Queue:
+    """The combinations in order of predicted time, weighed (exact peak, a plan where it is
+    over) as far as needed: those that fit are :attr:`cands`."""
+
+    def __init__(self, search: _Search, combos: list[_Combo]) -> None:
+        self.search = search
+        self.order = sorted(combos, key=lambda c: (search.predict(c)[0], len(search.levers(c, None))))
+        self.cands: list[_Candidate] = []
+        self.lowest: tuple[int, _Combo] | None = None
+        """The lowest peak reached by a combination that does not fit, and which."""
+
+    def bound(self) -> float | None:
+        """No combination predicted slower than this (without recompute, which only adds)
+        can change which candidates :func:`_time_candidates` runs: they are the one
+        :func:`_choose` picks among those within :data:`_TIE` of the fastest, and the
+        fastest others within :data:`_MARGIN`, :data:`_MAX_TIMED` in all."""
+        if not self.cands:
+            return None
+        times = sorted(c.time_s for c in self.cands)
+        fastest = times[0]
+        if len(times) >= _MAX_TIMED:
+            return min(fastest * (1 + _MARGIN), max(fastest * (1 + _TIE), times[_MAX_TIMED - 1]))
+        return fastest * (1 + _MARGIN)
+
+    def weigh(self, up_to: float | None = None) -> None:
+        """Weigh combinations until the next is predicted slower than ``up_to`` (default
+        :meth:`bound`)."""
+        while self.order:
+            bound = up_to if up_to is not None else self.bound()
+            if bound is not None and self.search.predict(self.order[0])[0] > bound:
+                return
+            combo = self.order.pop(0)
+            result = self.search.candidate(combo)
+            if isinstance(result, int):
+                if self.lowest is None or result < self.lowest[0]:
+                    self.lowest = (result, combo)
+            else:
+                self.cands.append(result)
+
+
+def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate:
+    """Run for real the candidate the predictions choose and those predicted within
+    :data:`_MARGIN` of the fastest (at most :data:`_MAX_TIMED` in all), and choose by the
+    measured times; by the predictions when those are too noisy to rank.
+
+    The predictions' choice runs first, its recorded step as the warm-up (its ledger peak
+    is the recipe's measured peak). Each other one races it: a warm-up, then its steps
+    until most of them are over the first's median plus :data:`_TIE` (it cannot be chosen
+    then). One that wins has its peak recorded after."""
+    cands = queue.cands
+    fastest = min(c.time_s for c in cands)
+    pool = sorted((c for c in cands if c.time_s <= fastest * (1 + _MARGIN)), key=lambda c: c.time_s)
+    pick = _choose(pool)
+    finalists = [pick] + [c for c in pool if c is not pick][: _MAX_TIMED - 1]
+    base = search.times.base
+    threshold = None
+
+    def race(group: list[_Candidate]) -> None:
+        nonlocal threshold
+        for cand in group:
+            search.report(f"{len(timed) + 1}/{len(finalists)}: {search.label(cand.combo, cand.plan)}")
+            slow = base is not None and cand.time_s > _SLOW * base.median  # a slow step is timed once, as before
+            cand.measured = search.run(cand, 1 if slow else _TIMED_STEPS, record=cand is pick, stop_above=threshold)
+            timed.append(cand)
+            if cand is pick and cand.measured is not None and not math.isinf(cand.measured.median):
+                threshold = cand.measured.median * (1 + _TIE)
+
+    timed: list[_Candidate] = []
+    race(finalists)
+    # The predictions' choice measured far slower than predicted (a probe that misled, a
+    # kernel that is slow only in this combination): what was predicted faster than that
+    # measurement runs too, before anything is chosen on a prediction that did not hold.
+    drift = None
+    trusted = pick.measured is not None and pick.measured.spread <= _NOISY  # else noise explains it
+    if trusted and pick.measured_s > pick.time_s * (1 + _PARTED):
+        # First, whether the host itself slowed down since the probes ran (a shared
+        # machine): the step as it is, again. Then the predictions still rank correctly.
+        search.report("the first candidate measured slower than predicted: the step as it is, again")
+        drift = search.host_drift()
+        if drift is not None and pick.measured_s <= pick.time_s * drift * (1 + _PARTED):
+            notes.append(
+                f"the step as it is ran {drift - 1:+.0%} slower than when fit's probes timed it (a busy host): "
+                f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against {pick.time_s:.3f} s "
+                "predicted is that slowdown, not a prediction that failed"
+            )
+    if trusted and pick.measured_s > pick.time_s * (drift or 1.0) * (1 + _PARTED):
+        search.report("the first candidate measured slower than predicted: weighing more")
+        queue.weigh(up_to=pick.measured_s)
+        more = sorted((c for c in cands if c not in finalists and c.time_s < pick.measured_s), key=lambda c: c.time_s)
+        more = more[: _MAX_TIMED - 1]
+        if more:
+            finalists += more
+            notes.append(
+                f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against "
+                f"{pick.time_s:.3f} s predicted: {len(more)} more recipe{'s' if len(more) > 1 else ''} predicted faster "
+                "than that measurement ran too"
+            )
+            race(more)
+    ran = [c for c in finalists if c.measured is not None and not math.isinf(c.measured.median)]
+    if not ran:
         raise MemfitError(
-            f"the chosen recipe ran out of device memory when measured ({str(exc).splitlines()[0][:160]}); "
-            "memory the ledger does not see (allocator fragmentation, kernel workspaces) needs headroom: lower the budget"
-        ) from exc
-    finally:
-        if plan is not None and plan.checkpointed:
-            remove(model)
-    return prof.peak_bytes, seconds
+            "the chosen recipe ran out of device memory when measured; memory the ledger does not see (allocator "
+            "fragmentation, kernel workspaces) needs headroom: lower the budget"
+        )
+    noisy = [c for c in ran if c.measured is not None and c.measured.spread > _NOISY]
+    if len(ran) > 1 and noisy:
+        worst = max(c.measured.spread for c in noisy if c.measured is not None)
+        notes.append(
+            f"step times on this host spread by {worst:.0%} while fit measured them (after a retry): too noisy to rank "
+            f"{len(ran)} recipes predicted within {_MARGIN:.0%} of each other, so the cost model's predictions chose"
+        )
+        best = _choose(ran)
+        search.chosen_by = "the predictions"
+    else:
+        best = _choose(ran, key=lambda c: c.measured_s)
+    if best.measured is not None and best.measured.peak_bytes is None:
+        search.report(f"recording the peak of {search.label(best.combo, best.plan)}")
+        got = search.run(best, 0)
+        best.measured.peak_bytes = got.peak_bytes if got is not None else None
+    return best
 
 
-def _what_if(
-    search: _Search, singles: list[_Combo], base: _Combo, best: _Candidate, measured_peak: int, measured_time: float
-) -> list[WhatIf]:
-    rows = []
+def _what_if(search: _Search, singles: list[_Combo], base: _Combo, best: _Candidate, cands: list[_Candidate]) -> list[WhatIf]:
+    """Each lever alone and recompute alone (predicted times), every candidate that ran for
+    real (measured beside), the chosen one marked."""
+    rows: list[WhatIf] = []
+    timed = {(c.combo, c.plan is not None and bool(c.plan.checkpointed)): c for c in cands if c.measured is not None}
+    base_time = search.times.base.median if search.times.base is not None else None
+
+    def row(combo: _Combo, plan: Plan | None, peak: int, seconds: float | None, fits: bool, note: str = "") -> WhatIf:
+        cand = timed.pop((combo, plan is not None and bool(plan.checkpointed)), None)
+        levers = search.levers(combo, plan)
+        if cand is None:
+            return WhatIf(search.label(combo, plan), levers, peak, seconds, fits, note=note)
+        m = cand.measured
+        assert m is not None
+        return WhatIf(
+            search.label(cand.combo, cand.plan),
+            cand.levers,
+            cand.peak_bytes,
+            cand.time_s,
+            True,
+            m.peak_bytes,
+            None if math.isinf(m.median) else m.median,
+            note=note,
+            chosen=cand is best,
+        )
+
     for combo in singles:
-        peak, seconds = search.peaks[combo], search.times[combo]
+        peak = search.peaks[combo]
+        seconds, lower = search.predict(combo)
         note = search.host_note(combo)
-        rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, peak <= search.budget, note=note))
+        probe = search.times.precision.get(combo.precision) if combo.precision != "fp32" else None
+        if lower and probe is not None and probe.stopped_after is not None and base_time:
+            note = f"stopped after {probe.stopped_after:.1f} s: at least {seconds / base_time:.1f}x the step as it is" + (
+                f"; {note}" if note else ""
+            )
+        fits = peak <= search.budget
+        if fits and combo in [c.combo for c in cands if c.plan is None or not c.plan.checkpointed]:
+            rows.append(row(combo, None, peak, seconds, fits, note))
+        else:
+            rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, fits, note=note))
     plan = search.plans.get(base)
     if search.peaks[base] <= search.budget:
         rows.append(WhatIf("recompute", ("recompute",), None, None, True, note="not needed: the step fits as it is"))
     elif isinstance(plan, Plan):
-        seconds = search.times[base] + search.recompute_s(base, plan)
-        rows.append(WhatIf(search.label(base, plan), ("recompute",), plan.predicted_peak_bytes, seconds, True))
+        seconds = search.predict(base)[0] + search.recompute_s(base, plan)
+        rows.append(row(base, plan, plan.predicted_peak_bytes, seconds, True))
     elif isinstance(plan, int):
         rows.append(WhatIf("recompute", ("recompute",), plan, None, False, note=f"lowest reachable peak {format_bytes(plan)}"))
-    chosen = WhatIf(
-        search.label(best.combo, best.plan),
-        best.levers,
-        best.peak_bytes,
-        best.time_s,
-        True,
-        measured_peak,
-        measured_time,
-        note=search.host_note(best.combo),
-        chosen=True,
+    for cand in list(timed.values()):  # timed combinations that are no row yet
+        rows.append(row(cand.combo, cand.plan, cand.peak_bytes, cand.time_s, True))
+    ran = sorted((r for r in rows if r.measured_step_time_s is not None), key=lambda r: (not r.chosen, r.measured_step_time_s))
+    fitting = sorted(
+        (r for r in rows if r.measured_step_time_s is None and r.fits and r.predicted_step_time_s is not None),
+        key=lambda r: r.predicted_step_time_s or 0.0,
     )
-    same = next(
-        (i for i, r in enumerate(rows) if r.levers == chosen.levers and r.predicted_peak_bytes == chosen.predicted_peak_bytes),
-        None,
-    )
-    if same is not None:
-        rows[same] = chosen
-    else:
-        rows.append(chosen)
-    timed = sorted((r for r in rows if r.fits and r.predicted_step_time_s is not None), key=lambda r: r.predicted_step_time_s)
-    rest = [r for r in rows if not (r.fits and r.predicted_step_time_s is not None)]
+    rest = [r for r in rows if r not in ran and r not in fitting]
     rest.sort(key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0))
-    return timed + rest
+    return ran + fitting + rest

@@ -158,6 +158,7 @@ def plan(
     progress: Progress | None = None,
     step: StepOptions | None = None,
     targets: Any = None,
+    op_overhead_s: float | None = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
 
@@ -176,6 +177,9 @@ def plan(
             usual step. Plans are verified on this very step. A module called once per
             micro-batch is called more than once per step, so it is not planned: plan
             one micro-batch's step instead (what :func:`memfit.fit` does).
+        op_overhead_s: seconds selective recompute's dispatch mode adds per op on this
+            host; default measured on the model (two forwards) when the profile has times.
+            :func:`memfit.fit` measures it once and plans many steps with it.
 
     Returns:
         A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
@@ -264,7 +268,12 @@ def plan(
         none_peak = prof.peak_bytes
         # What selective recompute's dispatch mode costs per op here (measured on the model;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
-        overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options) if timed else 0.0
+        if op_overhead_s is not None:
+            overhead = op_overhead_s
+        elif timed:
+            overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options)
+        else:
+            overhead = 0.0
 
         for _ in range(_MAX_EXCLUSIONS):
             cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)

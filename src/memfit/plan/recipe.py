@@ -48,8 +48,8 @@ class WhatIf:
     """Exact peak of the step in this configuration (fake tensors; with recompute, the
     verified plan's peak)."""
     predicted_step_time_s: float | None
-    """Measured time of the step in this configuration (median after warm-up), plus the
-    plan's predicted recompute time."""
+    """Predicted time of the step in this configuration (from the few steps :func:`memfit.fit`
+    measures and the fitted cost model), plus the plan's predicted recompute time."""
     fits: bool
     measured_peak_bytes: int | None = None
     measured_step_time_s: float | None = None
@@ -96,6 +96,13 @@ class Recipe:
     budget: str = ""
     """The budget as given."""
     fit_time_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """Warnings about the search: prediction and measurement that part by more than 15%,
+    timings too noisy to rank the candidates, a lever stopped for being slow."""
+    search: dict[str, int] = field(default_factory=dict)
+    """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
+    ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for
+    real to predict times from), ``fake_profiles``."""
 
     @property
     def micro_batches(self) -> int:

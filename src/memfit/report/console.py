@@ -755,6 +755,8 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
         + (f"; {'; '.join(measured)}" if measured else ""),
         highlight=False,
     )
+    for note in recipe.notes:
+        console.print(f"[yellow]note[/] {note}", highlight=False)
     snippet = recipe.snippet(path or "recipe.json")
     if recipe.levers and path is None:
         # The snippet reads the recipe from a file, which this run did not write. Saying so
