@@ -640,12 +640,12 @@ def test_cli_fit_prints_the_table_and_writes_a_recipe(tmp_path, capsys):
     work = memfit.zoo.build("gpt", batch_size=2, n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=512)
     peak = memfit.profile(work.model, work.inputs, fake=True).peak_bytes
     out = tmp_path / "recipe.json"
-    budget = str(int(peak * 0.9))
+    budget = f"{int(peak * 0.9)}B"  # a bare number is refused as ambiguous
     assert main(["fit", "gpt", "--batch-size", "2", *SMALL, "--budget", budget, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "What if" in text and "(chosen)" in text and "left out" in text and "recipe.apply(model, optimizer)" in text
     recipe = memfit.Recipe.from_json(out.read_text())
-    assert recipe.budget == budget and recipe.predicted_peak_bytes <= recipe.budget_bytes == int(budget)
+    assert recipe.budget == budget and recipe.predicted_peak_bytes <= recipe.budget_bytes == int(budget[:-1])
     assert recipe.levers and set(recipe.levers) <= {"recompute", "microbatch"}
     assert recipe.inputs_kind == "kwargs" and "model(**" in recipe.snippet() and recipe.default_loss
 
