@@ -432,7 +432,7 @@ def test_fit_max_batch_table_at_80_columns(tmp_path, capsys, monkeypatch):
     path.write_text(BATCHNORM)
     work = memfit.load_target(f"{path}:build")
     peak = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=True).peak_bytes
-    assert main(["fit", f"{path}:build", "--budget", str(int(peak * 1.3)), "--max-batch"]) == 0
+    assert main(["fit", f"{path}:build", "--budget", f"{int(peak * 1.3)}B", "--max-batch"]) == 0
     out = capsys.readouterr().out
     table = out.split("Peak = fixed + per sample x batch")[1].split("line says:")[0]
     assert "levers" in table
