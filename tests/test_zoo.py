@@ -14,7 +14,7 @@ SMALL = {
     "heavy": dict(n_ops=600, ops_per_block=60, batch_size=2),
     "resnet": dict(image_size=16, base=8, batch_size=4),
     "convnext": dict(pixels=32, dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), batch_size=2),
-    "resnext": dict(pixels=16, dims=(32, 64), depths=(1, 1), batch_size=2),
+    "resnext": dict(pixels=16, dims=(64, 128), depths=(1, 1), batch_size=2),
     "mobilenet": dict(pixels=32, batch_size=2),
     "convmixer": dict(pixels=16, dim=16, depth=2, batch_size=2),
     "bert-base": dict(

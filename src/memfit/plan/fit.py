@@ -842,6 +842,8 @@ def fit(
                 f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])}"
                 + ("; " if lowest[1].offload else " and recompute; ")  # offload is not combined with recompute
                 + f"as it is the step peaks at {format_bytes(search.peaks[base])}"
+                # the one line a refused budget prints: say why micro-batches were not weighed
+                + (f"; micro-batching left out: {left_out['microbatch']}" if "microbatch" in left_out else "")
                 + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
                 min_peak_bytes=lowest[0],
                 budget_bytes=target,
