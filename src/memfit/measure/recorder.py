@@ -143,13 +143,12 @@ class Recorder(TorchDispatchMode):
         device: torch.device | None = None,
         checkpointed: Iterable[str] = (),
         fake: bool = False,
-        table: workspace.WorkspaceTable | None = None,
     ) -> None:
         """``checkpointed``: modules running under a checkpoint (an applied plan, or one
         being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
         saved records. ``fake``: the step runs on fake tensors, whose kernels allocate
-        nothing; their workspace comes from ``table`` (default
-        :data:`memfit.measure.workspace.TABLE`), which real steps fill."""
+        nothing; their workspace comes from :data:`memfit.measure.workspace.TABLE`, which
+        real steps fill."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
@@ -172,7 +171,7 @@ class Recorder(TorchDispatchMode):
         self.spans: list[Span] = []
         self.ops: list[OpCall] = []
         self._open: dict[tuple[Phase, str], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
-        self.table = workspace.TABLE if table is None else table
+        self.table = workspace.TABLE
         self._workspace = self.device_type in workspace.PROBED_DEVICES
         # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
         # their blocks wait, with no bytes, for the trace to be read when the step is over.
