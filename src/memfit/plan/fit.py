@@ -273,8 +273,8 @@ class _Times:
         self.precision: dict[str, StepTimes] = {}
         self.optimizer: dict[tuple, float] = {}
         self.offload: StepTimes | None = None
-        self.overhead: dict[str, float] = {}
-        """Per precision: what selective recompute's dispatch mode adds per op."""
+        self.overhead: dict[None, float] = {}
+        """What selective recompute's dispatch mode adds per op (one figure for the host)."""
         self.fallback: DeviceRates | None = None
         self.probes = 0
         """Configurations run for real to measure these."""
@@ -567,21 +567,12 @@ class _Search:
         return f"host memory {format_bytes(self.host_peaks[combo])}" if combo.offload else ""
 
     def overhead(self, combo: _Combo) -> float:
-        """Seconds selective recompute's dispatch mode adds per op, measured once per precision."""
+        """Seconds selective recompute's dispatch mode adds per op on this host, measured once
+        (a per-op-call cost: the same under autocast or another dtype)."""
         t = self.times
-        if combo.precision not in t.overhead:
-            options = replace(
-                self.options(self.base), autocast=self.options(combo).autocast, param_dtype=self.options(combo).param_dtype
-            )
-            ops = len(self.profile(self.options(self.base)).ledger.ops)
-            try:
-                t.overhead[combo.precision] = selective_overhead_s(
-                    self.model, self.inputs, self.optimizer, forward_ops=ops, step=options
-                )
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                t.overhead[combo.precision] = 0.0
-        return t.overhead[combo.precision]
+        if None not in t.overhead:
+            t.overhead[None] = selective_overhead_s(self.device)
+        return t.overhead[None]
 
     def plan(self, combo: _Combo) -> Plan | int:
         """A recompute plan for ``combo`` at the budget, or ``P_min`` when none fits."""

@@ -35,7 +35,7 @@ from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import parse_budget
-from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples
+from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
 from memfit.plan.stateful import stateful_modules
@@ -260,18 +260,18 @@ def plan(
 
         ledger = prof.ledger
         timed = prof.time_source == "measured"
-        forward_time = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
+        forward_time = pooled_times(ledger, {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()})
         calls = {n: m.calls for n, m in prof.modules.items()}
         rates = DeviceRates.for_device(prof.device)
         if timed:
             rates = DeviceRates.fit(leaf_samples(ledger, forward_time), rates)
         none_peak = prof.peak_bytes
-        # What selective recompute's dispatch mode costs per op here (measured on the model;
+        # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
             overhead = op_overhead_s
         elif timed:
-            overhead = selective_overhead_s(model, inputs, optimizer, forward_ops=len(ledger.ops), step=options)
+            overhead = selective_overhead_s(prof.device)
         else:
             overhead = 0.0
 
