@@ -179,7 +179,9 @@ def enable(gpu: GPU | None = None) -> None:
         handle.memfit_fake_cuda_version.restype = ctypes.c_int
         handle.memfit_fake_cuda_version()
     except (OSError, AttributeError) as exc:
-        raise FakeCudaError(f"cannot load the fake-CUDA shim {path} ({str(exc).splitlines()[0][:200]}): delete it to rebuild, {_HINT}") from None
+        raise FakeCudaError(
+            f"cannot load the fake-CUDA shim {path} ({str(exc).splitlines()[0][:200]}): delete it to rebuild, {_HINT}"
+        ) from None
     import torch
 
     if not _hooks_registered(torch):

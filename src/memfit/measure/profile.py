@@ -335,7 +335,9 @@ def _profile(
 
     with ExitStack() as stack:
         if fake:
-            opened = fake_sandbox(model, args, kwargs, optimizer, step=options, targets=targets, device=where if where == "cuda" else None)
+            opened = fake_sandbox(
+                model, args, kwargs, optimizer, step=options, targets=targets, device=where if where == "cuda" else None
+            )
         else:
             opened = real_sandbox(model, args, kwargs, optimizer, step=options, targets=targets)
         box = stack.enter_context(opened)

@@ -89,7 +89,9 @@ class _Verifier:
         if where is None:
             opened = real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets)
         else:
-            opened = fake_sandbox(model, args, kwargs, optimizer, step=step, targets=targets, device=where if where == "cuda" else None)
+            opened = fake_sandbox(
+                model, args, kwargs, optimizer, step=step, targets=targets, device=where if where == "cuda" else None
+            )
         self.box = self._stack.enter_context(opened)
         self.loss_fn = loss_fn
         self.runs = 0
