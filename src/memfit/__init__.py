@@ -11,6 +11,12 @@ Public API (everything else is internal)::
     print(recipe.snippet()); run = recipe.apply(model, optimizer)
 """
 
+# ruff: noqa: E402
+# First, before anything imports torch: fake CUDA has to be loaded ahead of it (when asked for).
+from memfit.measure import _fake_cuda
+
+_fake_cuda.preload()
+
 from memfit.apply import apply, remove
 from memfit.errors import (
     BudgetError,

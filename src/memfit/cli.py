@@ -2,6 +2,7 @@
 
     memfit profile gpt                       # where the memory of a step goes
     memfit profile gpt --batch-size 64 --device fake   # a step too big for this machine
+    memfit profile gpt --device fake-cuda    # the same step as a CUDA GPU runs it, on a CPU build of torch
     memfit profile path/to/train.py:workload --json profile.json
     memfit plan gpt --budget 50%             # what to recompute to fit a budget
     memfit plan gpt --budget 400MiB --json plan.json
@@ -51,11 +52,19 @@ def _workload(ns: argparse.Namespace) -> memfit.Workload:
     return memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
 
 
+FAKE = {"fake": True, "fake-cuda": "cuda"}
+"""``--device`` values that run on fake tensors, and the ``fake=`` each passes."""
+
+
 def _require_device(device: str) -> None:
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu or fake")
+        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu, fake or fake-cuda")
+    if device == "fake-cuda":
+        from memfit.measure import _fake_cuda
+
+        _fake_cuda.require()  # loaded by `import memfit` when this is the command; else says why not
 
 
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
@@ -76,7 +85,8 @@ def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
 def _profile(work: memfit.Workload, device: str, console: Console, *, inference: bool = False) -> memfit.Profile:
     from memfit.report.console import progress_bar
 
-    fake = device == "fake"
+    _require_device(device)
+    fake = FAKE.get(device, False)
     model, inputs = _on_device(work, "cpu" if fake else device)
     optimizer = work.make_optimizer()
     step = memfit.StepOptions(inference=True) if inference else None
@@ -96,6 +106,7 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
+    _require_device(ns.device)  # before building the model
     work = _workload(ns)
     prof = _profile(work, ns.device, console, inference=ns.eval)
     prof.meta.update({"target": ns.target, **work.meta})
@@ -110,8 +121,9 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
     budget = memfit.parse_budget(ns.budget)  # bad budgets fail before any work
+    _require_device(ns.device)
     work = _workload(ns)
-    fake = ns.device == "fake"
+    fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
@@ -312,7 +324,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure where the memory of one training step goes")
     target_args(p)
-    p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: fake tensors, no memory used")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "fake", "fake-cuda"],
+        default="cpu",
+        help="fake: fake tensors, no memory used; fake-cuda: fake tensors on a simulated CUDA GPU (CUDA's autocast, "
+        "attention kernels and optimizer defaults), on a CPU build of torch (builds a small C++ shim with g++ once)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the profile as JSON")
     p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
     p.add_argument(
@@ -323,7 +341,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
     target_args(p)
     p.add_argument("--budget", required=True, help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5)")
-    p.add_argument("--device", choices=["cpu", "cuda", "fake"], default="cpu", help="fake: plan on fake tensors")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "fake", "fake-cuda"],
+        default="cpu",
+        help="fake: plan on fake tensors; fake-cuda: on fake tensors of a simulated CUDA GPU",
+    )
     p.add_argument(
         "--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs"
     )

@@ -21,6 +21,7 @@ __all__ = [
     "is_fake",
     "op_flops",
     "pin_optimizer_impl",
+    "pin_cuda_optimizer_impl",
     "uses_foreach",
     "updates_running_stats",
     "uses_batch_statistics",
@@ -87,6 +88,24 @@ def pin_optimizer_impl(fake_opt: torch.optim.Optimizer, real_opt: torch.optim.Op
             continue
         params = [p for p in group["params"]]
         _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable", False)), use_fused=False)
+        fake_group["foreach"] = foreach
+
+
+def pin_cuda_optimizer_impl(fake_opt: torch.optim.Optimizer, real_opt: torch.optim.Optimizer) -> None:
+    """As :func:`pin_optimizer_impl`, for fake copies on (fake) CUDA of a real optimizer on
+    another device: the implementation torch picks for plain tensors on CUDA (foreach,
+    where the flag is left to torch)."""
+    from torch.optim.optimizer import _foreach_supported_types, _get_foreach_kernels_supported_devices
+
+    devices = _get_foreach_kernels_supported_devices()
+    for fake_group, group in zip(fake_opt.param_groups, real_opt.param_groups):
+        if "foreach" not in group or group.get("foreach") is not None or group.get("fused"):
+            continue
+        real = [p for p in group["params"] if p is not None]
+        fakes = [p for p in fake_group["params"] if p is not None]
+        foreach = not bool(group.get("differentiable", False)) and all(
+            type(p) in _foreach_supported_types and f.device.type in devices for p, f in zip(real, fakes)
+        )
         fake_group["foreach"] = foreach
 
 

@@ -27,7 +27,7 @@ from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
-from memfit.measure.sandbox import Sandbox, fake_sandbox, real_sandbox
+from memfit.measure.sandbox import Sandbox, fake_device, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
 from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
@@ -252,7 +252,7 @@ def profile(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    fake: bool = False,
+    fake: bool | str = False,
     progress: Progress | None = None,
     step: StepOptions | None = None,
     targets: Any = None,
@@ -269,7 +269,12 @@ def profile(
         optimizer: the optimizer training uses; default AdamW over the trainable
             parameters. Its state is created by a warm-up step if it has none.
         fake: run on fake tensors (FakeTensorMode): exact memory with no memory used
-            and no time measured, for steps that do not fit on this machine.
+            and no time measured, for steps that do not fit on this machine. ``True``
+            (or ``"cpu"``): on the model's device. ``"cuda"``: on a fake CUDA device with
+            CUDA's semantics (autocast policy, SDPA kernels, optimizer defaults) from a
+            model on the CPU, on a CPU build of torch; it must be loaded before torch: run
+            ``memfit ... --device fake-cuda``, or start Python with ``MEMFIT_FAKE_CUDA=1``
+            and import memfit before torch (else a one-line :class:`MemfitError`).
         progress: optional ``progress(description, done, total)`` callback.
         step: how the step runs (:class:`StepOptions`: micro-batches, autocast, a
             GradScaler, ``zero_grad(set_to_none=False)``, parameters cast to another
@@ -299,7 +304,7 @@ def _profile(
     *,
     loss_fn: Callable[..., torch.Tensor] | None,
     optimizer: torch.optim.Optimizer | None,
-    fake: bool,
+    fake: bool | str,
     progress: Progress | None,
     step: StepOptions | None,
     warm: bool = False,
@@ -309,15 +314,18 @@ def _profile(
     optimizer has state already and the process has run the step (the planner profiles
     inside its verifier's sandbox, whose first step was that warm-up)."""
     check_arguments(model, optimizer, loss_fn, targets)
+    where = fake_device(fake)
+    fake = where is not None
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
     options = step or StepOptions()
     args, kwargs = split_inputs(inputs)
     device = check_step(model, args, kwargs, targets)
-    if options.offload and device.type != "cuda":
+    step_device = torch.device("cuda", 0) if where == "cuda" else device
+    if options.offload and step_device.type != "cuda":
         raise WorkloadError(
             f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
-            f"{device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
+            f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
         )
     split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
     if optimizer is None:
@@ -326,8 +334,13 @@ def _profile(
     total = 2 if fake else 3
 
     with ExitStack() as stack:
-        sandbox = fake_sandbox if fake else real_sandbox
-        box = stack.enter_context(sandbox(model, args, kwargs, optimizer, step=options, targets=targets))
+        if fake:
+            opened = fake_sandbox(
+                model, args, kwargs, optimizer, step=options, targets=targets, device=where if where == "cuda" else None
+            )
+        else:
+            opened = real_sandbox(model, args, kwargs, optimizer, step=options, targets=targets)
+        box = stack.enter_context(opened)
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
         if not box.optimizer.state or not (fake or warm):
@@ -351,7 +364,7 @@ def _profile(
     return Profile(
         ledger=ledger,
         modules=modules,
-        device=f"fake:{device}" if fake else str(device),
+        device=f"fake:{step_device}" if fake else str(device),
         fake=fake,
         time_source="omitted" if fake else "measured",
         step_time_s=step_time,

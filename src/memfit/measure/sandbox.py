@@ -30,11 +30,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
-from memfit.measure import _optim8bit, _torch_compat
+from memfit.measure import _fake_cuda, _optim8bit, _torch_compat
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
-__all__ = ["Sandbox", "real_sandbox", "fake_sandbox"]
+__all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device"]
 
 
 @dataclass
@@ -281,6 +281,20 @@ def _fake_state(mode: Any, value: Any) -> Any:
     return mode.from_tensor(value)
 
 
+def fake_device(fake: Any) -> str | None:
+    """What ``fake=`` asks for: None (real tensors), ``"same"`` (fake tensors on the model's
+    device: ``True``, ``"cpu"``) or ``"cuda"`` (fake CUDA, :mod:`memfit.measure._fake_cuda`,
+    switched on here or refused in one line)."""
+    if fake is False or fake is None:
+        return None
+    if fake is True or fake == "cpu":
+        return "same"
+    if fake == "cuda":
+        _fake_cuda.require()
+        return "cuda"
+    raise WorkloadError(f"fake takes True (fake tensors on the model's device), 'cpu' or 'cuda' (fake CUDA), got {fake!r}")
+
+
 @contextmanager
 def fake_sandbox(
     model: nn.Module,
@@ -290,20 +304,37 @@ def fake_sandbox(
     *,
     step: StepOptions | None = None,
     targets: Any = None,
+    device: str | None = None,
 ) -> Iterator[Sandbox]:
+    """Fake copies of the step; with ``device="cuda"``, on fake ``cuda:0`` (the model on the
+    CPU; fake CUDA on): optimizer scalars such as Adam's ``step`` stay on the host, as
+    a CUDA step keeps them."""
     options = step or StepOptions()
     mode = _torch_compat.new_fake_mode()
     dtype = options.cast_dtype
+    to = torch.device("cuda", 0) if device == "cuda" else None
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         ft = mode.from_tensor(t)
+        if to is not None:
+            with mode:
+                ft = ft.to(to)
         if dtype is None or not t.is_floating_point():
             return ft
         with mode:
             return ft.to(dtype)
 
+    def fake_target(t: torch.Tensor) -> torch.Tensor:
+        ft = mode.from_tensor(t)
+        if to is None:
+            return ft
+        with mode:
+            return ft.to(to)
+
     new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, fake, lambda t: _fake_state(mode, t))
-    new_targets = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, targets)
+    if to is not None:
+        _torch_compat.pin_cuda_optimizer_impl(new_opt, optimizer)
+    new_targets = tree_map(lambda t: fake_target(t) if isinstance(t, torch.Tensor) else t, targets)
     cpu_rng = torch.get_rng_state()
     try:
         yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets))

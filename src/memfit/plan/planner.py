@@ -29,7 +29,7 @@ from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompu
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
-from memfit.measure.sandbox import fake_sandbox, real_sandbox
+from memfit.measure.sandbox import fake_device, fake_sandbox, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
@@ -80,13 +80,19 @@ class _Verifier:
         loss_fn: Any,
         optimizer: torch.optim.Optimizer,
         *,
-        fake: bool,
+        fake: bool | str,
         step: StepOptions,
         targets: Any = None,
     ) -> None:
         self._stack = ExitStack()
-        sandbox = fake_sandbox if fake else real_sandbox
-        self.box = self._stack.enter_context(sandbox(model, args, kwargs, optimizer, step=step, targets=targets))
+        where = fake_device(fake)
+        if where is None:
+            opened = real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets)
+        else:
+            opened = fake_sandbox(
+                model, args, kwargs, optimizer, step=step, targets=targets, device=where if where == "cuda" else None
+            )
+        self.box = self._stack.enter_context(opened)
         self.loss_fn = loss_fn
         self.runs = 0
 
@@ -145,6 +151,13 @@ class _Verifier:
         return _Run(ledger.peak_bytes, sum(flops.values()))
 
 
+def _profile_fake(profile: Profile) -> bool | str:
+    """The ``fake=`` that measured ``profile``: its plans are verified on the same device."""
+    if not profile.fake:
+        return False
+    return "cuda" if profile.device.startswith("fake:cuda") else True
+
+
 def plan(
     model: nn.Module,
     inputs: Any,
@@ -152,7 +165,7 @@ def plan(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    fake: bool = False,
+    fake: bool | str = False,
     profile: Profile | None = None,
     objective: str = "time",
     progress: Progress | None = None,
@@ -167,7 +180,8 @@ def plan(
         budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``,
             ``"800MB"``), or a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``) meaning
             ``P_min + f * (P_none - P_min)``.
-        fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes).
+        fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes);
+            ``"cuda"``: on fake CUDA, as for :func:`memfit.profile`.
         profile: a profile of this step to plan from, instead of measuring a new one.
         objective: what extra compute to minimise: ``"time"`` (recompute time estimated from
             the module times measured on this device, including selective recompute's
@@ -193,6 +207,7 @@ def plan(
     if objective not in _OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
     check_arguments(model, optimizer, loss_fn, targets)
+    fake_device(_profile_fake(profile) if profile is not None else fake)  # fake CUDA unavailable: say so before any work
     # A compiled or DDP-wrapped model is planned as the module inside: the plan names its
     # modules, and memfit.apply accepts the wrapper or the module alike.
     model = unwrap(model)
@@ -223,14 +238,14 @@ def plan(
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
 
-        def open_verifier(on_fake: bool) -> _Verifier:
+        def open_verifier(on_fake: bool | str) -> _Verifier:
             opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options, targets=targets)
             closing.callback(opened.close)
             return opened
 
         # The verifier's first step creates the optimizer's state (its warm-up); a real
         # profile runs inside that sandbox and needs no warm-up of its own: a step less.
-        on_fake = profile.fake if profile is not None else fake
+        on_fake = _profile_fake(profile) if profile is not None else fake
         verifier = open_verifier(on_fake)
         # Modules that change Python state in forward (a counter, a list): a recompute would
         # change it again, silently in some cases, so they are never offered. transformers'

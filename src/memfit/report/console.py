@@ -385,7 +385,12 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
             "it varies by op type by up to 15% (README, Known limitations)"
         )
-    if profile.ledger.unmeasured_ops:
+    if profile.device.startswith("fake:cuda"):
+        console.print(
+            "[yellow]note:[/] fake CUDA: what CUDA kernels take for themselves (cuBLAS workspaces, attention backward "
+            "temporaries) is not counted, and blocks are rounded to 512 B but not placed in the caching allocator's segments"
+        )
+    elif profile.ledger.unmeasured_ops:
         console.print(
             f"[yellow]note:[/] kernel workspace (memory kernels take for themselves, such as oneDNN's reorders) is not "
             f"counted for {profile.ledger.unmeasured_ops:,} op calls: fake tensors run no kernels, and no real step of ops "

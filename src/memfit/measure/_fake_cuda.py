@@ -1,0 +1,456 @@
+"""Fake CUDA on a CPU build of torch: fake tensors on ``cuda:0`` with CUDA's semantics.
+
+A CPU build makes fake tensors on "cuda" under FakeTensorMode, but any backward on them
+aborts the process, ``torch.autocast("cuda")`` turns itself off and SDPA takes the math
+kernel. Three pieces make a training step run there as a CUDA build would run it:
+
+1. ``_fake_cuda.cpp``, built here with the machine's C++ compiler against the installed
+   torch's headers (once per torch, cached), registers CUDA hooks that report one device
+   and c10's ``FakeGuardImpl<CUDA>`` as the CUDA device guard. It must be loaded before
+   torch is imported: torch keeps the first hooks it looks up.
+2. ``torch.cuda`` functions a step asks (device, streams, events, capability, bf16
+   support, autocast's availability check) answer for one GPU; ``is_available()`` stays
+   False, since True would start torch's CUDA initialisation.
+3. ``F.scaled_dot_product_attention`` on CUDA tensors calls the kernel a CUDA build picks
+   (flash, else memory-efficient, else the math composite). A global patch, not a
+   TorchFunctionMode: modes are per thread, and a checkpoint's recompute must pick the
+   kernel the forward picked.
+
+This module imports no torch at import time (it must run before torch is imported); every
+private torch name it touches is here, and ``tests/test_fake_cuda.py`` checks them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["FakeCudaError", "GPU", "ENV_FLAG", "enable", "preload", "active", "require", "cache_dir", "build"]
+
+ENV_FLAG = "MEMFIT_FAKE_CUDA"
+"""``MEMFIT_FAKE_CUDA=1`` in the environment: ``import memfit`` loads the shim (before torch,
+if memfit is imported first), for ``memfit.profile(..., fake="cuda")`` in a script."""
+
+SOURCE = Path(__file__).with_name("_fake_cuda.cpp")
+_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
+_HINT = "or use fake CPU tensors (--device fake, fake=True; CPU autocast casts other ops and attention takes the math kernel)"
+
+
+class FakeCudaError(MemfitError):
+    """Fake CUDA cannot run in this process or on this machine."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    """The device fake CUDA answers for."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    capability: tuple[int, int] = (9, 0)
+    total_memory: int = 80 * 1024**3
+    multi_processor_count: int = 132
+
+
+_state: dict[str, Any] = {"enabled": False, "failure": None, "gpu": GPU()}
+
+
+def active() -> bool:
+    """Whether this process runs fake CUDA (the shim loaded before torch)."""
+    return bool(_state["enabled"])
+
+
+def gpu() -> GPU:
+    return _state["gpu"]
+
+
+def cache_dir() -> Path:
+    """Where built shims are kept: ``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit``,
+    else ``~/.cache/memfit``."""
+    if os.environ.get("MEMFIT_CACHE_DIR"):
+        return Path(os.environ["MEMFIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memfit"
+
+
+def _torch_dir() -> Path:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        raise FakeCudaError("fake CUDA needs torch installed in this Python")
+    return Path(spec.origin).parent
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX")
+    found = shutil.which(cxx) if cxx else (shutil.which("g++") or shutil.which("c++"))
+    if not found:
+        what = f"CXX={cxx!r} is not a program on this machine" if cxx else "no C++ compiler (g++ or c++) on PATH"
+        raise FakeCudaError(
+            f"fake CUDA builds a small C++ library against torch's headers, and {what}: install g++ (or set CXX), {_HINT}"
+        )
+    return found
+
+
+def build(torch_dir: Path | None = None, *, cache: Path | None = None) -> Path:
+    """The shim for the installed torch: built on first use, then taken from the cache
+    (keyed by torch's version and location, the source and the compiler)."""
+    torch_dir = torch_dir or _torch_dir()
+    version = importlib.metadata.version("torch")
+    if (torch_dir / "lib" / "libtorch_cuda.so").exists():
+        raise FakeCudaError(
+            f"torch {version} is a CUDA build: measure on the GPU with --device cuda; fake CUDA is for the CPU build of torch"
+        )
+    include = torch_dir / "include"
+    if not (include / "ATen" / "detail" / "CUDAHooksInterface.h").exists() or not (torch_dir / "lib").is_dir():
+        raise FakeCudaError(
+            f"torch {version} at {torch_dir} has no C++ headers (include/ATen/detail/CUDAHooksInterface.h) to build "
+            f"fake CUDA against: install an official torch wheel (they ship them), {_HINT}"
+        )
+    cxx = _compiler()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([version.encode(), str(torch_dir).encode(), source, cxx.encode(), *map(str.encode, _FLAGS)]))
+    folder = cache or cache_dir()
+    out = folder / f"fake_cuda-torch{version}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    lib = torch_dir / "lib"
+    print(f"memfit: building the fake-CUDA shim for torch {version} (once; cached in {folder})", file=sys.stderr)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+    except OSError as exc:
+        raise FakeCudaError(f"cannot write the fake-CUDA shim to {folder} ({exc.strerror}): set MEMFIT_CACHE_DIR") from None
+    # torch's own ABI flag: a mismatch shows as missing std::string symbols at load time
+    abi = _cxx11_abi(lib)
+    cmd = [
+        cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", str(SOURCE), "-o", tmp,
+        f"-L{lib}", "-Wl,--no-as-needed", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        os.unlink(tmp)
+        raise FakeCudaError(f"the C++ compiler {cxx} did not run ({exc}): {_HINT}") from None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["(no output)"]
+        raise FakeCudaError(f"building fake CUDA against torch {version}'s headers failed ({errors[0].strip()[:200]}): {_HINT}")
+    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+def _cxx11_abi(lib: Path) -> int:
+    """torch's ``_GLIBCXX_USE_CXX11_ABI``, read from libc10 without importing torch: its
+    exported symbols name ``std::__cxx11`` types only under the new ABI."""
+    try:
+        data = (lib / "libc10.so").read_bytes()
+    except OSError:
+        return 1
+    return 1 if b"__cxx11" in data else 0
+
+
+def enable(gpu: GPU | None = None) -> None:
+    """Load the shim and import torch with it (idempotent). Raises :class:`FakeCudaError`
+    when this process imported torch already or the shim cannot be built or loaded."""
+    if gpu is not None:
+        _state["gpu"] = gpu
+    if _state["enabled"]:
+        return
+    if "torch" in sys.modules:
+        raise FakeCudaError(_too_late())
+    path = build()
+    # The autograd engine starts a thread per CUDA device. At exit it would wake them to
+    # stop, and one taking the GIL while Python finalizes is killed by a forced unwind
+    # through C++ (std::terminate). Not waiting leaves them asleep.
+    os.environ.setdefault("TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT", "0")
+    try:
+        handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        handle.memfit_fake_cuda_version.restype = ctypes.c_int
+        handle.memfit_fake_cuda_version()
+    except (OSError, AttributeError) as exc:
+        raise FakeCudaError(
+            f"cannot load the fake-CUDA shim {path} ({str(exc).splitlines()[0][:200]}): delete it to rebuild, {_HINT}"
+        ) from None
+    import torch
+
+    if not _hooks_registered(torch):
+        raise FakeCudaError(f"torch {torch.__version__} did not take memfit's fake CUDA hooks: {_HINT}")
+    _install_stubs(torch)
+    _patch_sdpa(torch)
+    _state["enabled"] = True
+
+
+def preload(argv: list[str] | None = None) -> None:
+    """Called first thing by ``import memfit``: load the shim when asked to (``MEMFIT_FAKE_CUDA=1``,
+    or the memfit command run with ``--device fake-cuda``) and torch is not imported yet.
+    Never raises: a failure is kept for :func:`require` to report."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    if not (os.environ.get(ENV_FLAG, "") not in ("", "0") or _is_fake_cuda_command(argv)):
+        return
+    if "torch" in sys.modules:
+        return  # too late: require() says so
+    try:
+        enable()
+    except FakeCudaError as exc:
+        _state["failure"] = exc
+
+
+def _is_fake_cuda_command(argv: list[str]) -> bool:
+    """``memfit ... --device fake-cuda`` or ``python -m memfit ... --device=fake-cuda``."""
+    args = argv[1:]
+    if args[:2] == ["-m", "memfit"]:
+        args = args[2:]
+    elif args and os.path.basename(args[0]) == "memfit":
+        args = args[1:]
+    else:
+        return False
+    return "--device=fake-cuda" in args or any(a == "--device" and b == "fake-cuda" for a, b in zip(args, args[1:]))
+
+
+def require() -> None:
+    """Make sure fake CUDA is on, or raise the one-line reason it cannot be."""
+    if _state["enabled"]:
+        return
+    if _state["failure"] is not None:
+        raise _state["failure"]
+    if "torch" in sys.modules:
+        raise FakeCudaError(_too_late())
+    enable()
+
+
+def _too_late() -> str:
+    return (
+        "fake CUDA must be loaded before torch, and this Python imported torch without it: run the memfit command with "
+        f"--device fake-cuda, or start Python with {ENV_FLAG}=1 and import memfit before torch, {_HINT}"
+    )
+
+
+# --- torch side (torch imported) ------------------------------------------------------
+
+
+def _hooks_registered(torch: Any) -> bool:
+    """Canary: the accelerator torch reports comes from the hooks (None on a CPU build
+    without them)."""
+    try:
+        acc = torch.accelerator.current_accelerator()
+    except Exception:  # noqa: BLE001 - any failure means the hooks are not usable
+        return False
+    return acc is not None and acc.type == "cuda"
+
+
+class _Stream:
+    """A CUDA stream that orders nothing: fake tensors have no kernels to order."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        import torch
+
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.stream_id = 0
+        self.cuda_stream = 0
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class _Properties:
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+
+
+def _install_stubs(torch: Any) -> None:
+    import contextlib
+
+    cuda = torch.cuda
+    stream = _Stream()
+
+    def capability(device: Any = None) -> tuple[int, int]:
+        return gpu().capability
+
+    def properties(device: Any = None) -> _Properties:
+        g = gpu()
+        return _Properties(g.name, g.capability[0], g.capability[1], g.total_memory, g.multi_processor_count)
+
+    stubs = {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+        "stream": lambda s=None: contextlib.nullcontext(s),
+        "get_device_capability": capability,
+        "get_device_properties": properties,
+        "get_device_name": lambda device=None: gpu().name,
+        "is_bf16_supported": lambda including_emulation=True: gpu().capability >= (8, 0),
+    }
+    for name, fn in stubs.items():
+        setattr(cuda, name, fn)
+    # autocast asks this before turning CUDA autocast on (torch/amp/autocast_mode.py)
+    cuda.amp.common.amp_definitely_not_available = lambda: False
+
+
+def _patch_sdpa(torch: Any) -> None:
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    if getattr(original, "__memfit_fake_cuda__", False):
+        return
+
+    def scaled_dot_product_attention(
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Any:
+        if query.device.type != "cuda":
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return cuda_sdpa(torch, original, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    scaled_dot_product_attention.__memfit_fake_cuda__ = True  # type: ignore[attr-defined]
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def sdpa_kernel(query: Any, key: Any, value: Any, attn_mask: Any, enable_gqa: bool, capability: tuple[int, int]) -> str:
+    """The kernel a CUDA build's SDPA picks (``sdp_utils.cpp``, default priority: flash,
+    memory-efficient, math): "flash", "efficient" or "math"."""
+    import torch
+
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return "math"
+    half = (torch.float16, torch.bfloat16)
+    d, dv = query.size(-1), value.size(-1)
+    gqa = query.size(1) != key.size(1)
+    if (
+        attn_mask is None
+        and query.dtype in half
+        and capability >= (8, 0)
+        and d == key.size(-1) == dv
+        and d <= 256
+        and (not gqa or enable_gqa)
+    ):
+        return "flash"
+    if gqa:  # only flash takes grouped K/V; the math composite repeats them
+        return "math"
+    align = 4 if query.dtype == torch.float32 else 8
+    if capability >= (5, 0) and d == key.size(-1) and d % align == 0 and dv % align == 0:
+        return "efficient"
+    return "math"
+
+
+def cuda_sdpa(
+    torch: Any,
+    original: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Any:
+    """SDPA on CUDA tensors as a CUDA build runs it: autocast's cast (the kernels are not on
+    its lists; SDPA is), then the chosen kernel's aten op (what it allocates and saves)."""
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+
+        def cast(t: Any) -> Any:
+            return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+        query, key, value, attn_mask = cast(query), cast(key), cast(value), cast(attn_mask)
+    kernel = sdpa_kernel(query, key, value, attn_mask, enable_gqa, gpu().capability)
+    if kernel == "math":
+        return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    aten = torch.ops.aten
+    if kernel == "flash":
+        d = query.size(-1)
+        pad = (8 - d % 8) % 8  # the composite pads the head dim to a multiple of 8 for flash
+        if pad:
+            import torch.nn.functional as F
+
+            query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+            scale = scale if scale is not None else d**-0.5
+        out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        return out[..., :d] if pad else out
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:  # convert_boolean_attn_mask: an additive bias
+            bias = torch.where(bias, 0.0, float("-inf")).to(query.dtype)
+        size = bias.size(-1)
+        if size % 16:  # the kernel reads the bias in aligned rows: padded, then viewed back
+            import torch.nn.functional as F
+
+            bias = F.pad(bias, (0, 16 - size % 16))[..., :size]
+        shape = (query.size(0), query.size(1), query.size(2), key.size(2))
+        bias = bias.expand(shape)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]

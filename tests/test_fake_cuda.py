@@ -1,0 +1,244 @@
+"""Fake CUDA (memfit.measure._fake_cuda): a step on fake CUDA tensors with CUDA's semantics,
+on the CPU build of torch. The shim must load before torch, so every fake-CUDA step runs in
+a fresh interpreter; the shim is built once per session into a temporary cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.measure import _fake_cuda
+
+SRC = str(Path(memfit.__file__).resolve().parents[1])
+
+
+@pytest.fixture(scope="session")
+def shim_cache(tmp_path_factory) -> Path:
+    """A cache holding the built shim; the tests skip (saying why) where it cannot be built."""
+    cache = tmp_path_factory.mktemp("memfit-cache")
+    try:
+        _fake_cuda.build(cache=cache)
+    except _fake_cuda.FakeCudaError as exc:
+        pytest.skip(f"fake CUDA unavailable here: {exc}")
+    return cache
+
+
+def _env(cache: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC, **extra}
+    env.pop("MEMFIT_FAKE_CUDA", None)
+    return {**env, **extra}
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _ops(profile: dict) -> set[str]:
+    return {op[1] for op in profile["ledger"]["ops"]}
+
+
+def test_cli_profiles_a_transformer_on_fake_cuda(shim_cache, tmp_path):
+    out = tmp_path / "p.json"
+    sizes = ["--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4", "--size", "block_size=64"]
+    done = _run(
+        ["-m", "memfit", "profile", "gpt", "--batch-size", "2", *sizes, "--device", "fake-cuda", "--json", str(out)],
+        _env(shim_cache),
+    )
+    assert done.returncode == 0, done.stderr  # no abort at exit either
+    assert "fake:cuda:0" in done.stdout and "times omitted" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["device"] == "fake:cuda:0" and data["fake"] is True
+    # fp32 on CUDA: the memory-efficient kernel (flash takes half precision only), not the math composite
+    assert "_scaled_dot_product_efficient_attention" in _ops(data)
+    assert not _ops(data) & {"_safe_softmax", "bmm", "_scaled_dot_product_flash_attention_for_cpu"}
+    # the CUDA allocator's 512-byte blocks, and no CPU autograd-graph estimate
+    assert all(b["nbytes"] % 512 == 0 for b in data["ledger"]["blocks"]) and data["breakdown"]["autograd_graph"] == 0
+    params = sum(
+        p.numel() * 4
+        for p in memfit.load_target(
+            "gpt", batch_size=2, sizes={"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64}
+        ).model.parameters()
+    )
+    assert params <= data["breakdown"]["parameters"] < params + 512 * 40
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, memfit, torch
+    import torch.nn as nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from memfit.measure import _fake_cuda
+    from memfit.measure.sandbox import fake_sandbox
+    from memfit.measure.step import StepOptions
+    from memfit.workload import split_inputs
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            self.calls.append((func.overloadpacket.__name__, str(getattr(first, "dtype", "")), list(getattr(first, "shape", []))))
+            return out
+
+    result = {"active": _fake_cuda.active(), "accelerator": str(torch.accelerator.current_accelerator())}
+    # a bf16 autocast step of a small GPT, every op logged
+    L = 64
+    work = memfit.load_target("gpt", batch_size=2, sizes={"n_layer": 1, "n_embd": 64, "n_head": 2, "block_size": L})
+    args, kwargs = split_inputs(work.inputs)
+    log = Log()
+    with fake_sandbox(work.model, args, kwargs, work.make_optimizer(), step=StepOptions(autocast="bfloat16"),
+                      targets=work.targets, device="cuda") as box:
+        result["foreach"] = [g["foreach"] for g in box.optimizer.param_groups]
+        with box.active(), log:
+            box.step(work.loss_fn)
+    result["calls"] = log.calls
+    # a checkpointed block with dropout: the recompute must take the forward's kernel
+    from torch.utils.checkpoint import checkpoint
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        with torch.device("cuda:0"):
+            block = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+        x = torch.randn(2, L, 64, device="cuda:0", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = checkpoint(block, x, use_reentrant=False)
+        y.float().sum().backward()
+        result["checkpoint_grad"] = list(x.grad.shape)
+    # the API path, a CNN
+    cnn = memfit.load_target("resnet", batch_size=2, sizes={"image_size": 32, "base": 8, "depths": (1, 1, 1, 1)})
+    prof = memfit.profile(cnn.model, cnn.inputs, loss_fn=cnn.loss_fn, targets=cnn.targets, fake="cuda")
+    result["cnn"] = {"device": prof.device, "peak": prof.peak_bytes, "ops": sorted({o.op for o in prof.ledger.ops})}
+    print("RESULT" + json.dumps(result))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def semantics(shim_cache) -> dict:
+    done = _run(["-c", SCRIPT], _env(shim_cache, MEMFIT_FAKE_CUDA="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_shim_is_on_in_the_child(semantics):
+    assert semantics["active"] is True and semantics["accelerator"] == "cuda"
+
+
+def test_cuda_autocast_policy(semantics):
+    calls = semantics["calls"]
+    names = ("addmm", "mm", "native_layer_norm", "_log_softmax", "nll_loss_forward")
+    dtypes = {name: {d for n, d, _ in calls if n == name} for name in names}
+    # torch's CUDA autocast lists (CPU autocast's differ): matmuls in bfloat16, layer norm in
+    # float32; cross_entropy's log_softmax keeps the logits' bfloat16 (it passes their dtype),
+    # nll_loss runs in float32
+    assert dtypes["addmm"] == {"torch.bfloat16"} and "torch.bfloat16" in dtypes["mm"]
+    assert dtypes["native_layer_norm"] == {"torch.float32"}
+    assert dtypes["_log_softmax"] == {"torch.bfloat16"} and dtypes["nll_loss_forward"] == {"torch.float32"}
+
+
+def test_sdpa_takes_flash_and_never_builds_the_score_matrix(semantics):
+    names = {n for n, _, _ in semantics["calls"]}
+    assert {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"} <= names
+    assert not [c for c in semantics["calls"] if c[2][-2:] == [64, 64] and len(c[2]) == 4]  # no (B, H, L, L) tensor
+
+
+def test_cuda_optimizer_default_is_foreach(semantics):
+    assert semantics["foreach"] == [True]
+    assert any(n.startswith("_foreach_") for n, _, _ in semantics["calls"])
+
+
+def test_checkpoint_recompute_and_the_api_on_a_cnn(semantics):
+    assert semantics["checkpoint_grad"] == [2, 64, 64]
+    cnn = semantics["cnn"]
+    assert cnn["device"] == "fake:cuda:0" and cnn["peak"] > 0 and "convolution" in cnn["ops"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask", "heads_kv", "head_dim", "kernel"),
+    [
+        (torch.bfloat16, False, 8, 64, "flash"),
+        (torch.float16, False, 2, 128, "flash"),  # GQA: flash takes it natively
+        (torch.bfloat16, True, 8, 64, "efficient"),  # a mask: not flash
+        (torch.float32, False, 8, 64, "efficient"),
+        (torch.bfloat16, False, 8, 512, "efficient"),  # head dim over flash's 256
+        (torch.float32, False, 2, 64, "math"),  # GQA without flash
+    ],
+)
+def test_sdpa_kernel_choice(dtype, mask, heads_kv, head_dim, kernel):
+    q = torch.empty(2, 8, 16, head_dim, dtype=dtype, device="meta")
+    kv = torch.empty(2, heads_kv, 16, head_dim, dtype=dtype, device="meta")
+    m = torch.empty(16, 16, dtype=torch.bool, device="meta") if mask else None
+    assert _fake_cuda.sdpa_kernel(q, kv, kv, m, heads_kv != 8, (9, 0)) == kernel
+
+
+def test_api_after_torch_was_imported_says_what_to_do():
+    # this process imported torch without the shim: refused in one line, nothing run
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(memfit.MemfitError, match="must be loaded before torch.*--device fake-cuda.*MEMFIT_FAKE_CUDA=1") as info:
+        memfit.profile(model, torch.randn(2, 4), fake="cuda")
+    assert "\n" not in str(info.value)
+
+
+def test_cli_in_a_process_with_torch_already_imported(capsys):
+    assert main(["profile", "gpt", "--device", "fake-cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memfit: error: fake CUDA must be loaded before torch") and "\n" not in err
+
+
+def test_no_compiler_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(_fake_cuda.FakeCudaError, match="is not a program on this machine.*--device fake") as info:
+        _fake_cuda.build(cache=tmp_path / "cache")
+    assert "\n" not in str(info.value)
+
+
+def test_cli_without_compiler_exits_2_in_one_line(tmp_path):
+    env = _env(tmp_path / "empty-cache", CXX=str(tmp_path / "no-such-g++"))
+    done = _run(["-m", "memfit", "profile", "gpt", "--device", "fake-cuda"], env)
+    assert done.returncode == 2
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("memfit: error: fake CUDA builds a small C++ library")
+
+
+def test_canary_private_torch_corners():
+    """What the shim and its Python side lean on; a torch release that moves one fails here."""
+    torch_dir = Path(torch.__file__).parent
+    for header in ("ATen/detail/CUDAHooksInterface.h", "c10/core/impl/FakeGuardImpl.h"):
+        assert (torch_dir / "include" / header).exists(), header
+    text = (torch_dir / "include/ATen/detail/CUDAHooksInterface.h").read_text()
+    assert "CUDAHooksRegistry" in text and "virtual bool hasCUDA() const" in text
+    assert callable(torch.cuda.amp.common.amp_definitely_not_available)
+    assert callable(torch.accelerator.current_accelerator)
+    from torch.optim.optimizer import _foreach_supported_types, _get_foreach_kernels_supported_devices
+
+    assert "cuda" in _get_foreach_kernels_supported_devices() and torch.Tensor in _foreach_supported_types
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default._schema
+    assert [a.name for a in flash.arguments][:6] == ["query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"]
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default._schema
+    assert [a.name for a in efficient.arguments][:7] == [
+        "query",
+        "key",
+        "value",
+        "attn_bias",
+        "compute_log_sumexp",
+        "dropout_p",
+        "is_causal",
+    ]
+    assert _fake_cuda._cxx11_abi(torch_dir / "lib") == int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def test_the_shim_is_cached_per_torch(shim_cache):
+    built = list(shim_cache.glob("fake_cuda-torch*.so"))
+    assert len(built) == 1 and torch.__version__ in built[0].name
+    assert _fake_cuda.build(cache=shim_cache) == built[0]  # no rebuild
