@@ -56,6 +56,10 @@ FAKE = {"fake": True, "fake-cuda": "cuda"}
 """``--device`` values that run on fake tensors, and the ``fake=`` each passes."""
 
 
+def _workload_at(ns: argparse.Namespace, batch_size: int) -> memfit.Workload:
+    return memfit.load_target(ns.target, batch_size=batch_size, sizes=parse_sizes(ns.size))
+
+
 def _require_device(device: str) -> None:
     import torch
 
@@ -103,6 +107,34 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
         )
 
 
+def _write_pictures(ns: argparse.Namespace, console: Console, timeline: Any) -> None:
+    """``--plot`` and ``--html``: the timeline as a PNG and as a self-contained page."""
+    from memfit.report.timeline import timeline_html, timeline_png
+
+    if ns.plot:
+        Path(ns.plot).write_bytes(timeline_png(timeline))
+        console.print(f"wrote {ns.plot}")
+    if ns.html:
+        Path(ns.html).write_text(timeline_html(timeline))
+        console.print(f"wrote {ns.html}")
+
+
+def _applied_profile(
+    work: memfit.Workload, model: Any, inputs: Any, plan: memfit.Plan | None, fake: bool, step: memfit.StepOptions | None = None
+) -> memfit.Profile:
+    """The step profiled with ``plan`` applied (and ``step``'s options); the model left as it was."""
+    if plan is not None and plan.checkpointed:
+        memfit.apply(model, plan)
+    try:
+        optimizer = work.make_optimizer()
+        return memfit.profile(
+            model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, step=step, targets=work.targets
+        )
+    finally:
+        if plan is not None and plan.checkpointed:
+            memfit.remove(model)
+
+
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
@@ -110,10 +142,15 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     work = _workload(ns)
     prof = _profile(work, ns.device, console, inference=ns.eval)
     prof.meta.update({"target": ns.target, **work.meta})
-    render_profile(prof, console, title=f"{work.name} (evaluation)" if ns.eval else work.name, top=ns.top)
+    title = f"{work.name} (evaluation)" if ns.eval else work.name
+    render_profile(prof, console, title=title, top=ns.top)
     if ns.json:
         Path(ns.json).write_text(prof.to_json())
         console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import profile_timeline
+
+        _write_pictures(ns, console, profile_timeline(prof, f"memfit profile {ns.target}: {title} on {prof.device}"))
     return 0
 
 
@@ -125,6 +162,9 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     work = _workload(ns)
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
+    pictures = bool(ns.plot or ns.html)
+    # the pictures show the profile the plan was made from: it is measured first and passed in
+    before = _profile(work, ns.device, console) if pictures else None
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
             model,
@@ -136,6 +176,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             fake=fake,
             objective=ns.objective,
             progress=progress,
+            profile=before,
         )
     plan.budget = ns.budget
     console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
@@ -143,6 +184,13 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
         console.print(f"wrote {ns.json}")
+    if before is not None:
+        from memfit.plan.planner import profile_candidates
+        from memfit.report.timeline import plan_timeline
+
+        after = _applied_profile(work, model, inputs, plan, fake)
+        title = f"memfit plan {ns.target} --budget {ns.budget} on {plan.device}"
+        _write_pictures(ns, console, plan_timeline(before, after, plan, profile_candidates(before, plan.excluded), title))
     return 0
 
 
@@ -175,6 +223,16 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
         console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import recipe_timeline
+
+        # the recipe's batch (--max-batch) is the workload rebuilt at that size
+        after_work = work if recipe.batch_size in (None, work.meta.get("batch_size")) else _workload_at(ns, recipe.batch_size)
+        after_model, after_inputs = (model, inputs) if after_work is work else _on_device(after_work, ns.device)
+        before = _applied_profile(work, model, inputs, None, False, memfit.StepOptions(set_to_none=not ns.keep_grads))
+        after = _applied_profile(after_work, after_model, after_inputs, recipe.plan, False, recipe.step)
+        title = f"memfit fit {ns.target} --budget {ns.budget} on {recipe.device}"
+        _write_pictures(ns, console, recipe_timeline(before, after, recipe, title))
     return 0
 
 
@@ -322,6 +380,10 @@ def _parser() -> argparse.ArgumentParser:
             "--size", action="append", default=[], metavar="KEY=VALUE", help="zoo model size, e.g. n_layer=24 (repeatable)"
         )
 
+    def picture_args(p: argparse.ArgumentParser, what: str = "the step") -> None:
+        p.add_argument("--plot", metavar="PATH.png", help=f"write a PNG of memory over the step's ticks by category: {what}")
+        p.add_argument("--html", metavar="PATH.html", help="write the same as one self-contained page (hover, largest blocks)")
+
     p = sub.add_parser("profile", help="measure where the memory of one training step goes")
     target_args(p)
     p.add_argument(
@@ -332,6 +394,7 @@ def _parser() -> argparse.ArgumentParser:
         "attention kernels and optimizer defaults), on a CPU build of torch (builds a small C++ shim with g++ once)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the profile as JSON")
+    picture_args(p)
     p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
     p.add_argument(
         "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
@@ -351,6 +414,7 @@ def _parser() -> argparse.ArgumentParser:
         "--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs"
     )
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
+    picture_args(p, "the step without and with the plan (profiled again with it applied)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("fit", help="the fastest combination of memory levers (recompute, micro-batches, ...) that fits a budget")
@@ -375,6 +439,7 @@ def _parser() -> argparse.ArgumentParser:
         "--multiple-of", type=int, default=1, metavar="N", help="with --max-batch: batch sizes that are multiples of N"
     )
     p.add_argument("--json", metavar="PATH", help="also write the recipe as JSON (memfit.Recipe.from_json reads it)")
+    picture_args(p, "the step as it is and with the recipe (each profiled again)")
     p.set_defaults(func=_cmd_fit)
 
     p = sub.add_parser("bench", help="memfit's plans against the baselines, each measured in fresh processes")

@@ -31,6 +31,7 @@ from memfit.apply import cache
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
 from memfit.measure.recorder import CHECKPOINTED
+from memfit.measure.scope import recompute_done
 from memfit.plan.stateful import call_state, changed
 
 __all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
@@ -97,6 +98,7 @@ class _BufferGuard:
         finally:
             for m, k, b in originals:
                 m._buffers[k] = b
+            recompute_done()  # early stop included: the ticks after it are backward's again
 
 
 _STATE_CHECKS = 2

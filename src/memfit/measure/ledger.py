@@ -117,6 +117,8 @@ class Tick:
     module: str | None
     op: str
     """The aten op running (or just run) when the tick happened."""
+    recompute: bool = False
+    """In backward, inside a checkpointed module's forward run again (a recompute)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +231,8 @@ class Ledger:
             "blocks": [
                 {**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks
             ],
-            "ticks": [[t.phase.value, t.module, t.op] for t in self.ticks],
+            # the recompute flag only where set: ledgers without recompute read as before
+            "ticks": [[t.phase.value, t.module, t.op, *((True,) if t.recompute else ())] for t in self.ticks],
             "spans": [[s.module, s.phase.value, s.start, s.end, list(s.inputs)] for s in self.spans],
             "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],
             "host_peak_bytes": self.host_peak_bytes,
@@ -242,7 +245,7 @@ class Ledger:
             Block(**{**b, "category": Category(b["category"]), "phase": Phase(b["phase"]), "savers": tuple(b.get("savers", ()))})  # noqa: E501
             for b in data["blocks"]
         ]
-        ticks = [Tick(Phase(p), m, op) for p, m, op in data["ticks"]]
+        ticks = [Tick(Phase(t[0]), t[1], t[2], bool(t[3]) if len(t) > 3 else False) for t in data["ticks"]]
         spans = [Span(m, Phase(p), a, b, tuple(i)) for m, p, a, b, i in data.get("spans", [])]
         ops = [OpCall(*o) for o in data.get("ops", [])]
         return cls(blocks, ticks, spans, ops, int(data.get("host_peak_bytes", 0)), int(data.get("unmeasured_ops", 0)))

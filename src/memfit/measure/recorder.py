@@ -225,7 +225,7 @@ class Recorder(TorchDispatchMode):
         return None if s is None else self._live.get(id(s))
 
     def _tick(self) -> int:
-        self.ticks.append(Tick(self.scope.phase, self.scope.module, self._op))
+        self.ticks.append(Tick(self.scope.phase, self.scope.module, self._op, self.scope.recomputing))
         return len(self.ticks) - 1
 
     def _free(self, key: int) -> None:

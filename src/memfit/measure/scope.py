@@ -22,7 +22,16 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.measure.ledger import Phase
 
-__all__ = ["Scope", "Clock"]
+__all__ = ["Scope", "Clock", "recompute_done"]
+
+_ACTIVE: list[Scope] = []
+"""Scopes entered and not yet left (a step runs under one; nested ones are rare)."""
+
+
+def recompute_done() -> None:
+    """Tell every active scope that a recompute ended (:mod:`memfit.apply.checkpoint` calls it)."""
+    for scope in _ACTIVE:
+        scope.recompute_done()
 
 
 def _depth(name: str) -> int:
@@ -103,6 +112,11 @@ class Scope:
         if self._backward and self.phase is Phase.BACKWARD:
             return max((n for n, _ in reversed(self._backward)), key=_depth)
         return None
+
+    @property
+    def recomputing(self) -> bool:
+        """A module's forward runs during backward: a checkpointed module's recompute."""
+        return self.phase is Phase.BACKWARD and bool(self._forward)
 
     def set_phase(self, phase: Phase) -> None:
         if phase is Phase.FORWARD:
@@ -185,13 +199,23 @@ class Scope:
                 self._tell(Phase.BACKWARD, name, False)
                 break
 
+    def recompute_done(self) -> None:
+        """A checkpointed module's recompute ended. torch stops a recompute early by raising
+        inside a forward, which leaves its modules' frames on the stack: they go, or the
+        ticks after would count as the recompute's and be put in its modules."""
+        if self.phase is Phase.BACKWARD:
+            self._forward.clear()
+
     def __enter__(self) -> Scope:
+        _ACTIVE.append(self)
         for mod in self.names:
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for h in self._handles + self._grad_handles:
             h.remove()
         self._handles.clear()

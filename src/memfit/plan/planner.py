@@ -42,7 +42,7 @@ from memfit.plan.stateful import stateful_modules
 from memfit.units import format_bytes
 from memfit.workload import check_arguments, default_optimizer, split_inputs
 
-__all__ = ["plan"]
+__all__ = ["plan", "profile_candidates"]
 
 _MAX_EXCLUSIONS = 16
 _OBJECTIVES: dict[str, Callable[[Option], float]] = {
@@ -275,11 +275,7 @@ def plan(
 
         ledger = prof.ledger
         timed = prof.time_source == "measured"
-        forward_time = pooled_times(ledger, {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()})
-        calls = {n: m.calls for n, m in prof.modules.items()}
-        rates = DeviceRates.for_device(prof.device)
-        if timed:
-            rates = DeviceRates.fit(leaf_samples(ledger, forward_time), rates)
+        forward_time, calls, rates = _costing(prof)
         none_peak = prof.peak_bytes
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
@@ -345,6 +341,25 @@ def plan(
         objective=objective,
         planning_time_s=time.perf_counter() - started,
     )
+
+
+def _costing(prof: Profile) -> tuple[dict[str, float | None], dict[str, int], DeviceRates]:
+    """What candidates are costed with: module forward times (None on fake tensors), calls,
+    and the device's rates (fitted to the measured leaf modules where there are times)."""
+    timed = prof.time_source == "measured"
+    forward_time = pooled_times(prof.ledger, {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()})
+    calls = {n: m.calls for n, m in prof.modules.items()}
+    rates = DeviceRates.for_device(prof.device)
+    if timed:
+        rates = DeviceRates.fit(leaf_samples(prof.ledger, forward_time), rates)
+    return forward_time, calls, rates
+
+
+def profile_candidates(prof: Profile, exclude: dict[str, str] | None = None) -> list[Option]:
+    """Every recompute option the planner weighs on ``prof``'s step: what each frees and costs
+    (the per-op overhead of selective recompute left out: it is measured only while planning)."""
+    forward_time, calls, rates = _costing(prof)
+    return build_candidates(prof.ledger, forward_time, rates=rates, calls=calls, exclude=exclude).options
 
 
 def _every_block(model: nn.Module, options: list[Option]) -> list[Option]:

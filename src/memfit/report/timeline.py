@@ -1,0 +1,657 @@
+"""Pictures of where the memory goes: a step's memory over its ticks, stacked by category.
+
+A :class:`Timeline` holds one or more :class:`Track` s (a profile's ledger; for a plan, the
+step before and after), each aggregated to at most a few thousand columns so a 100k-tick
+ledger draws in seconds. Aggregation keeps, for each column, the tick of highest memory in
+it (with its breakdown), so the curve's envelope and the peak are exact; only dips shorter
+than a column are hidden. :func:`timeline_png` draws it with matplotlib;
+:func:`timeline_html` writes one self-contained page (inline canvas and script, nothing
+fetched at view time) with hover on blocks, the largest blocks at the peak, and for a plan
+the candidates' bytes freed against recompute cost.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memfit.measure.ledger import START_TICK, Category, Ledger, Phase
+from memfit.measure.profile import Profile
+from memfit.plan.candidates import Option
+from memfit.plan.recipe import Recipe
+from memfit.plan.result import Plan
+from memfit.units import format_bytes
+
+__all__ = [
+    "Track",
+    "Candidate",
+    "Timeline",
+    "build_track",
+    "timeline_png",
+    "timeline_html",
+    "profile_timeline",
+    "plan_timeline",
+    "recipe_timeline",
+    "COLUMNS",
+]
+
+COLUMNS = 1600
+"""Columns a track is aggregated to: more than a chart has pixels across."""
+_HOVER_BLOCKS = 4000
+"""Blocks a page lists per track for hover (the largest; smaller ones are under a pixel high)."""
+_TABLE_ROWS = 15
+
+# Persistent state at the bottom, what the step creates above it, transients on top.
+_ORDER = (
+    Category.PARAMETER,
+    Category.BUFFER,
+    Category.OPTIMIZER,
+    Category.GRADIENT,
+    Category.INPUT,
+    Category.OTHER,
+    Category.ACTIVATION,
+    Category.GRAPH,
+    Category.TEMPORARY,
+    Category.WORKSPACE,
+)
+COLORS = {
+    Category.PARAMETER: "#4e79a7",
+    Category.BUFFER: "#a0cbe8",
+    Category.OPTIMIZER: "#f1ce63",
+    Category.GRADIENT: "#f28e2b",
+    Category.INPUT: "#8cd17d",
+    Category.OTHER: "#bab0ac",
+    Category.ACTIVATION: "#e15759",
+    Category.GRAPH: "#ff9da7",
+    Category.TEMPORARY: "#b07aa1",
+    Category.WORKSPACE: "#9d7660",
+}
+_PHASE_COLORS = {Phase.FORWARD: "#4e79a7", Phase.BACKWARD: "#f28e2b", Phase.OPTIMIZER: "#59a14f"}
+_RECOMPUTE_COLOR = "#d62728"
+
+
+@dataclass
+class Track:
+    """One ledger, aggregated for drawing. Ticks index the ledger's timeline."""
+
+    label: str
+    ticks: int
+    edges: list[int]
+    """Column ``i`` covers ticks ``[edges[i], edges[i+1])``."""
+    rep: list[int]
+    """The tick drawn for each column: the one of highest memory in it (first if tied)."""
+    categories: list[Category]
+    """Categories present (bottom to top)."""
+    stack: list[list[int]]
+    """``stack[c][i]``: bytes of ``categories[c]`` alive right after tick ``rep[i]``."""
+    start_bytes: int
+    peak_tick: int
+    peak_bytes: int
+    peak_op: str
+    peak_module: str | None
+    phases: list[tuple[int, int, Phase]]
+    """Runs of ticks in one phase, ``[start, end)``."""
+    lane: list[tuple[int, int, str, Phase]]
+    """Module spans drawn along the axis (the repeated blocks, else the root's children)."""
+    recompute: list[tuple[int, int, str]]
+    """Runs of recompute ticks in backward, with the checkpointed module they belong to."""
+    col_context: list[tuple[Phase, str | None, str]]
+    """Phase, module and op of each column's tick."""
+    blocks: list[tuple[int, int, int, Category, str | None, str, Phase, str, Phase | None]] = field(default_factory=list)
+    """For hover: ``(born, died, bytes, category, module, op at birth, phase at birth, op at
+    free, phase at free)``; ``born`` is -1 before the step, ``died`` is ``ticks`` if never freed."""
+    at_peak: list[tuple[int, Category, str | None, str, str]] = field(default_factory=list)
+    """Largest blocks alive at the peak: ``(bytes, category, module, born, freed)`` (born and
+    freed as words)."""
+
+    @property
+    def total(self) -> list[int]:
+        return [sum(col) for col in zip(*self.stack)] if self.stack else []
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recompute option for the scatter: what it frees and what it costs."""
+
+    module: str
+    mode: str
+    freed_bytes: int
+    cost_s: float
+    cost_flops: int
+    chosen: bool
+
+
+@dataclass
+class Timeline:
+    """What the chart and the page show."""
+
+    title: str
+    tracks: list[Track]
+    notes: list[str] = field(default_factory=list)
+    """Where each track's numbers come from (device, command, what was applied)."""
+    budget_bytes: int | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+def _where(module: str | None) -> str:
+    return "(outside any module)" if module is None else (module or "(root)")
+
+
+def _lane_modules(ledger: Ledger) -> set[str]:
+    """The repeated blocks (``...h.0``, ``...h.1``: the shallowest names ending in an index),
+    else the root's children: the level at which a step reads as a sequence."""
+    names = {s.module for s in ledger.spans}
+    indexed = [n for n in names if n and n.rpartition(".")[2].isdigit()]
+    if indexed:
+        depth = min(n.count(".") for n in indexed)
+        return {n for n in indexed if n.count(".") == depth}
+    return {n for n in names if n and "." not in n}
+
+
+def _runs(values: Sequence, start: int = 0) -> list[tuple[int, int, object]]:
+    out: list[tuple[int, int, object]] = []
+    for i, v in enumerate(values, start):
+        if out and out[-1][2] == v and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1, v)
+        else:
+            out.append((i, i + 1, v))
+    return out
+
+
+def build_track(ledger: Ledger, label: str, *, columns: int = COLUMNS, checkpointed: Sequence[str] = ()) -> Track:
+    """``ledger`` aggregated to at most ``columns`` columns, its peak exact.
+
+    ``checkpointed``: the modules a plan recomputes, to name each run of recompute ticks by
+    its module (else the innermost module running is named)."""
+    n = len(ledger.ticks)
+    cat_index = {c: i for i, c in enumerate(_ORDER)}
+    nb = len(ledger.blocks)
+    size = np.fromiter((b.nbytes for b in ledger.blocks), np.int64, nb)
+    cat = np.fromiter((cat_index[b.category] for b in ledger.blocks), np.int64, nb)
+    born = np.fromiter((b.born for b in ledger.blocks), np.int64, nb)
+    died = np.fromiter((n if b.died is None else b.died for b in ledger.blocks), np.int64, nb)
+    k = len(_ORDER)
+    # np.add.at, not bincount: bincount's float weights would round bytes above 2**53
+    delta = np.zeros((k, n + 1), np.int64)
+    grown = born != START_TICK
+    np.add.at(delta, (cat[grown], born[grown]), size[grown])
+    np.add.at(delta, (cat, died), -size)
+    base = np.zeros(k, np.int64)
+    np.add.at(base, cat[~grown], size[~grown])
+    curves = base[:, None] + np.cumsum(delta[:, :n], axis=1)  # (k, n): bytes right after each tick
+    total = curves.sum(axis=0)
+
+    if n <= columns:
+        edges = np.arange(n + 1)
+        rep = np.arange(n)
+    else:
+        edges = np.linspace(0, n, columns + 1).round().astype(np.int64)
+        col = np.searchsorted(edges, np.arange(n), side="right") - 1
+        order = np.lexsort((np.arange(n), -total, col))  # by column, highest first, earliest of ties
+        first = np.ones(n, bool)
+        first[1:] = col[order][1:] != col[order][:-1]
+        rep = order[first]
+
+    present = [i for i in range(k) if curves[i].any() or base[i]]
+    start_bytes = int(base.sum())
+    peak_bytes = max(start_bytes, int(total.max()) if n else 0)
+    peak_tick = int(np.argmax(total)) if n and int(total.max()) > start_bytes else START_TICK
+    pt = ledger.ticks[peak_tick] if peak_tick != START_TICK else None
+
+    ticks = ledger.ticks
+    phases = [(a, b, p) for a, b, p in _runs([t.phase for t in ticks])]
+    lane_names = _lane_modules(ledger)
+    lane = sorted((s.start, s.end, s.module, s.phase) for s in ledger.spans if s.module in lane_names and s.end > s.start)
+    recompute: list[tuple[int, int, str]] = []
+    chosen = sorted(checkpointed, key=len, reverse=True)
+    for a, b, flag in _runs([t.recompute for t in ticks]):
+        if not flag:
+            continue
+        inner = ticks[a].module or ""
+        owner = next((c for c in chosen if inner == c or inner.startswith(c + ".") or c == ""), inner)
+        if recompute and recompute[-1][2] == owner and recompute[-1][1] >= a - 2:
+            recompute[-1] = (recompute[-1][0], b, owner)  # a free or two between a module's recompute ops
+        else:
+            recompute.append((a, b, owner))
+
+    def words(tick: int, end: bool) -> str:
+        if tick == START_TICK:
+            return "before the step"
+        if end and tick >= n:
+            return "outlives the step"
+        t = ticks[tick]
+        return f"tick {tick} ({t.phase.value}, {t.op})"
+
+    at_peak_tick = peak_tick if peak_tick != START_TICK else START_TICK
+    alive = [b for b in ledger.blocks if b.alive_at(at_peak_tick)] if n else list(ledger.blocks)
+    alive.sort(key=lambda b: -b.nbytes)
+    at_peak = [
+        (b.nbytes, b.category, b.module, words(b.born, False), words(b.died if b.died is not None else n, True))
+        for b in alive[:_TABLE_ROWS]
+    ]
+
+    # Blocks under a pixel high at the chart's scale cannot be pointed at: left out of hover.
+    floor = peak_bytes / 1500
+    big = [b for b in ledger.blocks if b.nbytes >= floor]
+    big.sort(key=lambda b: -b.nbytes)
+    hover = []
+    for b in sorted(big[:_HOVER_BLOCKS], key=lambda b: (b.born, b.id)):
+        bt = ticks[b.born] if 0 <= b.born < n else None
+        dt = ticks[b.died] if b.died is not None and b.died < n else None
+        hover.append(
+            (
+                b.born,
+                n if b.died is None else b.died,
+                b.nbytes,
+                b.category,
+                b.module,
+                bt.op if bt else "",
+                bt.phase if bt else Phase.START,
+                dt.op if dt else "",
+                dt.phase if dt else None,
+            )
+        )
+
+    return Track(
+        label=label,
+        ticks=n,
+        edges=[int(e) for e in edges],
+        rep=[int(r) for r in rep],
+        categories=[_ORDER[i] for i in present],
+        stack=[[int(v) for v in curves[i, rep]] for i in present],
+        start_bytes=start_bytes,
+        peak_tick=peak_tick,
+        peak_bytes=peak_bytes,
+        peak_op=pt.op if pt else "",
+        peak_module=pt.module if pt else None,
+        phases=phases,
+        lane=lane,
+        recompute=recompute,
+        col_context=[(ticks[r].phase, ticks[r].module, ticks[r].op) for r in rep],
+        blocks=hover,
+        at_peak=at_peak,
+    )
+
+
+def _peak_words(t: Track) -> str:
+    if t.peak_tick == START_TICK:
+        return f"peak {format_bytes(t.peak_bytes)} before the step"
+    return f"peak {format_bytes(t.peak_bytes)} at tick {t.peak_tick}: {t.peak_op} in {_where(t.peak_module)}"
+
+
+# -- PNG ------------------------------------------------------------------------------------
+
+
+def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
+    """The timeline as a PNG: one stacked panel per track (same y scale), phases shaded, the
+    peak marked, module spans and recomputes in a lane under each panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = len(tl.tracks)
+    fig = plt.figure(figsize=(11, 3.3 * rows + 0.9), dpi=dpi, layout="constrained")
+    subs = fig.subfigures(rows, 1) if rows > 1 else [fig]
+    axes = [ax for sub in subs for ax in sub.subplots(2, 1, gridspec_kw={"height_ratios": (5, 1), "hspace": 0.02})]
+    top = max([t.peak_bytes for t in tl.tracks] + [tl.budget_bytes or 0]) * 1.12 or 1
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    shown: dict[Category, None] = {}
+    for r, t in enumerate(tl.tracks):
+        ax, lane = axes[2 * r], axes[2 * r + 1]
+        # steps as a polygon per category (each column flat over its ticks); fill_between
+        # is much faster than stairs on thousands of columns
+        xs = np.repeat(np.array(t.edges, dtype=float), 2)[1:-1]
+        bottom = np.zeros(len(t.rep))
+        for c, values in zip(t.categories, t.stack):
+            v = np.array(values, dtype=float) / scale
+            ax.fill_between(xs, np.repeat(bottom, 2), np.repeat(bottom + v, 2), color=COLORS[c], linewidth=0)
+            bottom += v
+            shown[c] = None
+        for p, col in _PHASE_COLORS.items():
+            ax.broken_barh(
+                [(a, b - a) for a, b, q in t.phases if q is p],
+                (0, 1),
+                transform=ax.get_xaxis_transform(),
+                facecolor=col,
+                alpha=0.07,
+            )
+        ax.broken_barh(
+            [(a, b - a) for a, b, _ in t.recompute],
+            (0, 1),
+            transform=ax.get_xaxis_transform(),
+            facecolor=_RECOMPUTE_COLOR,
+            alpha=0.18,
+        )
+        if t.peak_tick != START_TICK:
+            ax.axvline(t.peak_tick + 0.5, color="black", linewidth=0.8, linestyle=":")
+            ax.plot([t.peak_tick + 0.5], [t.peak_bytes / scale], "v", color="black", markersize=6)
+        ax.set_title(f"{t.label}: {_peak_words(t)}", fontsize=9, loc="left")
+        if tl.budget_bytes:
+            ax.axhline(tl.budget_bytes / scale, color=_RECOMPUTE_COLOR, linewidth=0.9, linestyle="--")
+            ax.text(t.ticks, tl.budget_bytes / scale, " budget", color=_RECOMPUTE_COLOR, fontsize=7, va="center")
+        ax.set_xlim(0, max(1, t.ticks))
+        ax.set_ylim(0, top / scale)
+        ax.set_ylabel(unit)
+        ax.tick_params(labelbottom=False, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        # lane: forward spans above, backward below, recomputes in red
+        # one collection per row: thousands of spans draw as fast as a dozen
+        for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
+            bars = [(a, b - a) for a, b, _, q in t.lane if q is p]
+            edge = "white" if len(bars) < 200 else "none"
+            lane.broken_barh(bars, (y + 0.1, 0.8), facecolor=_PHASE_COLORS[p], edgecolor=edge, linewidth=0.4)
+        for a, b, name, p in t.lane:
+            if (b - a) > t.ticks / 40:
+                y = 1.0 if p is Phase.FORWARD else 0.0
+                lane.text(
+                    (a + b) / 2, y + 0.5, name.rpartition(".")[2] or name, fontsize=6, ha="center", va="center", color="white"
+                )
+        lane.broken_barh([(a, max(b - a, t.ticks / 800)) for a, b, _ in t.recompute], (0.0, 0.35), facecolor=_RECOMPUTE_COLOR)
+        lane.set_xlim(0, max(1, t.ticks))
+        lane.set_ylim(0, 2)
+        lane.set_yticks([0.5, 1.5], ["bwd", "fwd"], fontsize=7)
+        lane.tick_params(labelsize=8)
+        lane.set_xlabel("tick (one allocation or free)", fontsize=8)
+    handles = [Patch(color=COLORS[c], label=c.value) for c in _ORDER if c in shown]
+    handles += [Patch(color=_PHASE_COLORS[p], alpha=0.25, label=p.value) for p in _PHASE_COLORS]
+    if any(t.recompute for t in tl.tracks):
+        handles.append(Patch(color=_RECOMPUTE_COLOR, alpha=0.4, label="recompute"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
+    fig.suptitle(tl.title, fontsize=10)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# -- HTML -----------------------------------------------------------------------------------
+
+
+def _page_data(tl: Timeline) -> dict:
+    strings: dict[str, int] = {}
+
+    def s(x: str | None) -> int:
+        key = "\0" if x is None else x
+        if key not in strings:
+            strings[key] = len(strings)
+        return strings[key]
+
+    phases = [p.value for p in Phase]
+    pidx = {p: i for i, p in enumerate(Phase)}
+    cats = [c.value for c in _ORDER]
+    cidx = {c: i for i, c in enumerate(_ORDER)}
+    tracks = []
+    for t in tl.tracks:
+        tracks.append(
+            {
+                "label": t.label,
+                "n": t.ticks,
+                "edges": t.edges,
+                "rep": t.rep,
+                "cats": [cidx[c] for c in t.categories],
+                "stack": t.stack,
+                "phases": [[a, b, pidx[p]] for a, b, p in t.phases],
+                "lane": [[a, b, s(name), pidx[p]] for a, b, name, p in t.lane],
+                "recompute": [[a, b, s(name)] for a, b, name in t.recompute],
+                "ctx": [[pidx[p], s(m), s(op)] for p, m, op in t.col_context],
+                "peak": [t.peak_tick, t.peak_bytes],
+                "peakText": _peak_words(t),
+                "blocks": [
+                    [b, d, nbytes, cidx[c], s(m), s(op), pidx[bp], s(dop), -1 if dp is None else pidx[dp]]
+                    for b, d, nbytes, c, m, op, bp, dop, dp in t.blocks
+                ],
+            }
+        )
+    return {
+        "strings": [None if k == "\0" else k for k in strings],
+        "phases": phases,
+        "cats": cats,
+        "colors": [COLORS[c] for c in _ORDER],
+        "phaseColors": {p.value: col for p, col in _PHASE_COLORS.items()},
+        "top": max([t.peak_bytes for t in tl.tracks] + [tl.budget_bytes or 0]),
+        "budget": tl.budget_bytes,
+        "tracks": tracks,
+    }
+
+
+def _scatter_svg(cands: Sequence[Candidate]) -> str:
+    """Bytes freed (y) against recompute cost (x) per candidate; chosen ones filled."""
+    w, h, pad = 640, 360, 56
+    timed = any(c.cost_s > 0 for c in cands)
+    xs = [c.cost_s * 1e3 if timed else c.cost_flops / 1e9 for c in cands]
+    xlabel = "estimated recompute time (ms)" if timed else "recomputed GFLOPs"
+    ys = [c.freed_bytes / 2**20 for c in cands]
+    xmax, ymax = (max(xs) if xs else 1) or 1, (max(ys) if ys else 1) or 1
+
+    def px(x: float) -> float:
+        return pad + x / xmax * (w - pad - 16)
+
+    def py(y: float) -> float:
+        return h - pad + 16 - y / ymax * (h - pad - 8)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" id="scatter" role="img">']
+    parts.append(f'<line x1="{pad}" y1="{py(0)}" x2="{w - 10}" y2="{py(0)}" stroke="#888"/>')
+    parts.append(f'<line x1="{pad}" y1="{py(0)}" x2="{pad}" y2="8" stroke="#888"/>')
+    for f in (0.0, 0.5, 1.0):
+        parts.append(
+            f'<text x="{px(f * xmax):.1f}" y="{py(0) + 16:.1f}" font-size="10" text-anchor="middle">{f * xmax:.3g}</text>'
+        )
+        parts.append(f'<text x="{pad - 4}" y="{py(f * ymax) + 3:.1f}" font-size="10" text-anchor="end">{f * ymax:.3g}</text>')
+    parts.append(f'<text x="{(w + pad) / 2}" y="{h - 6}" font-size="11" text-anchor="middle">{xlabel}</text>')
+    parts.append(
+        f'<text x="12" y="{h / 2}" font-size="11" text-anchor="middle" transform="rotate(-90 12 {h / 2})">bytes freed (MiB)</text>'
+    )
+    for c, x, y in sorted(zip(cands, xs, ys), key=lambda z: z[0].chosen):
+        fill = _RECOMPUTE_COLOR if c.chosen else "none"
+        shape = "circle" if c.mode == "full" else "rect"
+        tip = html.escape(
+            f"{_where(c.module)} ({c.mode}{', chosen' if c.chosen else ''}): frees {format_bytes(c.freed_bytes)}, "
+            f"costs {c.cost_s * 1e3:.2f} ms / {c.cost_flops / 1e9:.3g} GFLOPs"
+        )
+        if shape == "circle":
+            parts.append(
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{fill}" stroke="{_RECOMPUTE_COLOR}"><title>{tip}</title></circle>'
+            )
+        else:
+            parts.append(
+                f'<rect x="{px(x) - 3.5:.1f}" y="{py(y) - 3.5:.1f}" width="7" height="7" fill="{fill}" stroke="#4e79a7"><title>{tip}</title></rect>'
+            )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+_SCRIPT = r"""
+(function(){
+const D = JSON.parse(document.getElementById('memfit-data').textContent);
+const S = D.strings, W = 1100, PH = 260, LH = 34, L = 64, R = 16, T = 10;
+const tip = document.getElementById('tip');
+function fmt(n){const u=[['TiB',2**40],['GiB',2**30],['MiB',2**20],['KiB',2**10]];
+  for(const [name,s] of u){if(n>=s){const v=n/s;return v.toFixed(v<10?2:v<100?1:0)+' '+name;}}return n+' B';}
+function where(m){return m===null?'(outside any module)':(m===''?'(root)':m);}
+function draw(t, host){
+  const c = document.createElement('canvas'), dpr = window.devicePixelRatio||1, H = T+PH+LH+26;
+  c.width=W*dpr; c.height=H*dpr; c.style.width=W+'px'; c.style.height=H+'px'; host.appendChild(c);
+  const g=c.getContext('2d'); g.scale(dpr,dpr);
+  const pw=W-L-R, n=Math.max(1,t.n), top=D.top*1.1||1;
+  const X=k=>L+k/n*pw, Y=v=>T+PH-v/top*PH;
+  for(const [a,b,p] of t.phases){const col=D.phaseColors[D.phases[p]]; if(!col) continue;
+    g.fillStyle=col; g.globalAlpha=0.08; g.fillRect(X(a),T,X(b)-X(a),PH); g.globalAlpha=1;}
+  const ncol=t.rep.length, base=new Float64Array(ncol);
+  t.cats.forEach((ci,j)=>{ const v=t.stack[j]; g.fillStyle=D.colors[ci]; g.beginPath(); g.moveTo(X(t.edges[0]),Y(base[0]));
+    for(let i=0;i<ncol;i++){ g.lineTo(X(t.edges[i]),Y(base[i]+v[i])); g.lineTo(X(t.edges[i+1]),Y(base[i]+v[i])); }
+    for(let i=ncol-1;i>=0;i--){ g.lineTo(X(t.edges[i+1]),Y(base[i])); g.lineTo(X(t.edges[i]),Y(base[i])); }
+    g.closePath(); g.fill(); for(let i=0;i<ncol;i++) base[i]+=v[i]; });
+  g.fillStyle='rgba(214,39,40,0.18)'; for(const [a,b] of t.recompute) g.fillRect(X(a),T,Math.max(X(b)-X(a),1),PH);
+  g.strokeStyle='#888'; g.beginPath(); g.moveTo(L,T); g.lineTo(L,T+PH); g.lineTo(L+pw,T+PH); g.stroke();
+  g.fillStyle='#333'; g.font='10px sans-serif'; g.textAlign='right';
+  const unit=top>=2**30?2**30:2**20, uname=unit===2**30?' GiB':' MiB', raw=top/unit/5, mag=10**Math.floor(Math.log10(raw));
+  const step=[1,2,2.5,5,10].map(m=>m*mag).find(m=>m>=raw)*unit;
+  for(let v=0;v<=top;v+=step){ g.fillText(String(+(v/unit).toFixed(3))+uname, L-4, Y(v)+3);
+    g.strokeStyle='rgba(0,0,0,0.08)'; g.beginPath(); g.moveTo(L,Y(v)); g.lineTo(L+pw,Y(v)); g.stroke(); }
+  g.textAlign='center'; for(let f=0;f<=1.001;f+=0.2){ g.fillText(String(Math.round(f*t.n)), X(f*t.n), T+PH+LH+14); }
+  if(D.budget){ g.strokeStyle='#d62728'; g.setLineDash([5,3]); g.beginPath(); g.moveTo(L,Y(D.budget)); g.lineTo(L+pw,Y(D.budget)); g.stroke(); g.setLineDash([]);
+    g.fillStyle='#d62728'; g.textAlign='left'; g.fillText('budget '+fmt(D.budget), L+4, Y(D.budget)-3); }
+  if(t.peak[0]>=0){ const x=X(t.peak[0]+0.5); g.strokeStyle='#000'; g.setLineDash([2,2]); g.beginPath(); g.moveTo(x,T); g.lineTo(x,T+PH); g.stroke(); g.setLineDash([]);
+    g.fillStyle='#000'; g.beginPath(); g.moveTo(x-5,Y(t.peak[1])-8); g.lineTo(x+5,Y(t.peak[1])-8); g.lineTo(x,Y(t.peak[1])-1); g.fill(); }
+  const ly=T+PH+4;
+  for(const [a,b,name,p] of t.lane){ const y=D.phases[p]==='forward'?ly:ly+LH/2; g.fillStyle=D.phaseColors[D.phases[p]]||'#999';
+    g.fillRect(X(a),y,Math.max(X(b)-X(a)-0.5,0.5),LH/2-2);
+    const label=(S[name]||'').split('.').pop(); if(X(b)-X(a)>label.length*6+4){g.fillStyle='#fff'; g.textAlign='center'; g.fillText(label,(X(a)+X(b))/2,y+LH/4+3);} }
+  g.fillStyle='#d62728'; for(const [a,b] of t.recompute) g.fillRect(X(a),ly+LH-6,Math.max(X(b)-X(a),1),4);
+  c.addEventListener('mousemove', e=>{
+    const r=c.getBoundingClientRect(), mx=e.clientX-r.left, my=e.clientY-r.top;
+    if(mx<L||mx>L+pw||my<T||my>T+PH){tip.style.display='none';return;}
+    const k=(mx-L)/pw*n; let lo=0, hi=ncol-1; while(lo<hi){const m=(lo+hi+1)>>1; if(t.edges[m]<=k) lo=m; else hi=m-1;}
+    const i=lo, tick=t.rep[i], v=(T+PH-my)/PH*top; let acc=0, cj=-1;
+    for(let j=0;j<t.cats.length;j++){ if(v<acc+t.stack[j][i]){cj=j;break;} acc+=t.stack[j][i]; }
+    const ctx=t.ctx[i]; let h='<b>tick '+tick+'</b> ('+D.phases[ctx[0]]+', '+S[ctx[2]]+' in '+where(S[ctx[1]])+')<br>';
+    let total=0; for(let j=0;j<t.cats.length;j++) total+=t.stack[j][i]; h+='alive: '+fmt(total);
+    if(t.edges[i+1]-t.edges[i]>1) h+=' (highest of ticks '+t.edges[i]+'..'+(t.edges[i+1]-1)+')';
+    if(cj>=0){ const ci=t.cats[cj]; h+='<br>'+D.cats[ci]+': '+fmt(t.stack[cj][i]); let found=null;
+      for(const b of t.blocks){ if(b[3]!==ci||b[0]>tick||b[1]<=tick) continue; if(v<acc+b[2]){found=b;break;} acc+=b[2]; }
+      if(found){ const b=found; h+='<hr><b>block '+fmt(b[2])+'</b> ('+b[2]+' bytes), '+D.cats[b[3]]+'<br>module: '+where(S[b[4]])+
+        '<br>born: '+(b[0]<0?'before the step':'tick '+b[0]+' ('+D.phases[b[6]]+', '+S[b[5]]+')')+
+        '<br>freed: '+(b[8]<0?'outlives the step':'tick '+b[1]+' ('+D.phases[b[8]]+', '+S[b[7]]+')'); }
+      else h+='<br>(smaller blocks here: not listed)'; }
+    tip.innerHTML=h; tip.style.display='block'; tip.style.left=(e.pageX+14)+'px'; tip.style.top=(e.pageY+10)+'px'; });
+  c.addEventListener('mouseleave', ()=>{tip.style.display='none';});
+}
+const host=document.getElementById('charts');
+for(const t of D.tracks){ const h=document.createElement('h3'); h.textContent=t.label+': '+t.peakText; host.appendChild(h); draw(t, host); }
+// #hover=TRACK,FX,FY points at a fraction of a track's plot: what a test (or a link) shows
+const hv=/^#hover=(\d+),([\d.]+),([\d.]+)$/.exec(location.hash);
+if(hv){ const c=host.querySelectorAll('canvas')[+hv[1]], r=c.getBoundingClientRect();
+  c.dispatchEvent(new MouseEvent('mousemove',{clientX:r.left+L+(+hv[2])*(W-L-R),clientY:r.top+T+PH-(+hv[3])*PH,bubbles:true})); }
+document.getElementById('memfit-status').textContent='rendered';
+document.body.setAttribute('data-memfit','ok');
+})();
+"""
+
+
+def timeline_html(tl: Timeline) -> str:
+    """One page, nothing fetched at view time: the data, the canvas drawing and hover inline."""
+    data = json.dumps(_page_data(tl), separators=(",", ":")).replace("</", "<\\/")
+    title = html.escape(tl.title)
+    legend = " ".join(
+        f'<span><i style="background:{COLORS[c]}"></i>{html.escape(c.value)}</span>'
+        for c in _ORDER
+        if any(c in t.categories for t in tl.tracks)
+    )
+    legend += " " + " ".join(
+        f'<span><i style="background:{col};opacity:.35"></i>{p.value}</span>' for p, col in _PHASE_COLORS.items()
+    )
+    if any(t.recompute for t in tl.tracks):
+        legend += f' <span><i style="background:{_RECOMPUTE_COLOR};opacity:.5"></i>recompute</span>'
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in tl.notes)
+    tables = []
+    for t in tl.tracks:
+        rows = "".join(
+            f"<tr><td>{format_bytes(b)}</td><td>{html.escape(c.value)}</td><td>{html.escape(_where(m))}</td>"
+            f"<td>{html.escape(bw)}</td><td>{html.escape(fw)}</td></tr>"
+            for b, c, m, bw, fw in t.at_peak
+        )
+        tables.append(
+            f"<h3>Largest blocks at the peak: {html.escape(t.label)}</h3><table><tr><th>bytes</th><th>category</th>"
+            f"<th>module</th><th>born</th><th>freed</th></tr>{rows}</table>"
+        )
+    scatter = ""
+    if tl.candidates:
+        scatter = (
+            "<h2>Recompute candidates: bytes freed against cost</h2><p>Each module the planner could recompute "
+            "(circles: full recompute, squares: selective), filled where the plan chose it. Bytes freed are the "
+            "activations off the curve between the module's forward and its backward, read off the ledger; cost is "
+            "the planner's estimate. "
+            f"{len(tl.candidates)} candidates, {sum(c.chosen for c in tl.candidates)} chosen; identical modules (repeated "
+            "blocks) fall on one point. Hover a point for its module.</p>" + _scatter_svg(tl.candidates)
+        )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}td:first-child{{text-align:right}}
+.legend span{{margin-right:12px;font-size:13px}}.legend i{{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}}
+#tip{{position:absolute;display:none;background:#fff;border:1px solid #888;padding:6px 8px;font-size:12px;max-width:460px;pointer-events:none;box-shadow:2px 2px 6px rgba(0,0,0,.2)}}
+h3{{margin:14px 0 4px;font-size:14px}}</style>
+<script>window.onerror=function(m,s,l){{var e=document.getElementById('memfit-error')||document.createElement('pre');
+e.id='memfit-error';e.textContent='error: '+m+' (line '+l+')';document.body.appendChild(e);}};</script>
+</head><body>
+<h1 style="font-size:20px">{title}</h1>
+<ul>{notes}</ul>
+<div class="legend">{legend}</div>
+<div id="charts"></div>
+<p style="font-size:12px">Memory right after each tick (one allocation or free), stacked by category; shaded: forward,
+backward, optimizer; dotted line: the peak. Along the axis: module spans (forward above, backward below), recomputes in red.
+Where a track has more ticks than columns, each column shows the tick of highest memory in it: the envelope and the peak are exact.
+Hover for the block under the pointer.</p>
+{"".join(tables)}
+{scatter}
+<div id="tip"></div><div id="memfit-status" style="display:none">loading</div>
+<script type="application/json" id="memfit-data">{data}</script>
+<script>{_SCRIPT}</script>
+</body></html>
+"""
+
+
+# -- from what memfit measured ----------------------------------------------------------------
+
+
+def _source(prof: Profile) -> str:
+    on = "fake tensors (simulated, no memory used)" if prof.fake else f"real tensors on {prof.device}"
+    return f"recorded by memfit.profile on {on}: {len(prof.ledger.ticks)} ticks, {len(prof.ledger.blocks)} blocks"
+
+
+def profile_timeline(prof: Profile, title: str) -> Timeline:
+    """The profiled step as one track."""
+    return Timeline(title, [build_track(prof.ledger, "step")], notes=[f"step {_source(prof)}"])
+
+
+def plan_timeline(before: Profile, after: Profile, plan: Plan, candidates: Sequence[Option], title: str) -> Timeline:
+    """The step without and with ``plan``: ``after`` is the step profiled with the plan
+    applied (the same recorded run the planner verifies its plans with), so its peak is the
+    plan's predicted peak; ``candidates`` are the options the planner weighed on ``before``."""
+    chosen = {(m, c.mode) for m, c in plan.checkpointed.items()}
+    cands = [Candidate(o.module, o.mode, o.freed_bytes, o.cost_s, o.cost_flops, (o.module, o.mode) in chosen) for o in candidates]
+    return Timeline(
+        title,
+        [
+            build_track(before.ledger, "no plan"),
+            build_track(
+                after.ledger, f"plan ({len(plan.checkpointed)} modules recomputed)", checkpointed=list(plan.checkpointed)
+            ),
+        ],
+        notes=[
+            f"no plan: the step {_source(before)}",
+            f"plan: the same step with the plan applied (memfit.apply), {_source(after)}; "
+            f"the plan's predicted peak is {format_bytes(plan.predicted_peak_bytes)}",
+        ]
+        + (
+            [
+                "tensors a selective checkpoint keeps are held by the checkpoint, not by autograd's saved-tensor hooks: "
+                "in the planned step they count as temporaries"
+            ]
+            if any(c.mode == "selective" for c in plan.checkpointed.values())
+            else []
+        ),
+        budget_bytes=plan.budget_bytes,
+        candidates=cands,
+    )
+
+
+def recipe_timeline(before: Profile, after: Profile, recipe: Recipe, title: str) -> Timeline:
+    """The step as it is and with ``recipe``'s levers (its step options and plan), each profiled."""
+    checkpointed = list(recipe.plan.checkpointed) if recipe.plan is not None else []
+    return Timeline(
+        title,
+        [
+            build_track(before.ledger, "as it is"),
+            build_track(after.ledger, f"recipe: {recipe.summary()}", checkpointed=checkpointed),
+        ],
+        notes=[f"as it is: the step {_source(before)}", f"recipe: the recipe's step (its plan applied), {_source(after)}"],
+        budget_bytes=recipe.budget_bytes,
+    )

@@ -1,0 +1,184 @@
+"""The timeline pictures: aggregation keeps the peak exact, recompute ticks are flagged, the
+PNG and the page are written, and the page runs in a real headless browser."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL
+from torch import nn
+
+import memfit
+from memfit.cli import main
+from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Span, Tick
+from memfit.report.timeline import COLUMNS, Timeline, build_track, timeline_html, timeline_png
+
+F, B, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_render.py"
+
+
+def _synthetic(ticks: int) -> Ledger:
+    spec = importlib.util.spec_from_file_location("timeline_render", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.synthetic_ledger(ticks)
+
+
+def _small_ledger() -> Ledger:
+    ticks = [
+        Tick(F, "a", "mm"),
+        Tick(F, "a.b", "relu"),
+        Tick(F, "a.b", "relu"),
+        Tick(B, "a", "mm"),
+        Tick(B, "a", "mm"),
+        Tick(OPT, None, "add"),
+    ]
+    blocks = [
+        Block(0, 100, Category.PARAMETER, Phase.START, "a", START_TICK, None),
+        Block(1, 40, Category.ACTIVATION, F, "a", 0, 4),
+        Block(2, 30, Category.TEMPORARY, F, "a.b", 1, 2),
+        Block(3, 50, Category.GRADIENT, B, "a", 3, None),
+        Block(4, 7, Category.OPTIMIZER, OPT, None, 5, None),
+    ]
+    return Ledger(blocks, ticks, [Span("a", F, 0, 3), Span("a", B, 3, 5)])
+
+
+def test_small_ledger_is_drawn_tick_by_tick():
+    ledger = _small_ledger()
+    t = build_track(ledger, "x")
+    assert t.rep == list(range(6)) and t.edges == list(range(7))
+    assert t.total == ledger.curve()
+    for i, tick in enumerate(t.rep):
+        want = ledger.breakdown(tick)
+        assert {c: col[i] for c, col in zip(t.categories, t.stack)} == {c: want[c] for c in t.categories}
+    assert (t.peak_tick, t.peak_bytes, t.peak_op, t.peak_module) == (3, 190, "mm", "a")
+    assert [p for _, _, p in t.phases] == [F, B, OPT]
+    # the largest block alive at the peak heads the table
+    assert t.at_peak[0][:3] == (100, Category.PARAMETER, "a")
+
+
+def test_100k_ticks_aggregate_with_the_peak_exact_and_render_small_and_fast(tmp_path):
+    ledger = _synthetic(100_000)
+    curve = np.array(ledger.curve())
+    started = time.perf_counter()
+    t = build_track(ledger, "step")
+    page = timeline_html(Timeline("synthetic", [t]))
+    png = timeline_png(Timeline("synthetic", [t]))
+    seconds = time.perf_counter() - started
+    assert len(t.rep) == COLUMNS < len(ledger.ticks)
+    assert t.peak_bytes == ledger.peak_bytes and t.peak_tick == ledger.peak_tick
+    assert max(t.total) == ledger.peak_bytes and ledger.peak_tick in t.rep
+    # every column shows the highest tick of its range, with that tick's exact bytes
+    for i in range(0, COLUMNS, 97):
+        a, b = t.edges[i], t.edges[i + 1]
+        assert a <= t.rep[i] < b and t.total[i] == curve[a:b].max() == curve[t.rep[i]]
+    # the issue's target: under 5 s (about 1 s here: 2 shared cores, torch 2.13 CPU) and under 2 MB
+    assert seconds < 5, seconds
+    assert len(page.encode()) < 2_000_000
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(png) < 400_000
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_recompute_ticks_are_flagged_in_backward_only_inside_the_checkpointed_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), _Block(), nn.Linear(64, 1))
+    x = torch.randn(64, 64)
+    plain = memfit.profile(model, x).ledger
+    assert not any(t.recompute for t in plain.ticks)
+    memfit.apply(model, memfit.Plan(0, 0, 0, 0, 0, {"1": memfit.Choice("full")}, None, 0, None))
+    try:
+        planned = memfit.profile(model, x).ledger
+    finally:
+        memfit.remove(model)
+    flagged = [t for t in planned.ticks if t.recompute]
+    assert flagged and all(t.phase is B and (t.module or "").startswith("1") for t in flagged)
+    # the recompute ends where the module's forward ops end: backward's own ticks after it are not flagged
+    forward_ticks = sum(1 for t in planned.ticks if t.phase is F and (t.module or "").startswith("1"))
+    assert len(flagged) <= forward_ticks
+    t = build_track(planned, "plan", checkpointed=["1"])
+    assert [name for _, _, name in t.recompute] == ["1"]
+    again = Ledger.from_dict(planned.to_dict())
+    assert [t.recompute for t in again.ticks] == [t.recompute for t in planned.ticks]
+    # ledgers written before the flag (three fields a tick) still read
+    old = planned.to_dict()
+    old["ticks"] = [tick[:3] for tick in old["ticks"]]
+    assert not any(t.recompute for t in Ledger.from_dict(old).ticks)
+
+
+def test_cli_profile_and_plan_write_png_and_page(tmp_path):
+    png, page = tmp_path / "p.png", tmp_path / "p.html"
+    assert main(["profile", "gpt", "--device", "fake", *SMALL, "--plot", str(png), "--html", str(page)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and 10_000 < png.stat().st_size < 400_000
+    text = page.read_text()
+    assert "fake tensors" in text and "Largest blocks at the peak" in text and "<svg" not in text
+    png, page = tmp_path / "plan.png", tmp_path / "plan.html"
+    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
+    assert main(args) == 0
+    text = page.read_text()
+    assert "no plan" in text and "modules recomputed" in text and "budget" in text
+    assert 'id="scatter"' in text and "chosen" in text  # the candidates, the chosen ones marked
+    assert re.search(r'"recompute":\[\[\d+', text)  # the recompute runs of the planned step
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+
+
+def _chromium() -> str | None:
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def _browse(url: str, tmp: Path, *flags: str) -> subprocess.CompletedProcess:
+    profile = tmp / f"chrome-{len(list(tmp.iterdir()))}"
+    args = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1200,1000",
+        *flags,
+        url,
+    ]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (.ci/run installs Debian's where apt works)")
+def test_page_runs_in_a_headless_browser_and_shows_the_chart(tmp_path):
+    page = tmp_path / "plan.html"
+    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--html", str(page)]
+    assert main(args) == 0
+    dom = _browse(page.as_uri(), tmp_path, "--dump-dom").stdout
+    assert 'data-memfit="ok"' in dom and "memfit-error" not in dom.split("</head>")[1], dom[-2000:]
+    assert dom.count("<canvas") == 2
+    # hovering the activations of the first chart names one block: bytes, category, module, born, freed
+    dom = _browse(page.as_uri() + "#hover=0,0.35,0.3", tmp_path, "--dump-dom").stdout
+    tip = re.search(r'<div id="tip"[^>]*>(.*?)</div>', dom).group(1)
+    assert "block " in tip and "activations" in tip and "born: tick" in tip and "freed: tick" in tip, tip
+    shot = tmp_path / "shot.png"
+    _browse(page.as_uri(), tmp_path, f"--screenshot={shot}")
+    from PIL import Image
+
+    img = np.asarray(Image.open(io.BytesIO(shot.read_bytes())).convert("RGB")).astype(int)
+    # the chart's colours are on screen: parameters (#4e79a7) and activations (#e15759)
+    for rgb in ((0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59)):
+        assert (np.abs(img - rgb).sum(axis=2) < 12).sum() > 2_000, rgb
