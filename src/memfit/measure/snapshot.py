@@ -27,6 +27,7 @@ from memfit.measure.allocator import (
     SMALL_BUFFER,
     SMALL_SIZE,
     AllocatorConfigError,
+    AllocatorOutOfMemory,
     AllocatorSettings,
     AllocatorStats,
     Block,
@@ -335,13 +336,17 @@ class TraceReplay:
     """``cudaMalloc`` s the model made that the GPU did not."""
     empty_cache_calls: int
     """Runs of recorded segment frees (``empty_cache`` or an out-of-memory retry), mirrored."""
+    out_of_memory: bool = False
+    """The requests did not fit in the ``capacity`` (the stats are those up to the failure)."""
 
     @property
     def same_address_fraction(self) -> float:
         return self.same_address / self.allocs if self.allocs else 1.0
 
 
-def replay_trace(snap: dict, settings: AllocatorSettings | None = None, device: int | None = None) -> TraceReplay:
+def replay_trace(
+    snap: dict, settings: AllocatorSettings | None = None, device: int | None = None, *, capacity: int | None = None
+) -> TraceReplay:
     """The trace's requests through the model under ``settings`` (default: the recorded ones),
     starting from the state the trace began with. New segments take the address of a recorded
     ``cudaMalloc`` of the same size made for the same request (where the driver put it), so the
@@ -362,7 +367,7 @@ def replay_trace(snap: dict, settings: AllocatorSettings | None = None, device: 
         fresh[0] += -(-size // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
         return fresh[0]
 
-    alloc = CachingAllocator(settings, segment_address=address)
+    alloc = CachingAllocator(settings, segment_address=address, capacity=capacity)
     live = {addr: b for addr, b in _install(alloc, start, recorded).items()}
     allocs = same = seg_total = seg_matched = seg_extra = empties = 0
     real_sizes: list[int] = []
@@ -383,7 +388,10 @@ def replay_trace(snap: dict, settings: AllocatorSettings | None = None, device: 
             real_sizes.clear()
         elif act == "alloc":
             before = len(alloc.segments)
-            b = alloc.malloc(int(e["size"]), int(e.get("stream", 0)))
+            try:
+                b = alloc.malloc(int(e["size"]), int(e.get("stream", 0)))
+            except AllocatorOutOfMemory:
+                return TraceReplay(settings, alloc.stats(), allocs, same, seg_total, seg_matched, seg_extra, empties, True)
             live[addr] = b
             allocs += 1
             same += b.ptr == addr
@@ -405,3 +413,86 @@ def _common(a: list[int], b: list[int]) -> int:
     from collections import Counter
 
     return sum((Counter(a) & Counter(b)).values())
+
+
+# -- what `memfit snapshot` reports ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotSummary:
+    """A snapshot's recorded span, the model's replay of it, and what other settings would reserve."""
+
+    path: str
+    recorded: Relived
+    model: TraceReplay | None
+    """The trace under its own settings through the model (``None`` without a trace)."""
+    what_if: tuple[TraceReplay, ...]
+    largest: tuple[Allocation, ...]
+
+    def to_dict(self) -> dict:
+        r = self.recorded
+        out = {
+            "snapshot": self.path,
+            "device": r.device,
+            "allocated_peak_bytes": r.stats.allocated_peak_bytes,
+            "reserved_peak_bytes": r.stats.reserved_peak_bytes,
+            "fragmentation_bytes": r.stats.fragmentation_bytes,
+            "reserved_at_allocated_peak_bytes": r.stats.reserved_at_allocated_peak_bytes,
+            "allocator_settings": r.settings.to_dict(),
+            "recorded_span": {
+                "trace": r.has_trace,
+                "events": r.events,
+                "allocs": r.allocs,
+                "start_allocated_bytes": r.start_allocated_bytes,
+                "start_reserved_bytes": r.start_reserved_bytes,
+                "end_allocated_bytes": r.stats.allocated_bytes,
+                "end_reserved_bytes": r.stats.reserved_bytes,
+            },
+            "largest_allocations": [{"bytes": a.size, "address": a.address, "frames": list(a.frames)} for a in self.largest],
+        }
+        if self.model is not None:
+            out["model"] = _replay_dict(self.model)
+        out["what_if"] = [_replay_dict(w) for w in self.what_if]
+        return out
+
+
+def _replay_dict(t: TraceReplay) -> dict:
+    return {
+        "allocator_settings": t.settings.to_dict(),
+        "allocated_peak_bytes": t.stats.allocated_peak_bytes,
+        "reserved_peak_bytes": t.stats.reserved_peak_bytes,
+        "reserved_end_bytes": t.stats.reserved_bytes,
+        "fragmentation_bytes": t.stats.fragmentation_bytes,
+        "out_of_memory": t.out_of_memory,
+        "capacity_bytes": t.stats.capacity,
+        "same_address_fraction": t.same_address_fraction,
+        "segment_allocs_recorded": t.segment_allocs,
+        "segment_allocs_matched": t.segment_allocs_matched,
+        "segment_allocs_extra": t.segment_allocs_extra,
+    }
+
+
+def summarize(
+    path: str | Path,
+    *,
+    what_if: list[AllocatorSettings] | None = None,
+    top: int = 10,
+    device: int | None = None,
+    capacity: int | None = None,
+) -> SnapshotSummary:
+    """Everything ``memfit snapshot`` shows. ``what_if`` defaults to the recorded settings with
+    ``expandable_segments`` turned on (off, if the recording had it on); ``capacity`` bounds what
+    those may reserve (the GPU's memory: without it nothing is ever released to retry)."""
+    snap = load_snapshot(path)
+    device = trace_device(snap) if device is None else device
+    rec = relive(snap, device)
+    model = replay_trace(snap, device=device) if rec.has_trace else None
+    if what_if is None:
+        s = rec.settings
+        what_if = [AllocatorSettings(**{**_fields(s), "expandable_segments": not s.expandable_segments})]
+    alts = tuple(replay_trace(snap, w, device, capacity=capacity) for w in what_if) if rec.has_trace else ()
+    return SnapshotSummary(str(path), rec, model, alts, tuple(largest_allocations(snap, device, top=top)))
+
+
+def _fields(s: AllocatorSettings) -> dict:
+    return {k: getattr(s, k) for k in AllocatorSettings.__dataclass_fields__}
