@@ -10,7 +10,9 @@ allocations placed at the very address it chose, whether every ``segment_alloc``
 happened at the same request with the same size, reserved bytes at the end, and the peaks
 predicted vs recorded (the recorded ones re-lived from the trace's own addresses). No torch, no GPU.
 
-``--sources`` is a tab-separated file: pickle name, repository, commit, path in the repository.
+``--sources`` is a tab-separated file: pickle name, repository, commit, path in the repository
+(``benchmarks/allocator_traces.tsv`` lists the public traces BENCHMARKS.md reports; its
+section says how to fetch them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from memfit.measure.allocator import CachingAllocator
 from memfit.measure.snapshot import SnapshotError, load_snapshot, relive, replay_trace
 from memfit.units import format_bytes
 
@@ -27,12 +30,37 @@ def _pct(a: int, b: int) -> str:
     return f"{100.0 * (a - b) / b:+.2f}%" if b else "n/a"
 
 
+class _SplitAlways(CachingAllocator):
+    def _should_split(self, block, size):
+        return block.size - size >= 512
+
+
+class _LowestAddress(CachingAllocator):
+    def _get_free_block(self, pool, stream, size):
+        fits = [b for k, b in pool.blocks.items() if k[0] == stream and k[1] >= size]
+        if not fits:
+            return None
+        block = min(fits, key=lambda b: b.ptr)
+        pool.remove(block)
+        return block
+
+
+_ABLATIONS = {"split-always": _SplitAlways, "lowest-address": _LowestAddress}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
     parser.add_argument("--sources", help="TSV: file, repository, commit, path (default DIR/sources.tsv if present)")
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument(
+        "--ablation",
+        choices=sorted(_ABLATIONS),
+        help="replay with one rule broken (a control: the scores must drop): split every remainder >= 512 B, "
+        "or take the lowest-addressed free block that fits instead of the best fit",
+    )
     ns = parser.parse_args(argv)
+    model = _ABLATIONS[ns.ablation] if ns.ablation else CachingAllocator
     root = Path(ns.dir)
     sources: dict[str, tuple[str, str, str]] = {}
     src_file = Path(ns.sources) if ns.sources else root / "sources.tsv"
@@ -64,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise SnapshotError(
                     f"re-lived allocated at the end {rec.stats.allocated_bytes} != dumped {rec.dumped_allocated_bytes}: trace incomplete"
                 )
-            out = replay_trace(snap)
+            if rec.allocs == 0:
+                raise SnapshotError("the trace records no allocation")
+            out = replay_trace(snap, model=model)
         except SnapshotError as exc:
             skipped.append(f"- {name}: {exc}")
             continue

@@ -345,12 +345,18 @@ class TraceReplay:
 
 
 def replay_trace(
-    snap: dict, settings: AllocatorSettings | None = None, device: int | None = None, *, capacity: int | None = None
+    snap: dict,
+    settings: AllocatorSettings | None = None,
+    device: int | None = None,
+    *,
+    capacity: int | None = None,
+    model: type[CachingAllocator] = CachingAllocator,
 ) -> TraceReplay:
     """The trace's requests through the model under ``settings`` (default: the recorded ones),
     starting from the state the trace began with. New segments take the address of a recorded
     ``cudaMalloc`` of the same size made for the same request (where the driver put it), so the
-    model's placements can be compared address for address."""
+    model's placements can be compared address for address. ``model`` is the allocator class to
+    replay through (a subclass with a rule changed, to see what the rule is worth)."""
     device = trace_device(snap) if device is None else device
     recorded = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
     settings = settings or recorded
@@ -358,16 +364,26 @@ def replay_trace(
     start = _start_state(snap, device, trace)
     pending: list[tuple[int, int, int]] = []  # (size, stream, addr) of recorded cudaMallocs not yet used
     fresh = [1 << 56]
+    held = {a: seg.size for a, seg in start.items()}  # the model's segments, which a recorded address must not overlap
+    seen = [0]
 
     def address(size: int, stream: int, expandable: bool) -> int:
+        for ev in alloc.segments[seen[0] :]:
+            if ev.action == "segment_alloc":
+                held[ev.ptr] = ev.size
+            elif ev.action == "segment_free":
+                held.pop(ev.ptr, None)
+        seen[0] = len(alloc.segments)
         for k, (s, st, a) in enumerate(pending):
             if s == size and st == stream and not expandable:
+                if any(a < p + n and p < a + size for p, n in held.items()):
+                    continue  # the model still holds that range: the driver could not have returned it
                 del pending[k]
                 return a
         fresh[0] += -(-size // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
         return fresh[0]
 
-    alloc = CachingAllocator(settings, segment_address=address, capacity=capacity)
+    alloc = model(settings, segment_address=address, capacity=capacity)
     live = {addr: b for addr, b in _install(alloc, start, recorded).items()}
     allocs = same = seg_total = seg_matched = seg_extra = empties = 0
     real_sizes: list[int] = []
