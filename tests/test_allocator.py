@@ -310,3 +310,39 @@ def test_not_a_snapshot(tmp_path, capsys):
         assert main(["snapshot", str(tmp_path / name)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and "not a memory snapshot" in err[0] and "not a pickle" in err[1] and "cannot read" in err[2]
+
+
+def test_a_trace_that_starts_after_a_segment_was_freed_and_ends_with_empty_cache():
+    """The reverse walk brings back a segment the trace frees (S: freed by an empty_cache at the
+    start), and the replay mirrors the recorded run of segment frees as one empty_cache."""
+    S = 0x7000_3000_0000
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    trace = [
+        ev("segment_free", S, 20 * MiB),  # torch.cuda.empty_cache() right after recording began
+        ev("segment_alloc", R, 24 * MiB),
+        ev("alloc", R, 24 * MiB),
+        ev("free_requested", R, 24 * MiB),
+        ev("free_completed", R, 24 * MiB),
+        ev("segment_free", R, 24 * MiB),  # and another at the end
+    ]
+    snap = {"segments": [], "device_traces": [trace]}
+    rec = relive(snap)
+    assert (rec.start_reserved_bytes, rec.stats.reserved_peak_bytes, rec.stats.reserved_bytes) == (20 * MiB, 24 * MiB, 0)
+    out = replay_trace(snap)
+    assert out.empty_cache_calls == 2 and out.stats.reserved_bytes == 0 and out.same_address == 1
+
+
+def test_replay_of_a_measured_ledger():
+    """A real (fake-tensor) profile's ledger: rounding and segments only ever add to its peak."""
+    import memfit
+    from memfit import zoo
+
+    work = zoo.build("gpt", batch_size=2, n_layer=2, n_embd=64, block_size=32)
+    prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, fake=True)
+    s = replay_ledger(prof.ledger)
+    tensors = prof.peak_bytes - prof.breakdown.get("autograd_graph", 0)
+    assert tensors <= s.allocated_peak_bytes <= s.reserved_peak_bytes
+    assert s.allocated_peak_bytes < tensors * 1.1 + 64 * 512  # 512 B rounding on a small model: a few percent
