@@ -48,6 +48,24 @@ class _LowestAddress(CachingAllocator):
 _ABLATIONS = {"split-always": _SplitAlways, "lowest-address": _LowestAddress}
 
 
+def _one(snap: dict, device: int, model: type[CachingAllocator]):
+    """One device's trace: the model's replay and the re-lived recording, or why not."""
+    rec = relive(snap, device)
+    if not rec.has_trace:
+        raise SnapshotError("no trace recorded (the snapshot was taken without _record_memory_history)")
+    if rec.stats.reserved_bytes != rec.dumped_reserved_bytes:
+        raise SnapshotError(
+            f"re-lived reserved at the end {rec.stats.reserved_bytes} != dumped {rec.dumped_reserved_bytes}: trace incomplete"
+        )
+    if rec.stats.allocated_bytes != rec.dumped_allocated_bytes:
+        raise SnapshotError(
+            f"re-lived allocated at the end {rec.stats.allocated_bytes} != dumped {rec.dumped_allocated_bytes}: trace incomplete"
+        )
+    if rec.allocs == 0:
+        raise SnapshotError("the trace records no allocation")
+    return replay_trace(snap, device=device, model=model), rec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
@@ -81,37 +99,31 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{repo} @ {commit[:8]}: {inner}" if commit else path.name
         try:
             snap = load_snapshot(path)
-            rec = relive(snap)
-            if not rec.has_trace:
-                raise SnapshotError("no trace recorded (the snapshot was taken without _record_memory_history)")
-            if rec.stats.reserved_bytes != rec.dumped_reserved_bytes:
-                raise SnapshotError(
-                    f"re-lived reserved at the end {rec.stats.reserved_bytes} != dumped {rec.dumped_reserved_bytes}: trace incomplete"
-                )
-            if rec.stats.allocated_bytes != rec.dumped_allocated_bytes:
-                raise SnapshotError(
-                    f"re-lived allocated at the end {rec.stats.allocated_bytes} != dumped {rec.dumped_allocated_bytes}: trace incomplete"
-                )
-            if rec.allocs == 0:
-                raise SnapshotError("the trace records no allocation")
-            out = replay_trace(snap, model=model)
         except SnapshotError as exc:
             skipped.append(f"- {name}: {exc}")
             continue
-        s, r = out.stats, rec.stats
-        end_ok = "=" if s.reserved_bytes == r.reserved_bytes else "**≠**"
-        rows.append(
-            f"| {name} | {out.allocs:,} | {100.0 * out.same_address_fraction:.2f}% | "
-            f"{out.segment_allocs_matched}/{out.segment_allocs} | {out.segment_allocs_extra} | "
-            f"{format_bytes(s.reserved_bytes)} {end_ok} {format_bytes(r.reserved_bytes)} | "
-            f"{format_bytes(s.allocated_peak_bytes)} / {format_bytes(r.allocated_peak_bytes)} ({_pct(s.allocated_peak_bytes, r.allocated_peak_bytes)}) | "
-            f"{format_bytes(s.reserved_peak_bytes)} / {format_bytes(r.reserved_peak_bytes)} ({_pct(s.reserved_peak_bytes, r.reserved_peak_bytes)}) |"
-        )
-        totals[0] += out.allocs
-        totals[1] += out.same_address
-        totals[2] += out.segment_allocs_matched
-        totals[3] += out.segment_allocs
-        totals[4] += out.segment_allocs_extra
+        devices = [d for d, t in enumerate(snap.get("device_traces") or []) if t] or [0]
+        for device in devices:
+            label = f"{name} (device {device})" if len(devices) > 1 else name
+            try:
+                out, rec = _one(snap, device, model)
+            except SnapshotError as exc:
+                skipped.append(f"- {label}: {exc}")
+                continue
+            s, r = out.stats, rec.stats
+            end_ok = "=" if s.reserved_bytes == r.reserved_bytes else "**≠**"
+            rows.append(
+                f"| {label} | {out.allocs:,} | {100.0 * out.same_address_fraction:.2f}% | "
+                f"{out.segment_allocs_matched}/{out.segment_allocs} | {out.segment_allocs_extra} | "
+                f"{format_bytes(s.reserved_bytes)} {end_ok} {format_bytes(r.reserved_bytes)} | "
+                f"{format_bytes(s.allocated_peak_bytes)} / {format_bytes(r.allocated_peak_bytes)} ({_pct(s.allocated_peak_bytes, r.allocated_peak_bytes)}) | "
+                f"{format_bytes(s.reserved_peak_bytes)} / {format_bytes(r.reserved_peak_bytes)} ({_pct(s.reserved_peak_bytes, r.reserved_peak_bytes)}) |"
+            )
+            totals[0] += out.allocs
+            totals[1] += out.same_address
+            totals[2] += out.segment_allocs_matched
+            totals[3] += out.segment_allocs
+            totals[4] += out.segment_allocs_extra
     if totals[0]:
         rows.append(
             f"| **all** | {totals[0]:,} | {100.0 * totals[1] / totals[0]:.2f}% | {totals[2]}/{totals[3]} | {totals[4]} | | | |"

@@ -33,7 +33,7 @@ MiB = 1 << 20
 def _at(*addresses: int):
     """A segment_address callback handing out ``addresses`` in order."""
     it = iter(addresses)
-    return lambda size, stream, expandable: next(it)
+    return lambda size, stream, expandable, small: next(it)
 
 
 # -- sizes ------------------------------------------------------------------------------------
@@ -346,3 +346,42 @@ def test_replay_of_a_measured_ledger():
     tensors = prof.peak_bytes - prof.breakdown.get("autograd_graph", 0)
     assert tensors <= s.allocated_peak_bytes <= s.reserved_peak_bytes
     assert s.allocated_peak_bytes < tensors * 1.1 + 64 * 512  # 512 B rounding on a small model: a few percent
+
+
+def test_an_expandable_segments_trace():
+    """expandable_segments:True: the segment is mapped in 20 MiB pages as requests need them."""
+    E = 0x7100_0000_0000
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    trace = [
+        ev("segment_map", E, 20 * MiB),
+        ev("alloc", E, 16 * MiB),  # 4 MiB of the page stay free
+        ev("segment_map", E + 20 * MiB, 20 * MiB),
+        ev("alloc", E + 16 * MiB, 16 * MiB),  # the free 4 MiB and a new page, merged
+        ev("free_requested", E, 16 * MiB),
+        ev("free_completed", E, 16 * MiB),
+    ]
+    blocks = [(E, 16 * MiB, "inactive"), (E + 16 * MiB, 16 * MiB, "active_allocated"), (E + 32 * MiB, 8 * MiB, "inactive")]
+    segment = {
+        "device": 0,
+        "address": E,
+        "total_size": 40 * MiB,
+        "stream": 0,
+        "segment_type": "large",
+        "is_expandable": True,
+        "blocks": [{"address": a, "size": n, "requested_size": n, "state": st} for a, n, st in blocks],
+    }
+    snap = {
+        "segments": [segment],
+        "device_traces": [trace],
+        "allocator_settings": {"expandable_segments": True, "max_split_size": -1},
+    }
+    rec = relive(snap)
+    assert (rec.stats.allocated_peak_bytes, rec.stats.reserved_peak_bytes, rec.start_reserved_bytes) == (32 * MiB, 40 * MiB, 0)
+    assert rec.stats.reserved_bytes == rec.dumped_reserved_bytes and rec.stats.allocated_bytes == rec.dumped_allocated_bytes
+    out = replay_trace(snap)
+    assert out.same_address == 2 and out.segment_allocs_matched == out.segment_allocs == 2
+    # without expandable segments each request gets a 16 MiB segment of its own
+    assert replay_trace(snap, AllocatorSettings()).stats.reserved_peak_bytes == 32 * MiB

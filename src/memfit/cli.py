@@ -231,7 +231,9 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
         )
         what_if = [AllocatorSettings.parse(conf)]
     capacity = memfit.parse_bytes(ns.capacity) if ns.capacity is not None else None
-    summary = summarize(ns.path, what_if=what_if, top=ns.top, capacity=capacity)
+    if ns.device_index is not None and ns.device_index < 0:
+        raise MemfitError(f"--device-index takes a GPU index >= 0, got {ns.device_index}")
+    summary = summarize(ns.path, what_if=what_if, top=ns.top, capacity=capacity, device=ns.device_index)
     render_snapshot(summary, console, top=ns.top)
     if ns.json:
         Path(ns.json).write_text(json.dumps(summary.to_dict(), indent=1))
@@ -408,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity", metavar="BYTES", help="the GPU's memory ('80GB'): the comparison releases cached segments and retries there"
     )
+    p.add_argument("--device-index", type=int, metavar="N", help="which GPU's trace (default: the one with the most events)")
     p.add_argument("--top", type=int, default=10, help="largest allocations to list (default 10)")
     p.set_defaults(func=_cmd_snapshot)
 

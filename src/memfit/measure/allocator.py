@@ -479,8 +479,9 @@ class AllocatorStats:
 
 # -- the allocator ----------------------------------------------------------------------------
 
-SegmentAddress = Callable[[int, int, bool], "int | None"]
-"""``(size, stream, expandable) -> address`` for a new segment, or ``None`` for the model's own choice."""
+SegmentAddress = Callable[[int, int, bool, bool], "int | None"]
+"""``(size, stream, expandable, small) -> address`` for a new segment (an expandable one: its
+virtual range), or ``None`` for the model's own choice."""
 
 
 class CachingAllocator:
@@ -621,6 +622,78 @@ class CachingAllocator:
         self.segments.append(SegmentEvent("segment_alloc", ptr, size, stream, self.event + 1))
         self._peaks()
 
+    def add_expandable_segment(
+        self, base: int, size: int, stream: int, ranges: list[tuple[int, list[tuple[int, bool, int]]]], *, small: bool
+    ) -> list[Block]:
+        """An expandable segment that exists already: the virtual range ``[base, base + size)``
+        with its mapped ``ranges`` as ``(address, blocks)``, blocks as in :meth:`add_segment`.
+        Returns its allocated blocks."""
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        seg = _Expandable(base, page, -(-size // page))
+        pool = self.small if small else self.large
+        out: list[Block] = []
+        chain: list[Block] = []
+        at = base
+        for ptr, blocks in sorted(ranges):
+            if ptr > at:
+                chain.append(Block(at, ptr - at, stream, small, seg))
+                chain[-1].mapped = False
+            seg.mapped.update(seg.pages_to_map(ptr, sum(b[0] for b in blocks)))
+            for bsize, allocated, requested in blocks:
+                b = Block(ptr, bsize, stream, small, seg)
+                if allocated:
+                    b.allocated, b.requested = True, requested
+                    self.allocated += bsize
+                    self.requested += requested
+                    out.append(b)
+                elif chain and chain[-1].mapped and not chain[-1].allocated:
+                    chain[-1].size += bsize  # free neighbours were merged on the GPU
+                    ptr += bsize
+                    continue
+                chain.append(b)
+                ptr += bsize
+            self.reserved += sum(b[0] for b in blocks)
+            at = ptr
+        if at < seg.base + seg.size:
+            chain.append(Block(at, seg.base + seg.size - at, stream, small, seg))
+            chain[-1].mapped = False
+        prev = None
+        for b in chain:
+            b.splice(prev, None)
+            prev = b
+            if not b.allocated:
+                (pool.insert if b.mapped else pool.insert_unmapped)(b)
+        self._peaks()
+        return out
+
+    def map_at(self, ptr: int, size: int, stream: int = 0) -> None:
+        """A recorded ``segment_map``: map ``size`` bytes from the unmapped block at ``ptr``."""
+        for pool in (self.large, self.small):
+            b = pool.unmapped.get((stream, ptr))
+            if b is not None:
+                self.event += 1
+                if not self._map_block(b, size, pool) or self.segments[-1].size != size:
+                    raise AllocatorConfigError(f"mapping {size} B at {ptr:#x} does not follow the allocator's pages")
+                return
+        raise AllocatorConfigError(f"no unmapped block at {ptr:#x} on stream {stream}")
+
+    def unmap_at(self, ptr: int, size: int, stream: int = 0) -> None:
+        """A recorded ``segment_unmap``: the free pages of the cached block around ``ptr``."""
+        for pool in (self.large, self.small):
+            for key in pool.keys:
+                b = pool.blocks[key]
+                if key[0] == stream and b.segment is not None and b.ptr <= ptr < b.ptr + b.size:
+                    self.event += 1
+                    n = len(self.segments)
+                    self._unmap_block(b, pool)
+                    got = self.segments[n:]
+                    if not got or (got[0].ptr, got[0].size) != (ptr, size):
+                        raise AllocatorConfigError(f"unmapping {size} B at {ptr:#x} does not follow the cached block")
+                    if b.prev is None and b.next is None and not b.mapped:
+                        pool.remove_unmapped(b)
+                    return
+        raise AllocatorConfigError(f"no cached expandable block at {ptr:#x} on stream {stream}")
+
     def release_segment(self, ptr: int) -> None:
         """A recorded ``cudaFree`` of the cached, unsplit segment at ``ptr``."""
         for pool in (self.small, self.large):
@@ -725,8 +798,8 @@ class CachingAllocator:
             pool.remove_unmapped(src)
         return src.size
 
-    def _new_address(self, size: int, stream: int, expandable: bool) -> int:
-        ptr = self._address(size, stream, expandable) if self._address is not None else None
+    def _new_address(self, size: int, stream: int, expandable: bool, small: bool) -> int:
+        ptr = self._address(size, stream, expandable, small) if self._address is not None else None
         if ptr is None:
             ptr = self._next_ptr
             self._next_ptr += -(-size // ROUND_LARGE) * ROUND_LARGE
@@ -737,7 +810,7 @@ class CachingAllocator:
             return None
         if self.settings.expandable_segments:
             return self._alloc_expandable(pool, stream, size)
-        b = Block(self._new_address(alloc_size, stream, False), alloc_size, stream, pool.small)
+        b = Block(self._new_address(alloc_size, stream, False, pool.small), alloc_size, stream, pool.small)
         self.reserved += alloc_size
         self.segments.append(SegmentEvent("segment_alloc", b.ptr, alloc_size, stream, self.event))
         self._peaks()
@@ -853,7 +926,7 @@ class CachingAllocator:
         # torch reserves address space for 9/8 of the device's memory
         space = self.capacity + self.capacity // 8 if self.capacity is not None else 1 << 40
         pages = -(-space // page)
-        seg = _Expandable(self._new_address(pages * page, stream, True), page, pages)
+        seg = _Expandable(self._new_address(pages * page, stream, True, pool.small), page, pages)
         c = Block(seg.base, seg.size, stream, pool.small, seg)
         c.mapped = False
         pool.insert_unmapped(c)

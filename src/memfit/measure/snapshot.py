@@ -23,6 +23,7 @@ from pathlib import Path
 
 from memfit.errors import MemfitError
 from memfit.measure.allocator import (
+    LARGE_BUFFER,
     MIN_BLOCK,
     SMALL_BUFFER,
     SMALL_SIZE,
@@ -150,20 +151,76 @@ class _Segment:
     small: bool
     allocated: dict[int, tuple[int | None, int]]
     """address -> (block size if known, requested size)"""
+    expandable: bool = False
 
 
-def _start_state(snap: dict, device: int, trace: list[dict]) -> dict[int, _Segment]:
+@dataclass(slots=True)
+class _Region:
+    """An expandable segment: its mapped ranges when the trace began, and every address seen in it
+    (the lowest is taken as its base: the first mapping starts there)."""
+
+    stream: int
+    small: bool
+    mapped: list[list[int]]
+    lo: int
+    hi: int
+
+    def add(self, a: int, b: int) -> None:
+        self.mapped.append([a, b])
+        self.mapped.sort()
+        merged: list[list[int]] = []
+        for r in self.mapped:
+            if merged and r[0] <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], r[1])
+            else:
+                merged.append(r)
+        self.mapped = merged
+        self.lo, self.hi = min(self.lo, a), max(self.hi, b)
+
+    def remove(self, a: int, b: int) -> bool:
+        for k, (x, y) in enumerate(self.mapped):
+            if x <= a and b <= y:
+                self.mapped[k : k + 1] = [r for r in ([x, a], [b, y]) if r[1] > r[0]]
+                return True
+        return False
+
+
+@dataclass(slots=True)
+class _Start:
+    segments: dict[int, _Segment]
+    regions: list[_Region]
+
+
+def _region_for(regions: list[_Region], addr: int, stream: int, small: bool | None) -> _Region:
+    """The expandable segment an address belongs to: the nearest one of its stream (and pool, if
+    known); virtual ranges lie tens of GiB apart."""
+    mine = [r for r in regions if r.stream == stream and (small is None or r.small == small)]
+    if not mine:
+        r = _Region(stream, bool(small), [], addr, addr)
+        regions.append(r)
+        return r
+    return min(mine, key=lambda r: 0 if r.lo <= addr <= r.hi else min(abs(addr - r.lo), abs(addr - r.hi)))
+
+
+def _start_state(snap: dict, device: int, trace: list[dict]) -> _Start:
     """The segments and allocated blocks when the trace began: the dumped state with the trace
     undone from its end."""
     segs: dict[int, _Segment] = {}
+    regions: list[_Region] = []
     allocated: dict[int, tuple[int | None, int]] = {}
     for s in snap["segments"]:
         if int(s.get("device", 0)) != device:
             continue
+        addr, size, stream, small = (
+            int(s["address"]),
+            int(s["total_size"]),
+            int(s.get("stream", 0)),
+            s.get("segment_type") == "small",
+        )
         if s.get("is_expandable"):
-            raise SnapshotError("the snapshot used expandable_segments:True; memfit re-lives traces of ordinary segments only")
-        addr = int(s["address"])
-        segs[addr] = _Segment(addr, int(s["total_size"]), int(s.get("stream", 0)), s.get("segment_type") == "small", {})
+            _region_for(regions, addr, stream, small).add(addr, addr + size)
+        else:
+            segs[addr] = _Segment(addr, size, stream, small, {})
         a = addr
         for b in s.get("blocks", []):
             if b.get("state") in _STATES_ALLOCATED:
@@ -182,42 +239,53 @@ def _start_state(snap: dict, device: int, trace: list[dict]) -> dict[int, _Segme
         elif act == "segment_free":
             size = int(e["size"])
             segs[addr] = _Segment(addr, size, int(e.get("stream", 0)), size == SMALL_BUFFER, {})
-        elif act in ("segment_map", "segment_unmap"):
-            raise SnapshotError("the trace maps expandable segments; memfit re-lives traces of ordinary segments only")
-    _sizes_from_trace(allocated, trace)
+        elif act == "segment_map":
+            size, stream = int(e["size"]), int(e.get("stream", 0))
+            r = _region_for(regions, addr, stream, None)
+            if not r.remove(addr, addr + size):
+                raise SnapshotError(f"the trace maps {addr:#x} that the dumped state does not have mapped")
+            r.lo = min(r.lo, addr)
+        elif act == "segment_unmap":
+            size = int(e["size"])
+            # a page of the small pool is 2 MiB, of the large pool 20 MiB
+            _region_for(regions, addr, int(e.get("stream", 0)), size % LARGE_BUFFER != 0).add(addr, addr + size)
+    for r in regions:
+        for a, b in r.mapped:
+            segs[a] = _Segment(a, b - a, r.stream, r.small, {}, expandable=True)
     starts = sorted(segs)
     for addr, info in allocated.items():
         i = bisect.bisect_right(starts, addr) - 1
         if i < 0 or addr >= starts[i] + segs[starts[i]].size:
             raise SnapshotError(f"block {addr:#x} alive when the trace began lies in no segment: an inconsistent snapshot")
         segs[starts[i]].allocated[addr] = info
-    return segs
+    _sizes_from_trace([s for s in segs.values() if not s.expandable and not s.small], trace)
+    return _Start(segs, regions)
 
 
-def _sizes_from_trace(allocated: dict[int, tuple[int | None, int]], trace: list[dict]) -> None:
+def _sizes_from_trace(segments: list[_Segment], trace: list[dict]) -> None:
     """Blocks alive at the start and freed during the trace left no size behind, and a large-pool
     block may have taken up to 1 MiB more than its request (a remainder too small to split off).
     A later allocation placed up to 1 MiB past the request while the block still lived shows
     where the block ended (a free block starts right after it)."""
+    unknown = {a: seg for seg in segments for a, (size, _) in seg.allocated.items() if size is None}
     freed_at: dict[int, int] = {}
     for i, e in enumerate(trace):
         if e.get("action") == "free_completed":
             a = int(e["addr"])
-            if a in allocated and allocated[a][0] is None and a not in freed_at:
+            if a in unknown and a not in freed_at:
                 freed_at[a] = i
     if not freed_at:
         return
     allocs = sorted((int(e["addr"]), i) for i, e in enumerate(trace) if e.get("action") == "alloc")
     addrs = [a for a, _ in allocs]
     for a, until in freed_at.items():
-        requested = allocated[a][1]
+        seg = unknown[a]
+        requested = seg.allocated[a][1]
         lo = a + MIN_BLOCK * ((requested + MIN_BLOCK - 1) // MIN_BLOCK)
-        if requested <= SMALL_SIZE:
-            continue  # the small pool splits off any remainder
         k = bisect.bisect_right(addrs, lo)
-        while k < len(allocs) and allocs[k][0] <= lo + SMALL_SIZE:
+        while k < len(allocs) and allocs[k][0] <= min(lo + SMALL_SIZE, seg.address + seg.size):
             if allocs[k][1] < until:
-                allocated[a] = (allocs[k][0] - a, requested)
+                seg.allocated[a] = (allocs[k][0] - a, requested)
                 break
             k += 1
 
@@ -241,9 +309,9 @@ def _layout(seg: _Segment, settings: AllocatorSettings) -> list[tuple[int, bool,
             gap = end - addr
             limit = settings.max_split_size
             unsplit = (gap - size <= SMALL_SIZE) or (limit is not None and size >= limit)
-            if not seg.small and not settings.expandable_segments and unsplit:
+            if not seg.small and not seg.expandable and not settings.expandable_segments and unsplit:
                 size = gap
-            elif seg.small and gap - size < MIN_BLOCK:
+            elif gap - size < MIN_BLOCK:
                 size = gap
         out.append((size, True, requested))
         at = addr + size
@@ -252,11 +320,23 @@ def _layout(seg: _Segment, settings: AllocatorSettings) -> list[tuple[int, bool,
     return out
 
 
-def _install(alloc: CachingAllocator, start: dict[int, _Segment], settings: AllocatorSettings) -> dict[int, Block]:
+_VIRTUAL = 1 << 40
+"""Address space given to an expandable segment beyond the addresses the snapshot shows (torch
+reserves 9/8 of the device's memory, which the snapshot does not say)."""
+
+
+def _install(alloc: CachingAllocator, start: _Start, settings: AllocatorSettings, *, empty_regions: bool) -> dict[int, Block]:
     live: dict[int, Block] = {}
-    for addr in sorted(start):
-        seg = start[addr]
-        blocks = alloc.add_segment(seg.address, _layout(seg, settings), seg.stream, small=seg.small)
+    for addr in sorted(start.segments):
+        seg = start.segments[addr]
+        if not seg.expandable:
+            blocks = alloc.add_segment(seg.address, _layout(seg, settings), seg.stream, small=seg.small)
+            live.update((b.ptr, b) for b in blocks)
+    for r in start.regions:
+        if not r.mapped and not empty_regions:
+            continue  # made during the trace: the model makes it, at the recorded base
+        ranges = [(a, _layout(start.segments[a], settings)) for a, _ in r.mapped]
+        blocks = alloc.add_expandable_segment(r.lo, r.hi - r.lo + _VIRTUAL, r.stream, ranges, small=r.small)
         live.update((b.ptr, b) for b in blocks)
     return live
 
@@ -290,7 +370,7 @@ def relive(snap: dict, device: int | None = None) -> Relived:
     trace = _trace(snap, device)
     start = _start_state(snap, device, trace)
     alloc = CachingAllocator(settings)
-    live = _install(alloc, start, settings)
+    live = _install(alloc, start, settings, empty_regions=True)
     start_alloc, start_res = alloc.allocated, alloc.reserved
     n_allocs = 0
     try:
@@ -306,6 +386,10 @@ def relive(snap: dict, device: int | None = None) -> Relived:
                 alloc.new_segment(addr, int(e["size"]), int(e.get("stream", 0)))
             elif act == "segment_free":
                 alloc.release_segment(addr)
+            elif act == "segment_map":
+                alloc.map_at(addr, int(e["size"]), int(e.get("stream", 0)))
+            elif act == "segment_unmap":
+                alloc.unmap_at(addr, int(e["size"]), int(e.get("stream", 0)))
     except (AllocatorConfigError, KeyError) as exc:
         raise SnapshotError(f"the trace does not re-live consistently ({exc}): a trace memfit cannot follow") from None
     mine = [s for s in snap["segments"] if int(s.get("device", 0)) == device]
@@ -364,10 +448,15 @@ def replay_trace(
     start = _start_state(snap, device, trace)
     pending: list[tuple[int, int, int]] = []  # (size, stream, addr) of recorded cudaMallocs not yet used
     fresh = [1 << 56]
-    held = {a: seg.size for a, seg in start.items()}  # the model's segments, which a recorded address must not overlap
+    held = {a: seg.size for a, seg in start.segments.items() if not seg.expandable}  # a recorded address must not overlap these
     seen = [0]
+    bases = {(r.stream, r.small): r.lo for r in start.regions if not r.mapped}  # expandable segments made during the trace
 
-    def address(size: int, stream: int, expandable: bool) -> int:
+    def address(size: int, stream: int, expandable: bool, small: bool) -> int:
+        if expandable:
+            base = bases.pop((stream, small), None) if recorded.expandable_segments else None
+            if base is not None:
+                return base
         for ev in alloc.segments[seen[0] :]:
             if ev.action == "segment_alloc":
                 held[ev.ptr] = ev.size
@@ -384,19 +473,19 @@ def replay_trace(
         return fresh[0]
 
     alloc = model(settings, segment_address=address, capacity=capacity)
-    live = {addr: b for addr, b in _install(alloc, start, recorded).items()}
+    live = _install(alloc, start, recorded, empty_regions=False)
     allocs = same = seg_total = seg_matched = seg_extra = empties = 0
     real_sizes: list[int] = []
     prev = None
     for e in trace:
         act = e.get("action")
         addr = int(e.get("addr", 0))
-        if act == "segment_alloc":
+        if act in ("segment_alloc", "segment_map"):
             pending.append((int(e["size"]), int(e.get("stream", 0)), addr))
             real_sizes.append(int(e["size"]))
             seg_total += 1
-        elif act == "segment_free":
-            if prev != "segment_free":
+        elif act in ("segment_free", "segment_unmap"):
+            if prev not in ("segment_free", "segment_unmap"):
                 alloc.empty_cache()
                 empties += 1
         elif act == "oom":
@@ -500,6 +589,9 @@ def summarize(
     ``expandable_segments`` turned on (off, if the recording had it on); ``capacity`` bounds what
     those may reserve (the GPU's memory: without it nothing is ever released to retry)."""
     snap = load_snapshot(path)
+    n = max(len(snap.get("device_traces") or []), 1 + max((int(s.get("device", 0)) for s in snap["segments"]), default=0))
+    if device is not None and device >= n:
+        raise SnapshotError(f"{path}: the snapshot has GPUs 0 to {n - 1}, not {device}")
     device = trace_device(snap) if device is None else device
     rec = relive(snap, device)
     model = replay_trace(snap, device=device) if rec.has_trace else None
