@@ -385,3 +385,19 @@ def test_an_expandable_segments_trace():
     assert out.same_address == 2 and out.segment_allocs_matched == out.segment_allocs == 2
     # without expandable segments each request gets a 16 MiB segment of its own
     assert replay_trace(snap, AllocatorSettings()).stats.reserved_peak_bytes == 32 * MiB
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--max-split-size-mb", "10"], "--max-split-size-mb must be >= 20"),
+        (["--capacity", "lots"], "lots"),
+        (["--device-index", "3"], "has GPUs 0 to 0, not 3"),
+    ],
+)
+def test_cli_snapshot_bad_flags_are_one_line(flags, needle, tmp_path, capsys):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(_snapshot()))
+    assert main(["snapshot", str(path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err

@@ -91,11 +91,14 @@ _STATES_ALLOCATED = ("active_allocated", "active_pending_free")
 
 
 def trace_device(snap: dict) -> int:
-    """The device whose trace has the most events (0 for a snapshot without history)."""
+    """The device whose trace has the most events; of equals (no history), the one holding the most memory."""
     traces = snap.get("device_traces") or []
-    if not traces:
-        return 0
-    return max(range(len(traces)), key=lambda d: (len(traces[d] or []), -d))
+    held: dict[int, int] = {}
+    for seg in snap["segments"]:
+        d = int(seg.get("device", 0))
+        held[d] = held.get(d, 0) + int(seg.get("total_size", 0))
+    devices = set(range(len(traces))) | set(held) or {0}
+    return max(sorted(devices), key=lambda d: (len(traces[d] or []) if d < len(traces) else 0, held.get(d, 0), -d))
 
 
 def _trace(snap: dict, device: int) -> list[dict]:

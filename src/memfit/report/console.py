@@ -801,7 +801,8 @@ def render_snapshot(summary: SnapshotSummary, console: Console, *, top: int = 10
         )
     else:
         console.print("no trace recorded (torch.cuda.memory._record_memory_history was off): the state at the dump only")
-    table = Table(title="Peaks over the recorded span", title_justify="left", box=box.SIMPLE_HEAD)
+    title = "Peaks over the recorded span" if rec.has_trace else "At the dump"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("", "allocated peak", "reserved peak", "vs GPU", "unused at the allocated peak"):
         # the settings name the row: kept whole, the numbers wrap instead
         table.add_column(col, justify="right", overflow="fold") if col else table.add_column(col, no_wrap=True)
