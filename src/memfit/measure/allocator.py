@@ -129,15 +129,18 @@ class AllocatorSettings:
             elif key in (
                 "expandable_segments",
                 "release_lock_on_cudamalloc",
+                "release_lock_on_hipmalloc",
                 "pinned_use_cuda_host_register",
+                "pinned_use_hip_host_register",
                 "pinned_use_background_threads",
+                "graph_capture_record_stream_reuse",
             ):
                 i, v = value(i)
                 if v not in ("True", "False"):
                     raise AllocatorConfigError(f"PYTORCH_CUDA_ALLOC_CONF: {key} takes True or False, got {v!r}")
                 if key == "expandable_segments":
                     values["expandable_segments"] = v == "True"
-            elif key == "pinned_num_register_threads":
+            elif key in ("pinned_num_register_threads", "pinned_reserve_segment_size_mb"):
                 i, _ = value(i)  # host (pinned) memory: not the device allocator's business
             elif key == "backend":
                 i, v = value(i)
@@ -840,7 +843,7 @@ class CachingAllocator:
         while released < want and i >= 0 and keys[i][0] == stream and keys[i][1] >= limit:
             b = pool.blocks[keys[i]]
             i -= 1
-            if b.is_split or b.segment is not None:  # torch would cudaFree it anyway; never happens unsplit-wise
+            if b.is_split or b.segment is not None:  # a part of a segment cannot be cudaFree'd (torch does not check)
                 continue
             released += b.size
             self._release_block(b)
