@@ -8,6 +8,7 @@
     memfit plan gpt --budget 400MiB --json plan.json
     memfit fit gpt --budget 400MiB --allow amp,bf16   # the fastest memory levers that fit
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
+    memfit snapshot memory_snapshot.pickle   # a GPU's recorded trace: peaks, and what other allocator settings would reserve
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
 
@@ -283,6 +284,33 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.measure.allocator import AllocatorSettings
+    from memfit.measure.snapshot import summarize
+    from memfit.report.console import render_snapshot
+
+    if ns.max_split_size_mb is not None and ns.max_split_size_mb < 20:
+        raise MemfitError(f"--max-split-size-mb must be >= 20 (torch refuses smaller), got {ns.max_split_size_mb}")
+    if ns.top < 0:
+        raise MemfitError(f"--top takes a count >= 0, got {ns.top}")
+    what_if = None
+    if ns.expandable_segments or ns.max_split_size_mb is not None:
+        conf = ",".join(
+            ["expandable_segments:True"] * ns.expandable_segments
+            + ([f"max_split_size_mb:{ns.max_split_size_mb}"] if ns.max_split_size_mb is not None else [])
+        )
+        what_if = [AllocatorSettings.parse(conf)]
+    capacity = memfit.parse_bytes(ns.capacity) if ns.capacity is not None else None
+    if ns.device_index is not None and ns.device_index < 0:
+        raise MemfitError(f"--device-index takes a GPU index >= 0, got {ns.device_index}")
+    summary = summarize(ns.path, what_if=what_if, top=ns.top, capacity=capacity, device=ns.device_index)
+    render_snapshot(summary, console, top=ns.top)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(summary.to_dict(), indent=1))
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
 def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_zoo
 
@@ -457,6 +485,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH.png", help="write the memory-vs-throughput chart")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML page")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "snapshot", help="a GPU memory snapshot (torch.cuda.memory._dump_snapshot): peaks, largest allocations, other settings"
+    )
+    p.add_argument("path", metavar="PATH.pickle", help="a snapshot pickle, read without running code from it")
+    p.add_argument("--json", metavar="OUT", help="also write allocated_peak_bytes, reserved_peak_bytes and the rest as JSON")
+    p.add_argument(
+        "--expandable-segments", action="store_true", help="compare with expandable_segments:True (the default comparison)"
+    )
+    p.add_argument("--max-split-size-mb", type=int, metavar="N", help="compare with max_split_size_mb:N (with the above: both)")
+    p.add_argument(
+        "--capacity", metavar="BYTES", help="the GPU's memory ('80GB'): the comparison releases cached segments and retries there"
+    )
+    p.add_argument("--device-index", type=int, metavar="N", help="which GPU's trace (default: the one with the most events)")
+    p.add_argument("--top", type=int, default=10, help="largest allocations to list (default 10)")
+    p.set_defaults(func=_cmd_snapshot)
 
     p = sub.add_parser("zoo", help="list the built-in models")
     p.set_defaults(func=_cmd_zoo)
