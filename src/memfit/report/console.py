@@ -403,7 +403,7 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     if profile.step.inference:
         console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
         if timed:
-            console.print(f"step time {profile.step_time_s:.3f} s (one step after warm-up, measured on {profile.device})")
+            console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
         return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
     show_type = console.width >= 100  # names matter more than types on a narrow terminal
@@ -426,7 +426,7 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     _add_rows(console, mods, rows)
     console.print(mods)
     if timed:
-        console.print(f"step time {profile.step_time_s:.3f} s (one step after warm-up, measured on {profile.device})")
+        console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
     else:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
 
