@@ -82,7 +82,29 @@ def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
     return model, inputs
 
 
-def _profile(work: memfit.Workload, device: str, console: Console, *, inference: bool = False) -> memfit.Profile:
+def _gpu_args(ns: argparse.Namespace) -> tuple[Any, int | None]:
+    """``--gpu`` and ``--capacity``, checked before any work: the GPU spec (None) and bytes (None)."""
+    from memfit.measure.gpu import GpuError, find_gpu
+
+    spec = find_gpu(ns.gpu) if getattr(ns, "gpu", None) else None
+    if spec is not None and ns.device != "fake-cuda":
+        raise GpuError(
+            f"--gpu {ns.gpu} is the GPU fake CUDA simulates: add --device fake-cuda (on --device {ns.device}, "
+            "give --capacity BYTES to judge the step against a memory size)"
+        )
+    capacity = getattr(ns, "capacity", None)
+    return spec, None if capacity is None else memfit.parse_bytes(capacity)
+
+
+def _profile(
+    work: memfit.Workload,
+    device: str,
+    console: Console,
+    *,
+    inference: bool = False,
+    gpu: Any = None,
+    capacity: int | None = None,
+) -> memfit.Profile:
     from memfit.report.console import progress_bar
 
     _require_device(device)
@@ -100,15 +122,18 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
             progress=progress,
             step=step,
             targets=work.targets,
+            gpu=gpu,
+            capacity=capacity,
         )
 
 
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
+    gpu, capacity = _gpu_args(ns)
     _require_device(ns.device)  # before building the model
     work = _workload(ns)
-    prof = _profile(work, ns.device, console, inference=ns.eval)
+    prof = _profile(work, ns.device, console, inference=ns.eval, gpu=gpu, capacity=capacity)
     prof.meta.update({"target": ns.target, **work.meta})
     render_profile(prof, console, title=f"{work.name} (evaluation)" if ns.eval else work.name, top=ns.top)
     if ns.json:
@@ -308,6 +333,18 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
+    from memfit.measure.gpu import GPUS
+
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"with --device fake-cuda: the GPU to simulate and judge the step against ({', '.join(GPUS)}; default H100-80GB)",
+    )
+    if capacity:
+        p.add_argument("--capacity", metavar="BYTES", help="device memory to judge the step against ('24GiB'); default the GPU's")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training step in a memory budget.")
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
@@ -336,6 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
     )
+    _gpu_options(p)
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
