@@ -721,7 +721,7 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
 def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = None) -> None:
     """How each lever set's peak grows with the batch, and the largest batch each fits."""
     console.print(
-        f"[bold]{escape(title or found.recipe.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
+        f"[bold]{escape(title or found.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
         f"[bold]{found.batch_size}[/] (example batch {found.example_batch}; searched in {found.search_time_s:.1f} s)",
         highlight=False,
     )
@@ -748,6 +748,12 @@ def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = N
         "line says: the batch the line through two measurements predicts; fake steps: fake-tensor steps measured",
         highlight=False,
     )
+    if found.recipe is None:
+        console.print(
+            f"[yellow]note:[/] {escape(found.device)}: peaks predicted on fake CUDA tensors, not measured on a GPU; no recipe "
+            "is timed or verified (fake tensors run no kernels): run memfit fit at that batch on the GPU"
+        )
+        return
     console.print(f"the fastest recipe at batch {found.batch_size}, measured:")
 
 
