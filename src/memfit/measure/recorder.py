@@ -78,10 +78,14 @@ bookkeeping instead of saved records."""
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
 
 # Ops whose CUDA kernel goes through cuBLAS (getCurrentCUDABlasHandle, which gives the
-# handle its workspace on first use: aten/src/ATen/cuda/CublasHandlePool.cpp); linear and
-# matmul reach the dispatcher as these.
+# handle its workspace on first use: aten/src/ATen/cuda/CublasHandlePool.cpp). linear and
+# matmul reach a dispatch mode as mm/addmm when autograd decomposes them, as themselves
+# under inference_mode.
 CUBLAS_OPS = frozenset(
-    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation", "_scaled_mm", "_int_mm"}
+    {
+        *("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot"),
+        *("_addmm_activation", "_scaled_mm", "_int_mm", "linear", "matmul", "bilinear", "einsum"),
+    }
 )
 
 _TAG = "memfit.op#"

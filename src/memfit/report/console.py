@@ -444,14 +444,16 @@ def render_device_fit(profile: Profile, console: Console) -> None:
     if fit is None:
         return
     if fit.gpu is not None:
-        cc = ".".join(map(str, fit.gpu.capability))
-        what = f"{fit.gpu.name} (sm{cc.replace('.', '')}, {format_bytes(fit.gpu.total_memory)})"
+        what = fit.gpu.key
+        detail = f"{fit.gpu.name}, sm{''.join(map(str, fit.gpu.capability))}, {format_bytes(fit.gpu.total_memory)}"
         if fit.capacity_bytes != fit.gpu.total_memory:
-            what += f", capacity given {format_bytes(fit.capacity_bytes)}"
+            detail += f"; capacity given {format_bytes(fit.capacity_bytes)}"
     else:
-        what = f"a capacity of {format_bytes(fit.capacity_bytes)}"
-    simulated = profile.device.startswith("fake:")
-    console.rule(f"[bold]Will it fit on {escape(what)}?" + (" (prediction on fake tensors)" if simulated else ""))
+        what, detail = format_bytes(fit.capacity_bytes), "a capacity given"
+    console.rule(f"[bold]Will it fit on {escape(what)}?")
+    if profile.device.startswith("fake:"):
+        detail += "; a prediction on fake tensors, not a measurement on a GPU"
+    console.print(escape(detail), highlight=False)
     rows = Table(box=box.SIMPLE_HEAD, show_header=False)
     rows.add_column("what")
     rows.add_column("bytes", justify="right")
