@@ -242,3 +242,69 @@ def test_the_shim_is_cached_per_torch(shim_cache):
     built = list(shim_cache.glob("fake_cuda-torch*.so"))
     assert len(built) == 1 and torch.__version__ in built[0].name
     assert _fake_cuda.build(cache=shim_cache) == built[0]  # no rebuild
+
+
+# --- what no tensor shows, and a GPU to plan for (issue 14, items 3 and 4) -------------------
+
+TINY = ["gpt", "--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4", "--size", "block_size=64"]
+
+
+def _profile_json(cache: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "p.json"
+    done = _run(["-m", "memfit", "profile", *TINY, "--device", "fake-cuda", "--json", str(out), *args], _env(cache))
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(out.read_text())
+
+
+def _cublas_blocks(data: dict) -> list[dict]:
+    return [b for b in data["ledger"]["blocks"] if b["category"] == "kernel_workspace" and b["born"] == -1]
+
+
+def test_training_step_on_an_sm80_gpu_holds_two_cublas_workspaces_and_does_not_fit_a_small_capacity(shim_cache, tmp_path):
+    capacity = 600 * 2**20  # the 512 MiB context estimate and a ~20 MiB peak: fits; 530 MiB: not
+    done, data = _profile_json(shim_cache, tmp_path, "--gpu", "A100-40GB", "--capacity", str(530 * 2**20))
+    blocks = _cublas_blocks(data)
+    # the forward thread's and autograd's, ":4096:2:16:8" before Hopper
+    assert [b["nbytes"] for b in blocks] == [8_519_680, 8_519_680] and all(b["died"] is None for b in blocks)
+    assert data["ledger"]["cublas_workspaces"] == 2 and data["breakdown"]["kernel_workspace"] >= 2 * 8_519_680
+    assert data["gpu"]["key"] == "A100-40GB" and data["gpu"]["capability"] == [8, 0]
+    fit = data["device_fit"]
+    context = fit["outside_allocator"][0]
+    assert context["name"] == "cuda_context" and "estimate" in context["source"]
+    assert data["headroom_bytes"] == 530 * 2**20 - context["bytes"] - data["peak_bytes"] < 0
+    text = " ".join(done.stdout.split())  # the console wraps at 80 columns
+    assert data["fits"] is False and "does not fit" in text and "a prediction on fake tensors" in text
+    assert 530 * 2**20 < context["bytes"] + data["peak_bytes"] < capacity  # so the other answer needs only more capacity
+
+
+def test_forward_only_step_on_hopper_holds_one_32mib_workspace_and_fits(shim_cache, tmp_path):
+    done, data = _profile_json(shim_cache, tmp_path, "--gpu", "h100-80gb", "--eval")
+    assert [b["nbytes"] for b in _cublas_blocks(data)] == [32 * 2**20]
+    assert data["capacity_bytes"] == 81559 * 2**20 and data["fits"] is True
+    assert data["headroom_bytes"] == data["capacity_bytes"] - 512 * 2**20 - data["peak_bytes"] > 0
+    assert "fits, with" in done.stdout
+
+
+def test_unknown_gpu_and_fit_on_fake_cuda_are_one_line_errors(shim_cache):
+    done = _run(["-m", "memfit", "profile", *TINY, "--device", "fake-cuda", "--gpu", "GTX-480"], _env(shim_cache))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "unknown GPU 'GTX-480'" in done.stderr and "A100-80GB" in done.stderr and "T4" in done.stderr
+    done = _run(["-m", "memfit", "fit", *TINY, "--device", "fake-cuda", "--budget", "1GiB"], _env(shim_cache))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--max-batch" in done.stderr
+    done = _run(["-m", "memfit", "profile", *TINY, "--gpu", "T4"], _env(shim_cache))  # --gpu without fake CUDA
+    assert done.returncode == 2 and "--device fake-cuda" in done.stderr
+
+
+def test_max_batch_on_fake_cuda_predicts_from_peaks_without_timing(shim_cache, tmp_path):
+    out = tmp_path / "mb.json"
+    budget = 700 * 2**20
+    args = ["-m", "memfit", "fit", "--max-batch", *TINY, "--device", "fake-cuda", "--gpu", "T4", "--capacity", str(budget)]
+    done = _run([*args, "--json", str(out)], _env(shim_cache))
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["predicted_only"] is True and data["recipe"] is None and data["device"] == "fake:cuda:0"
+    assert data["budget_bytes"] == budget - 512 * 2**20  # capacity less the CUDA context estimate
+    plain = next(lim for lim in data["limits"] if lim["levers"] == [])
+    # the line's own figures put the batch at the budget: one more sample would not fit
+    assert plain["peak_bytes"] <= data["budget_bytes"] < plain["peak_bytes"] + 2 * plain["bytes_per_sample"]
+    assert data["batch_size"] >= plain["max_batch"] > 2 and "no recipe is timed" in done.stdout

@@ -22,7 +22,13 @@ SMALL = {
     ),
     "gpt2": dict(n_layer=2, n_embd=64, n_head=2, seq_len=16, batch_size=2),
     "llama": dict(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2, vocab_size=256, seq_len=16, batch_size=2
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        vocab_size=256,
+        seq_len=16,
+        batch_size=2,
     ),
     "vit": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, image_size=32, batch_size=2),
     "resnet152": dict(depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], embedding_size=16, image_size=32, batch_size=2),

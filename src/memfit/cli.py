@@ -87,7 +87,57 @@ def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
     return model, inputs
 
 
-def _profile(work: memfit.Workload, device: str, console: Console, *, inference: bool = False) -> memfit.Profile:
+def _gpu_args(ns: argparse.Namespace) -> tuple[Any, int | None]:
+    """``--gpu`` and ``--capacity``, checked before any work: the GPU spec (None) and bytes (None)."""
+    from memfit.measure.gpu import GpuError, find_gpu
+
+    spec = find_gpu(ns.gpu) if getattr(ns, "gpu", None) else None
+    if spec is not None and ns.device != "fake-cuda":
+        raise GpuError(
+            f"--gpu {ns.gpu} is the GPU fake CUDA simulates: add --device fake-cuda (on --device {ns.device}, "
+            "give --capacity BYTES to judge the step against a memory size)"
+        )
+    capacity = getattr(ns, "capacity", None)
+    return spec, None if capacity is None else memfit.parse_bytes(capacity)
+
+
+def _budget(ns: argparse.Namespace) -> tuple[Any, str]:
+    """``--budget``, or the (simulated) GPU's memory less the CUDA context estimate: the budget
+    and how to print it. Sets the GPU fake CUDA simulates."""
+    from memfit.measure.gpu import CUDA_CONTEXT
+
+    spec, capacity = _gpu_args(ns)
+    if spec is not None:
+        from memfit.measure import _fake_cuda
+
+        _fake_cuda.set_gpu(spec)
+    if ns.budget is not None:
+        if spec is not None or capacity is not None:
+            raise MemfitError("give --budget, or --gpu/--capacity to take the budget from the GPU's memory, not both")
+        return ns.budget, ns.budget
+    if capacity is None and spec is None:
+        raise MemfitError(
+            "give --budget BYTES, or --gpu NAME / --capacity BYTES (the budget is then that memory less "
+            "the CUDA context estimate)"
+        )
+    total = capacity if capacity is not None else spec.total_memory
+    cuda = ns.device in ("cuda", "fake-cuda")
+    budget = total - (CUDA_CONTEXT.bytes if cuda else 0)
+    label = f"{memfit.format_bytes(total)}" + (f" {spec.key}" if spec is not None and capacity is None else "")
+    if cuda:
+        label += f" - {memfit.format_bytes(CUDA_CONTEXT.bytes)} CUDA context estimate"
+    return budget, label
+
+
+def _profile(
+    work: memfit.Workload,
+    device: str,
+    console: Console,
+    *,
+    inference: bool = False,
+    gpu: Any = None,
+    capacity: int | None = None,
+) -> memfit.Profile:
     from memfit.report.console import progress_bar
 
     _require_device(device)
@@ -105,6 +155,8 @@ def _profile(work: memfit.Workload, device: str, console: Console, *, inference:
             progress=progress,
             step=step,
             targets=work.targets,
+            gpu=gpu,
+            capacity=capacity,
         )
 
 
@@ -139,9 +191,10 @@ def _applied_profile(
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
+    gpu, capacity = _gpu_args(ns)
     _require_device(ns.device)  # before building the model
     work = _workload(ns)
-    prof = _profile(work, ns.device, console, inference=ns.eval)
+    prof = _profile(work, ns.device, console, inference=ns.eval, gpu=gpu, capacity=capacity)
     prof.meta.update({"target": ns.target, **work.meta})
     title = f"{work.name} (evaluation)" if ns.eval else work.name
     render_profile(prof, console, title=title, top=ns.top)
@@ -158,7 +211,8 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
 def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
-    budget = memfit.parse_budget(ns.budget)  # bad budgets fail before any work
+    raw, label = _budget(ns)
+    budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     _require_device(ns.device)
     work = _workload(ns)
     fake = FAKE.get(ns.device, False)
@@ -179,7 +233,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             progress=progress,
             profile=before,
         )
-    plan.budget = ns.budget
+    plan.budget = label
     console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
     render_plan(plan, console)
     if ns.json:
@@ -199,12 +253,20 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
     from memfit.plan.fit import fit_budget, parse_allow
     from memfit.report.console import progress_bar, render_fit
 
-    budget = fit_budget(ns.budget)  # bad budgets and lever names fail before any work
+    raw, label = _budget(ns)
+    budget = fit_budget(raw)  # bad budgets and lever names fail before any work
     parse_allow(ns.allow)
     if ns.multiple_of < 1:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
+    fake = FAKE.get(ns.device, False)
+    if fake and not ns.max_batch:
+        raise MemfitError(
+            f"memfit fit times real steps, which fake tensors cannot run (--device {ns.device}): run it on the GPU, or "
+            "use memfit fit --max-batch (peaks only) or memfit plan on fake CUDA"
+        )
+    _require_device(ns.device)
     work = _workload(ns)
-    model, inputs = _on_device(work, ns.device)
+    model, inputs = _on_device(work, "cpu" if fake else ns.device)
     common = dict(
         loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads
     )
@@ -212,14 +274,19 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         from memfit.report.console import render_max_batch
 
         with progress_bar(console, f"largest batch of {work.name}") as progress:
-            found = memfit.max_batch(model, inputs, budget, multiple_of=ns.multiple_of, progress=progress, **common)
-        found.recipe.budget = ns.budget
+            found = memfit.max_batch(model, inputs, budget, multiple_of=ns.multiple_of, progress=progress, fake=fake, **common)
         render_max_batch(found, console, title=work.name)
+        if found.recipe is None:  # fake CUDA: predicted peaks, no recipe timed
+            if ns.json:
+                Path(ns.json).write_text(json.dumps({**found.to_dict(), "budget": label}))
+                console.print(f"wrote {ns.json}")
+            return 0
+        found.recipe.budget = label
         recipe = found.recipe
     else:
         with progress_bar(console, f"fitting {work.name}") as progress:
             recipe = memfit.fit(model, inputs, budget, progress=progress, **common)
-        recipe.budget = ns.budget
+        recipe.budget = label
     render_fit(recipe, console, title=work.name, path=ns.json)
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
@@ -394,6 +461,18 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
+    from memfit.measure.gpu import GPUS
+
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"with --device fake-cuda: the GPU to simulate and judge the step against ({', '.join(GPUS)}; default H100-80GB)",
+    )
+    if capacity:
+        p.add_argument("--capacity", metavar="BYTES", help="device memory to judge the step against ('24GiB'); default the GPU's")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training step in a memory budget.")
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
@@ -427,11 +506,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
     )
+    _gpu_options(p)
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
     target_args(p)
-    p.add_argument("--budget", required=True, help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5)")
+    p.add_argument(
+        "--budget", help="bytes for the whole step ('6GiB', '800MB') or a fraction ('50%%', 0.5); or give --gpu/--capacity"
+    )
     p.add_argument(
         "--device",
         choices=["cpu", "cuda", "fake", "fake-cuda"],
@@ -441,13 +523,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--objective", choices=["time", "flops"], default="time", help="minimise estimated recompute time (default) or FLOPs"
     )
+    _gpu_options(p)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
     picture_args(p, "the step without and with the plan (profiled again with it applied)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("fit", help="the fastest combination of memory levers (recompute, micro-batches, ...) that fits a budget")
     target_args(p)
-    p.add_argument("--budget", required=True, help="bytes for the whole step's peak ('6GiB', '800MB')")
+    p.add_argument("--budget", help="bytes for the whole step's peak ('6GiB', '800MB'); or give --gpu/--capacity")
     p.add_argument(
         "--allow",
         default="",
@@ -457,7 +540,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-grads", action="store_true", help="the training loop calls zero_grad(set_to_none=False) (weigh switching)"
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="fit measures step times, so no fake device")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "fake-cuda"],
+        default="cpu",
+        help="fit measures step times, so fake-cuda only with --max-batch (its peaks; no recipe timed)",
+    )
+    _gpu_options(p)
     p.add_argument(
         "--max-batch",
         action="store_true",

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.measure.gpu import GPUS, GpuSpec
 
-__all__ = ["FakeCudaError", "GPU", "ENV_FLAG", "enable", "preload", "active", "require", "cache_dir", "build"]
+__all__ = ["FakeCudaError", "DEFAULT_GPU", "ENV_FLAG", "enable", "preload", "active", "require", "cache_dir", "build", "set_gpu"]
 
 ENV_FLAG = "MEMFIT_FAKE_CUDA"
 """``MEMFIT_FAKE_CUDA=1`` in the environment: ``import memfit`` loads the shim (before torch,
@@ -52,17 +53,10 @@ class FakeCudaError(MemfitError):
     """Fake CUDA cannot run in this process or on this machine."""
 
 
-@dataclass(frozen=True)
-class GPU:
-    """The device fake CUDA answers for."""
+DEFAULT_GPU = GPUS["H100-80GB"]
+"""The GPU fake CUDA answers for unless told another (:func:`set_gpu`, ``--gpu``)."""
 
-    name: str = "NVIDIA H100 80GB HBM3"
-    capability: tuple[int, int] = (9, 0)
-    total_memory: int = 80 * 1024**3
-    multi_processor_count: int = 132
-
-
-_state: dict[str, Any] = {"enabled": False, "failure": None, "gpu": GPU()}
+_state: dict[str, Any] = {"enabled": False, "failure": None, "gpu": DEFAULT_GPU}
 
 
 def active() -> bool:
@@ -70,8 +64,14 @@ def active() -> bool:
     return bool(_state["enabled"])
 
 
-def gpu() -> GPU:
+def gpu() -> GpuSpec:
     return _state["gpu"]
+
+
+def set_gpu(spec: GpuSpec) -> None:
+    """Answer for ``spec`` from now on (the stubs read it at each call: capability, memory,
+    name; SDPA's kernel choice and cuBLAS's workspace size follow)."""
+    _state["gpu"] = spec
 
 
 def cache_dir() -> Path:
@@ -160,7 +160,7 @@ def _cxx11_abi(lib: Path) -> int:
     return 1 if b"__cxx11" in data else 0
 
 
-def enable(gpu: GPU | None = None) -> None:
+def enable(gpu: GpuSpec | None = None) -> None:
     """Load the shim and import torch with it (idempotent). Raises :class:`FakeCudaError`
     when this process imported torch already or the shim cannot be built or loaded."""
     if gpu is not None:

@@ -160,6 +160,11 @@ class Ledger:
     unmeasured_ops: int = 0
     """Op calls whose kernel workspace is not in the blocks: a fake-tensor step of ops no
     real step in this process has measured (:mod:`memfit.measure.workspace`)."""
+    cublas_workspaces: int = 0
+    """CUDA steps: cuBLAS workspaces among the :attr:`Category.WORKSPACE` blocks (one per
+    thread and stream that ran a cuBLAS op, alive from the start; no tensor shows them)."""
+    cublas_workspace_bytes: int = 0
+    """Bytes of each of them (by the GPU's generation, :func:`memfit.measure.gpu.cublas_workspace_bytes`)."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
@@ -237,6 +242,8 @@ class Ledger:
             "ops": [[o.module, o.op, o.flops, o.first, o.end] for o in self.ops],
             "host_peak_bytes": self.host_peak_bytes,
             "unmeasured_ops": self.unmeasured_ops,
+            "cublas_workspaces": self.cublas_workspaces,
+            "cublas_workspace_bytes": self.cublas_workspace_bytes,
         }
 
     @classmethod
@@ -248,7 +255,16 @@ class Ledger:
         ticks = [Tick(Phase(t[0]), t[1], t[2], bool(t[3]) if len(t) > 3 else False) for t in data["ticks"]]
         spans = [Span(m, Phase(p), a, b, tuple(i)) for m, p, a, b, i in data.get("spans", [])]
         ops = [OpCall(*o) for o in data.get("ops", [])]
-        return cls(blocks, ticks, spans, ops, int(data.get("host_peak_bytes", 0)), int(data.get("unmeasured_ops", 0)))
+        return cls(
+            blocks,
+            ticks,
+            spans,
+            ops,
+            int(data.get("host_peak_bytes", 0)),
+            int(data.get("unmeasured_ops", 0)),
+            int(data.get("cublas_workspaces", 0)),
+            int(data.get("cublas_workspace_bytes", 0)),
+        )
 
 
 def ancestors(name: str) -> Iterable[str]:

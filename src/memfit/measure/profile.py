@@ -25,11 +25,13 @@ from torch import nn
 
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
+from memfit.measure import gpu as gpus
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_device, fake_sandbox, real_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
+from memfit.units import parse_bytes
 from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
@@ -82,6 +84,9 @@ class Profile:
     """Modules whose ``use_cache`` the measured step turned off (the step a plan trains,
     measured by :func:`memfit.plan`; :mod:`memfit.apply.cache`). Empty for
     :func:`memfit.profile`, which measures the step as it is."""
+    device_fit: gpus.DeviceFit | None = None
+    """On CUDA (real or fake), or with a capacity: does the step fit on the GPU, with how much
+    to spare (capacity minus the CUDA context estimate minus the peak)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -147,6 +152,15 @@ class Profile:
             "unmeasured_ops": self.ledger.unmeasured_ops,
             "use_cache_off": list(self.use_cache_off),
         }
+        if self.device_fit is not None:
+            fit = self.device_fit
+            out.update(
+                gpu=fit.gpu.to_dict() if fit.gpu is not None else None,
+                capacity_bytes=fit.capacity_bytes,
+                fits=fit.fits,
+                headroom_bytes=fit.headroom_bytes,
+                device_fit=fit.to_dict(),
+            )
         if ledger:
             out["ledger"] = self.ledger.to_dict()
         return out
@@ -170,6 +184,7 @@ class Profile:
             meta=data.get("meta", {}),
             step=StepOptions.from_dict(data.get("step", {})),
             use_cache_off=tuple(data.get("use_cache_off", ())),
+            device_fit=gpus.DeviceFit.from_dict(data["device_fit"]) if data.get("device_fit") else None,
         )
 
 
@@ -256,6 +271,8 @@ def profile(
     progress: Progress | None = None,
     step: StepOptions | None = None,
     targets: Any = None,
+    gpu: str | gpus.GpuSpec | None = None,
+    capacity: int | str | None = None,
 ) -> Profile:
     """Measure one steady-state training step of ``model`` on ``inputs``.
 
@@ -282,6 +299,13 @@ def profile(
         targets: what the loss compares the output with (labels: a tensor, or a tuple or
             dict of them), never given to the model; cut into micro-batches with the
             inputs (each tensor whose dim 0 is the inputs' batch size).
+        gpu: with ``fake="cuda"``, the GPU to simulate (a name from
+            :data:`memfit.measure.gpu.GPUS`, e.g. ``"A100-80GB"``, or a ``GpuSpec``): its
+            compute capability (cuBLAS workspace size, attention kernel, bf16) and memory;
+            default H100-80GB.
+        capacity: device bytes to judge the step against (``"24GiB"``); default the GPU's
+            total memory on CUDA (real or fake), none elsewhere. The answer is
+            :attr:`Profile.device_fit`.
 
     Returns:
         A :class:`Profile`. The model, its gradients and buffers, the optimizer and
@@ -295,7 +319,53 @@ def profile(
         >>> p.peak_bytes >= p.start_bytes
         True
     """
-    return _profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets)
+    spec = gpus.find_gpu(gpu) if isinstance(gpu, str) else gpu
+    capacity_bytes = None if capacity is None else parse_bytes(capacity)
+    if spec is not None and fake_device(fake) != "cuda":
+        raise gpus.GpuError(
+            f"gpu={spec.key!r} is the GPU fake CUDA simulates: pass fake='cuda' (--device fake-cuda), or capacity= to judge "
+            "the step against another memory size"
+        )
+    with _simulated(spec):
+        prof = _profile(
+            model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets
+        )
+    if capacity_bytes is not None:
+        prof.device_fit = _device_fit(prof, capacity_bytes, spec)
+    return prof
+
+
+@contextmanager
+def _simulated(spec: gpus.GpuSpec | None) -> Iterator[None]:
+    """Fake CUDA answers for ``spec`` inside (the GPU it answered for before, after)."""
+    if spec is None:
+        yield
+        return
+    from memfit.measure import _fake_cuda
+
+    before = _fake_cuda.gpu()
+    _fake_cuda.set_gpu(spec)
+    try:
+        yield
+    finally:
+        _fake_cuda.set_gpu(before)
+
+
+def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None = None) -> gpus.DeviceFit | None:
+    """The step against a capacity: the given one, else the (simulated) GPU's memory on CUDA."""
+    cuda = prof.device.startswith(("fake:cuda", "cuda"))
+    if prof.device.startswith("fake:cuda"):
+        from memfit.measure import _fake_cuda
+
+        spec = spec or _fake_cuda.gpu()
+    elif prof.device.startswith("cuda") and spec is None:
+        props = torch.cuda.get_device_properties(torch.device(prof.device))
+        spec = gpus.GpuSpec(
+            props.name, props.name, int(props.total_memory), (props.major, props.minor), props.multi_processor_count
+        )
+    if capacity is None and not cuda:
+        return None
+    return gpus.device_fit(prof.peak_bytes, capacity_bytes=capacity, gpu=spec, cuda=cuda)
 
 
 def _profile(
@@ -369,7 +439,7 @@ def _profile(
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
-    return Profile(
+    out = Profile(
         ledger=ledger,
         modules=modules,
         device=f"fake:{step_device}" if fake else str(device),
@@ -381,6 +451,8 @@ def _profile(
         step=options,
         use_cache_off=use_cache_off,
     )
+    out.device_fit = _device_fit(out, None)
+    return out
 
 
 _TIMED_STEPS = 2

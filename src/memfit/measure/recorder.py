@@ -28,6 +28,7 @@ runs without it (see :class:`memfit.measure.scope.Clock`).
 from __future__ import annotations
 
 import bisect
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _optim8bit, _torch_compat, workspace
+from memfit.measure import _optim8bit, _torch_compat, gpu, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -76,8 +77,28 @@ bookkeeping instead of saved records."""
 # hook returns, fake tensors' device queries): not the step's, and they record no node.
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
 
+# Ops whose CUDA kernel goes through cuBLAS (getCurrentCUDABlasHandle, which gives the
+# handle its workspace on first use: aten/src/ATen/cuda/CublasHandlePool.cpp). linear and
+# matmul reach a dispatch mode as mm/addmm when autograd decomposes them, as themselves
+# under inference_mode.
+CUBLAS_OPS = frozenset(
+    {
+        *("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot"),
+        *("_addmm_activation", "_scaled_mm", "_int_mm", "linear", "matmul", "bilinear", "einsum"),
+    }
+)
+
 _TAG = "memfit.op#"
 """Prefix of the profiler regions around ops whose kernel workspace is being measured."""
+
+
+def _cuda_capability(device: torch.device | None) -> tuple[int, int]:
+    """The step's GPU's compute capability (fake CUDA answers for the GPU it simulates)."""
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+def _cuda_stream() -> int:
+    return int(torch.cuda.current_stream().stream_id)
 
 
 def storage_bytes(nbytes: int, device: torch.device) -> int:
@@ -179,6 +200,12 @@ class Recorder(TorchDispatchMode):
         self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
         self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
         self.unmeasured_ops = 0
+        # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
+        # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
+        # torch for the process: in the steady-state step memfit records (a warm-up step ran
+        # the same ops) they are alive from its start. Tensors never show them.
+        self._cublas_bytes = gpu.cublas_workspace_bytes(_cuda_capability(device)) if self.device_type == "cuda" else 0
+        self._cublas_keys: set[tuple[int, int]] = set()
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -315,6 +342,8 @@ class Recorder(TorchDispatchMode):
         inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
         if self.scope.phase is Phase.FORWARD:
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
+        if self._cublas_bytes and self._op in CUBLAS_OPS:
+            self._cublas_workspace()
         scratch, tag = self._open_workspace(func, args, kwargs)
         if tag is None:
             out = self._call(func, args, kwargs)
@@ -342,6 +371,18 @@ class Recorder(TorchDispatchMode):
             if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
+
+    def _cublas_workspace(self) -> None:
+        key = (threading.get_ident(), _cuda_stream())
+        if key in self._cublas_keys:
+            return
+        self._cublas_keys.add(key)
+        self.records.append(_Record(self._cublas_bytes, Category.WORKSPACE, Phase.START, None, START_TICK))
+
+    @property
+    def cublas_workspaces(self) -> int:
+        """cuBLAS workspaces the step holds (one per thread and stream that ran a cuBLAS op)."""
+        return len(self._cublas_keys)
 
     def _open_workspace(self, func: Any, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
         """The workspace block of this op call (its record index, born now) and the profiler
@@ -460,4 +501,6 @@ class Recorder(TorchDispatchMode):
             key=lambda s: (s.start, -s.end),
         )
         ops = [OpCall(o.module, o.op, o.flops, at(o.first), at(o.end)) for o in self.ops]
-        return Ledger(blocks, ticks, spans, ops, self.elsewhere_peak, self.unmeasured_ops)
+        return Ledger(
+            blocks, ticks, spans, ops, self.elsewhere_peak, self.unmeasured_ops, self.cublas_workspaces, self._cublas_bytes
+        )

@@ -32,6 +32,7 @@ from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.measure import _optim8bit
 from memfit.measure.profile import Progress, check_step
 from memfit.measure.profile import profile as measure_profile
+from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.plan.fit import fit, fit_budget, parse_allow
 from memfit.plan.planner import plan as make_plan
@@ -81,10 +82,13 @@ class MaxBatch:
     batch_size: int
     example_batch: int
     limits: list[BatchLimit]
-    recipe: Recipe
-    """The fastest recipe at ``batch_size``, measured for real."""
+    recipe: Recipe | None
+    """The fastest recipe at ``batch_size``, measured for real; None on fake CUDA (no step
+    can be timed or verified there)."""
     search_time_s: float
     multiple_of: int = 1
+    model_type: str = ""
+    device: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,7 +96,9 @@ class MaxBatch:
             "batch_size": self.batch_size,
             "example_batch": self.example_batch,
             "limits": [lim.to_dict() for lim in self.limits],
-            "recipe": self.recipe.to_dict(),
+            "recipe": self.recipe.to_dict() if self.recipe is not None else None,
+            "device": self.device,
+            "predicted_only": self.recipe is None,
             "search_time_s": self.search_time_s,
             "multiple_of": self.multiple_of,
         }
@@ -151,6 +157,7 @@ def max_batch(
     multiple_of: int = 1,
     progress: Progress | None = None,
     targets: Any = None,
+    fake: bool | str = False,
 ) -> MaxBatch:
     """The largest batch whose training step peaks within ``budget``, with the fastest recipe for it.
 
@@ -162,6 +169,9 @@ def max_batch(
         allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"8bit"``), as for :func:`memfit.fit`.
         set_to_none: what the training loop calls now, as for :func:`memfit.fit`.
         multiple_of: only batch sizes that are multiples of this (8 for tensor cores, say).
+        fake: ``"cuda"``: the peaks on fake CUDA (a model on the CPU, as for
+            :func:`memfit.profile`); the batch is then a prediction and no recipe is timed or
+            verified (``MaxBatch.recipe`` is None). Activation offload is not tried there.
 
     Returns:
         A :class:`MaxBatch`: the batch size, how each lever set scales (bytes per sample,
@@ -186,7 +196,11 @@ def max_batch(
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
-    cuda = device.type == "cuda"
+    fake_cuda = fake_device(fake) == "cuda"
+    if fake and not fake_cuda:
+        raise WorkloadError("max_batch runs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
+    cuda = device.type == "cuda" or fake_cuda
+    on = "cuda" if fake_cuda else True
 
     variants = {"": StepOptions()}
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -196,7 +210,7 @@ def max_batch(
         variants["bf16"] = StepOptions(param_dtype="bfloat16")
     if "8bit" in allowed and _optim8bit.unavailable(optimizer) is None:
         variants["8bit"] = StepOptions(optimizer_8bit=True)
-    if cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
+    if cuda and not fake_cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
         variants["offload"] = StepOptions(offload=True)
 
     def plain(step: StepOptions) -> Callable[[int], int]:
@@ -204,7 +218,7 @@ def max_batch(
             report(f"fake-tensor profile at batch {b}", 0, 0)
             batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
             return measure_profile(
-                model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step, targets=labels
+                model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
             ).peak_bytes
 
         return peak
@@ -214,7 +228,7 @@ def max_batch(
             report(f"lowest recompute peak at batch {b}", 0, 0)
             batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
             return make_plan(
-                model, batch, 0.0, loss_fn=loss_fn, optimizer=optimizer, fake=True, step=step, targets=labels
+                model, batch, 0.0, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
             ).min_peak_bytes
 
         return peak
@@ -233,6 +247,18 @@ def max_batch(
             f"{format_bytes(lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of)} ({lowest.label})",
             min_peak_bytes=lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of,
             budget_bytes=target,
+        )
+    if fake_cuda:
+        return MaxBatch(
+            budget_bytes=target,
+            batch_size=batch,
+            example_batch=example,
+            limits=limits,
+            recipe=None,
+            search_time_s=time.perf_counter() - started,
+            multiple_of=multiple_of,
+            model_type=type(model).__name__,
+            device="fake:cuda:0",
         )
     # The fastest recipe at that batch, measured (fit runs it for real). fit plans on real
     # tensors, whose figures can differ from the fake ones by a few bytes: a batch that
@@ -271,4 +297,6 @@ def max_batch(
         recipe=recipe,
         search_time_s=time.perf_counter() - started,
         multiple_of=multiple_of,
+        model_type=type(model).__name__,
+        device=str(device),
     )

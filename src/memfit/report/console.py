@@ -387,9 +387,16 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
             "it varies by op type by up to 15% (README, Known limitations)"
         )
+    ledger = profile.ledger
+    if ledger.cublas_workspaces:
+        console.print(
+            f"kernel_workspace includes {ledger.cublas_workspaces} cuBLAS workspace{'s' if ledger.cublas_workspaces > 1 else ''} "
+            f"of {format_bytes(ledger.cublas_workspace_bytes)} ({ledger.cublas_workspace_bytes:,} B: one per thread that "
+            "runs matmuls, the forward's and autograd's; torch keeps them, so they are alive from the start)"
+        )
     if profile.device.startswith("fake:cuda"):
         console.print(
-            "[yellow]note:[/] fake CUDA: what CUDA kernels take for themselves (cuBLAS workspaces, attention backward "
+            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, attention backward "
             "temporaries) is not counted, and blocks are rounded to 512 B but not placed in the caching allocator's segments"
         )
     elif profile.ledger.unmeasured_ops:
@@ -404,6 +411,7 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
         if timed:
             console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
+        render_device_fit(profile, console)
         return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
     show_type = console.width >= 100  # names matter more than types on a narrow terminal
@@ -429,6 +437,52 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
     else:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
+    render_device_fit(profile, console)
+
+
+def render_device_fit(profile: Profile, console: Console) -> None:
+    """Does the step fit on the GPU (or capacity) it was judged against, with how much to spare."""
+    fit = profile.device_fit
+    if fit is None:
+        return
+    if fit.gpu is not None:
+        what = fit.gpu.key
+        detail = f"{fit.gpu.name}, sm{''.join(map(str, fit.gpu.capability))}, {format_bytes(fit.gpu.total_memory)}"
+        if fit.capacity_bytes != fit.gpu.total_memory:
+            detail += f"; capacity given {format_bytes(fit.capacity_bytes)}"
+    else:
+        what, detail = format_bytes(fit.capacity_bytes), "a capacity given"
+    console.rule(f"[bold]Will it fit on {escape(what)}?")
+    if profile.device.startswith("fake:"):
+        detail += "; a prediction on fake tensors, not a measurement on a GPU"
+    console.print(escape(detail), highlight=False)
+    rows = Table(box=box.SIMPLE_HEAD, show_header=False)
+    rows.add_column("what")
+    rows.add_column("bytes", justify="right")
+    rows.add_column("source")
+    rows.add_row(
+        "capacity",
+        format_bytes(fit.capacity_bytes),
+        "the GPU's total memory" if fit.gpu and fit.capacity_bytes == fit.gpu.total_memory else "given",
+    )
+    for est in fit.outside:
+        if est.bytes or est.name != "nccl":
+            rows.add_row(f"- {est.name.replace('_', ' ')}", format_bytes(est.bytes), "estimate, outside the allocator")
+    peak = fit.reserved_peak_bytes if fit.reserved_peak_bytes is not None else fit.peak_bytes
+    basis = "reserved peak (allocator model)" if fit.reserved_peak_bytes is not None else "step peak (ledger, 512 B blocks)"
+    rows.add_row("- predicted peak", format_bytes(peak), basis)
+    sign = "green" if fit.fits else "red"
+    rows.add_row("[bold]= headroom[/]", f"[bold {sign}]{format_bytes(fit.headroom_bytes)}[/]", "")
+    console.print(rows)
+    if fit.fits:
+        console.print(f"[bold green]fits[/], with {format_bytes(fit.headroom_bytes)} to spare")
+    else:
+        console.print(f"[bold red]does not fit[/]: short by {format_bytes(-fit.headroom_bytes)}")
+    for est in fit.outside:
+        if est.bytes:
+            console.print(f"[dim]{est.name.replace('_', ' ')}: {escape(est.source)}[/]")
+    for note in fit.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def render_groundtruth(profile: Profile, measured: dict, console: Console) -> None:
@@ -671,7 +725,7 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
 def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = None) -> None:
     """How each lever set's peak grows with the batch, and the largest batch each fits."""
     console.print(
-        f"[bold]{escape(title or found.recipe.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
+        f"[bold]{escape(title or found.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
         f"[bold]{found.batch_size}[/] (example batch {found.example_batch}; searched in {found.search_time_s:.1f} s)",
         highlight=False,
     )
@@ -698,6 +752,12 @@ def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = N
         "line says: the batch the line through two measurements predicts; fake steps: fake-tensor steps measured",
         highlight=False,
     )
+    if found.recipe is None:
+        console.print(
+            f"[yellow]note:[/] {escape(found.device)}: peaks predicted on fake CUDA tensors, not measured on a GPU; no recipe "
+            "is timed or verified (fake tensors run no kernels): run memfit fit at that batch on the GPU"
+        )
+        return
     console.print(f"the fastest recipe at batch {found.batch_size}, measured:")
 
 

@@ -1,0 +1,252 @@
+"""GPUs to plan for, and the device memory no tensor shows: plain data, no torch.
+
+:data:`GPUS` is a small table of common NVIDIA GPUs (what ``--gpu NAME`` accepts): the
+name torch reports, the total memory, the compute capability. The compute capability
+decides what cuBLAS's workspace takes (:func:`cublas_workspace_bytes`), which kernel
+attention takes, and whether bfloat16 is supported, so fake CUDA answers for the GPU
+chosen here.
+
+:func:`device_fit` answers "does this step fit on that GPU, with how much to spare?":
+the capacity, minus what lives outside the caching allocator (the CUDA context: a stated
+estimate, :data:`CUDA_CONTEXT`), minus the step's predicted peak. The peak is the
+ledger's (tensor storages rounded to the allocator's 512 B blocks, cuBLAS workspaces
+included); once memfit models the caching allocator, its reserved peak (what runs out)
+takes that place: :attr:`DeviceFit.reserved_peak_bytes`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = [
+    "GpuSpec",
+    "GPUS",
+    "GpuError",
+    "find_gpu",
+    "cublas_workspace_bytes",
+    "Estimate",
+    "CUDA_CONTEXT",
+    "nccl_estimate",
+    "DeviceFit",
+    "device_fit",
+]
+
+MiB = 1024**2
+
+
+class GpuError(MemfitError):
+    """An unknown GPU name, or a GPU asked for where none can be simulated."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model as torch describes it (``torch.cuda.get_device_properties``)."""
+
+    key: str
+    """What ``--gpu`` takes (``"A100-80GB"``)."""
+    name: str
+    """The name torch reports."""
+    total_memory: int
+    """Bytes: the total ``nvidia-smi`` and torch's ``total_memory`` report (a little under
+    the marketed size on most models: the driver keeps some)."""
+    capability: tuple[int, int]
+    multi_processor_count: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "capability": list(self.capability)}
+
+
+# Total memory: the "MiB" total nvidia-smi prints for each model (recent drivers), as found
+# in public nvidia-smi outputs; torch's total_memory is the same figure in bytes. Compute
+# capabilities and SM counts: NVIDIA's CUDA GPUs table and the models' datasheets.
+_TABLE = [
+    ("H100-80GB", "NVIDIA H100 80GB HBM3", 81559, (9, 0), 132),
+    ("A100-80GB", "NVIDIA A100-SXM4-80GB", 81920, (8, 0), 108),
+    ("A100-40GB", "NVIDIA A100-SXM4-40GB", 40960, (8, 0), 108),
+    ("L40S", "NVIDIA L40S", 46068, (8, 9), 142),
+    ("L4", "NVIDIA L4", 23034, (8, 9), 58),
+    ("A10G", "NVIDIA A10G", 23028, (8, 6), 80),
+    ("RTX-4090", "NVIDIA GeForce RTX 4090", 24564, (8, 9), 128),
+    ("RTX-3090", "NVIDIA GeForce RTX 3090", 24576, (8, 6), 82),
+    ("V100-16GB", "Tesla V100-SXM2-16GB", 16160, (7, 0), 80),
+    ("T4", "Tesla T4", 15360, (7, 5), 40),
+]
+GPUS: dict[str, GpuSpec] = {key: GpuSpec(key, name, mib * MiB, cc, sms) for key, name, mib, cc, sms in _TABLE}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """The GPU ``name`` means (case, spaces and dashes ignored: ``a100-80gb``, ``RTX 4090``)."""
+    wanted = _norm(name)
+    for spec in GPUS.values():
+        if wanted in (_norm(spec.key), _norm(spec.name)):
+            return spec
+    raise GpuError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --capacity BYTES for another one)")
+
+
+# --- cuBLAS ---------------------------------------------------------------------------------
+
+_CUBLAS_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8" = 8,519,680 B
+_CUBLAS_LARGE = 4096 * 8 * 1024  # 32 MiB
+_CUBLAS_LARGE_MAJORS = (9, 10, 11, 12)
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """Bytes of one cuBLAS workspace: torch allocates one through the caching allocator per
+    (cuBLAS handle, stream), at a thread's first cuBLAS call, and keeps it.
+
+    torch's ``aten/src/ATen/cuda/CublasHandlePool.cpp`` (``parseChosenWorkspaceSize``,
+    ``getChosenWorkspaceSize``, ``setWorkspaceForHandle``): ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KiB:COUNT`` pairs) when set, else ``:4096:2:16:8`` = 8,519,680 B, or 32 MiB on
+    Hopper and Blackwell (compute capability major 9, 10, 11, 12; torch 2.6-2.7 gave 32 MiB
+    to exactly sm90 only). cuBLASLt shares that workspace (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``
+    defaults to on outside fbcode), so it adds none.
+    """
+    if config is None:
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    default = _CUBLAS_LARGE if capability[0] in _CUBLAS_LARGE_MAJORS else _CUBLAS_DEFAULT
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return default
+
+
+# --- outside the allocator ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Device memory that is not in the ledger (outside torch's caching allocator): a stated
+    estimate, never a measurement, with where it comes from."""
+
+    name: str
+    bytes: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+CUDA_CONTEXT = Estimate(
+    "cuda_context",
+    512 * MiB,
+    "estimate, not measured: the CUDA context a PyTorch process creates on the device (driver state, the kernels of "
+    "torch, cuBLAS and cuDNN loaded lazily) shows in nvidia-smi as about 0.3-1 GiB depending on GPU, driver and "
+    "CUDA_MODULE_LOADING; memfit takes 512 MiB",
+)
+
+
+def nccl_estimate(world_size: int = 1) -> Estimate:
+    """NCCL's buffers: none in a single-process step (no process group, NCCL not loaded)."""
+    if world_size <= 1:
+        return Estimate("nccl", 0, "a single-process step initialises no NCCL communicator")
+    raise NotImplementedError("memfit profiles single-process steps")
+
+
+# --- the answer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """Whether the step fits on a GPU: capacity minus what lives outside the allocator minus
+    the predicted peak."""
+
+    capacity_bytes: int
+    peak_bytes: int
+    """The ledger's peak (tensor storages in 512 B blocks, kernel and cuBLAS workspaces)."""
+    outside: tuple[Estimate, ...]
+    gpu: GpuSpec | None = None
+    """The GPU ``capacity_bytes`` is from; None for a capacity given as bytes."""
+    allocated_peak_bytes: int | None = None
+    """The caching allocator's ``max_memory_allocated``, once memfit models the allocator."""
+    reserved_peak_bytes: int | None = None
+    """The caching allocator's ``max_memory_reserved`` (its segments: what runs out), once
+    memfit models the allocator; the answer is then against it instead of ``peak_bytes``."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def outside_bytes(self) -> int:
+        return sum(e.bytes for e in self.outside)
+
+    @property
+    def basis(self) -> str:
+        return "reserved_peak_bytes" if self.reserved_peak_bytes is not None else "peak_bytes"
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the step needs on the device: the peak it is judged by, plus what is outside."""
+        peak = self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
+        return peak + self.outside_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity left at the peak (negative: short by that much)."""
+        return self.capacity_bytes - self.needed_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.to_dict() if self.gpu is not None else None,
+            "capacity_bytes": self.capacity_bytes,
+            "peak_bytes": self.peak_bytes,
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "basis": self.basis,
+            "outside_allocator": [e.to_dict() for e in self.outside],
+            "needed_bytes": self.needed_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceFit:
+        g = data.get("gpu")
+        gpu = GpuSpec(g["key"], g["name"], g["total_memory"], tuple(g["capability"]), g["multi_processor_count"]) if g else None
+        return cls(
+            capacity_bytes=data["capacity_bytes"],
+            peak_bytes=data["peak_bytes"],
+            outside=tuple(Estimate(**e) for e in data.get("outside_allocator", ())),
+            gpu=gpu,  # type: ignore[arg-type]
+            allocated_peak_bytes=data.get("allocated_peak_bytes"),
+            reserved_peak_bytes=data.get("reserved_peak_bytes"),
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+def device_fit(
+    peak_bytes: int,
+    *,
+    capacity_bytes: int | None = None,
+    gpu: GpuSpec | None = None,
+    cuda: bool = True,
+    allocated_peak_bytes: int | None = None,
+    reserved_peak_bytes: int | None = None,
+) -> DeviceFit:
+    """The answer for a step whose predicted peak is ``peak_bytes``, against ``capacity_bytes``
+    (default: the GPU's total memory). On CUDA the context is taken off the capacity (and
+    NCCL's buffers, none for one process); on another device nothing is."""
+    if capacity_bytes is None:
+        if gpu is None:
+            raise GpuError("device_fit needs a capacity or a GPU")
+        capacity_bytes = gpu.total_memory
+    outside = (CUDA_CONTEXT, nccl_estimate()) if cuda else ()
+    notes = []
+    if cuda and reserved_peak_bytes is None:
+        notes.append(
+            "judged by the ledger's peak (allocated bytes); the caching allocator reserves more than it allocates "
+            "(fragmentation, whole segments), which is not modelled here yet"
+        )
+    return DeviceFit(capacity_bytes, peak_bytes, outside, gpu, allocated_peak_bytes, reserved_peak_bytes, tuple(notes))

@@ -1,0 +1,40 @@
+"""memfit.measure.gpu: the GPU table, cuBLAS's workspace size by generation, the fits answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.measure import gpu
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((7, 0), 8_519_680), ((8, 0), 8_519_680), ((8, 9), 8_519_680), ((9, 0), 32 * 2**20), ((10, 0), 32 * 2**20)],
+)
+def test_cublas_workspace_by_generation(capability, expected):
+    assert gpu.cublas_workspace_bytes(capability, config="") == expected
+
+
+def test_cublas_workspace_config_overrides():
+    assert gpu.cublas_workspace_bytes((9, 0), config=":4096:8") == 32 * 2**20
+    assert gpu.cublas_workspace_bytes((8, 0), config=":16:8") == 16 * 1024 * 8
+    assert gpu.cublas_workspace_bytes((8, 0), config=":4096:2:16:8") == 8_519_680
+
+
+def test_find_gpu_ignores_case_and_punctuation_and_names_the_known_ones():
+    assert gpu.find_gpu("rtx 4090").capability == (8, 9)
+    assert gpu.find_gpu("NVIDIA L4").key == "L4"
+    with pytest.raises(gpu.GpuError, match="known: H100-80GB, A100-80GB"):
+        gpu.find_gpu("A100-20GB")
+
+
+def test_device_fit_arithmetic_and_the_reserved_peak_slot():
+    spec = gpu.GPUS["L4"]
+    fit = gpu.device_fit(10 * 2**30, gpu=spec)
+    assert fit.capacity_bytes == spec.total_memory and fit.basis == "peak_bytes"
+    assert fit.headroom_bytes == spec.total_memory - gpu.CUDA_CONTEXT.bytes - 10 * 2**30 and fit.fits
+    later = gpu.device_fit(10 * 2**30, gpu=spec, reserved_peak_bytes=spec.total_memory)
+    assert later.basis == "reserved_peak_bytes" and later.headroom_bytes == -gpu.CUDA_CONTEXT.bytes and not later.fits
+    assert gpu.DeviceFit.from_dict(later.to_dict()) == later
+    cpu = gpu.device_fit(100, capacity_bytes=100, cuda=False)
+    assert cpu.outside == () and cpu.headroom_bytes == 0 and cpu.fits
