@@ -84,6 +84,8 @@ class Profile:
     """Modules whose ``use_cache`` the measured step turned off (the step a plan trains,
     measured by :func:`memfit.plan`; :mod:`memfit.apply.cache`). Empty for
     :func:`memfit.profile`, which measures the step as it is."""
+    step_times_s: tuple[float, ...] = ()
+    """Every timed step's wall time (``step_time_s`` is the fastest): how steady the host was."""
     device_fit: gpus.DeviceFit | None = None
     """On CUDA (real or fake), or with a capacity: does the step fit on the GPU, with how much
     to spare (capacity minus the CUDA context estimate minus the peak)."""
@@ -144,6 +146,7 @@ class Profile:
             "breakdown": self.breakdown,
             "phase_peaks": {p.value: n for p, n in self.ledger.phase_peaks().items()},
             "step_time_s": self.step_time_s,
+            "step_times_s": list(self.step_times_s),
             "step_flops": self.step_flops,
             "modules": [asdict(m) for m in self.modules.values()],
             "meta": self.meta,
@@ -179,6 +182,7 @@ class Profile:
             fake=data["fake"],
             time_source=data["time_source"],
             step_time_s=data["step_time_s"],
+            step_times_s=tuple(data.get("step_times_s", ())),
             model_type=data["model"],
             step_flops=data.get("step_flops", 0),
             meta=data.get("meta", {}),
@@ -417,6 +421,7 @@ def _profile(
             report("warm-up step", 0, total)
             _run(box, scope, loss_fn)
         step_time = None
+        step_times: list[float] = []
         per_time: dict[tuple[Phase, str], float] = {}
         if not fake:
             # Two timed steps, the faster figure of each (step and every module's phase):
@@ -430,6 +435,7 @@ def _profile(
                 start = clock.mark()
                 _run(box, scope, loss_fn)
                 seconds = clock.seconds(start, clock.mark())
+                step_times.append(seconds)
                 step_time = seconds if step_time is None else min(step_time, seconds)
                 for key, t in scope.times().items():
                     per_time[key] = min(per_time.get(key, t), t)
@@ -446,6 +452,7 @@ def _profile(
         fake=fake,
         time_source="omitted" if fake else "measured",
         step_time_s=step_time,
+        step_times_s=tuple(step_times),
         model_type=type(model).__name__,
         step_flops=sum(flops.values()),
         step=options,

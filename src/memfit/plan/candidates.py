@@ -370,15 +370,19 @@ def _recompute_peak(again: list, saved: list) -> int:
     return peak
 
 
-def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> dict[str, float | None]:
-    """Forward times with the repeats of a block pooled: modules that run the same ops, in
-    the same order, with the same FLOPs, output bytes and sub-module layout (the layers of a
-    transformer) all get the median of their measured times.
+def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> tuple[dict[str, float | None], float]:
+    """Forward times with the repeats of a block pooled, and how much the repeats disagreed.
 
-    One timed step measures each block once, and on a shared CPU one block's time moves by
-    30% or more from step to step (ViT-S/16's twelve identical layers: 39 to 62 ms in one
-    step). Planned on raw times, which of two identical blocks is "cheaper" is noise: plans
-    change from run to run. The median of a dozen repeats is steady, and costs nothing."""
+    Modules that run the same ops, in the same order, with the same FLOPs, output bytes
+    and sub-module layout (the layers of a transformer) all get the median of their
+    measured times. One timed step measures each block once, and on a shared CPU one
+    block's time moves by 30% or more from step to step (ViT-S/16's twelve identical layers:
+    39 to 62 ms in one step). Planned on raw times, which of two identical blocks is
+    "cheaper" is noise: plans change from run to run. The median of a dozen is steady.
+
+    The second value is the spread of the largest group of repeats, ``(max - min) /
+    median`` of their times (0 without repeats): identical work that took different time
+    measures the host's noise."""
     import statistics
 
     op_bytes, _ = _allocations(ledger)
@@ -393,14 +397,20 @@ def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> dict[
     for name, ops in signature.items():
         groups[tuple(ops)].append(name)
     out = dict(forward_time)
+    spread, weight = 0.0, 0.0
     for names in groups.values():
-        times = [forward_time[n] for n in names if forward_time.get(n)]
-        if len(names) > 1 and times:
-            median = statistics.median(times)
-            for n in names:
-                if n in out:
-                    out[n] = median
-    return out
+        times = [t for n in names if (t := forward_time.get(n))]
+        if len(names) < 2 or not times:
+            continue
+        median = statistics.median(times)
+        for n in names:
+            if n in out:
+                out[n] = median
+        # The repeats doing the most work say most about the host (a tiny module's time
+        # is mostly the clock's own overhead).
+        if len(times) >= 3 and median * len(times) > weight:
+            spread, weight = (max(times) - min(times)) / median, median * len(times)
+    return out, spread
 
 
 def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[tuple[float, float, float, float]]:

@@ -275,7 +275,7 @@ def plan(
 
         ledger = prof.ledger
         timed = prof.time_source == "measured"
-        forward_time, calls, rates = _costing(prof)
+        forward_time, calls, rates, timing_note = _costing(prof)
         none_peak = prof.peak_bytes
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
@@ -339,26 +339,50 @@ def plan(
         device=prof.device,
         budget=str(budget),
         objective=objective,
+        timing_note=timing_note,
         planning_time_s=time.perf_counter() - started,
     )
 
 
-def _costing(prof: Profile) -> tuple[dict[str, float | None], dict[str, int], DeviceRates]:
+# Two timed steps further apart than _NOISY_STEPS (relative to the faster), or a block's
+# identical repeats further apart than _NOISY_REPEATS: the host was too busy for measured
+# times to rank options (zoo gpt on a quiet 2-core CPU: 0.05 and 0.08; beside a busy
+# neighbour up to 2.7 and 0.4; ViT-S/16 up to 1.6 and 1.9).
+_NOISY_STEPS = 0.25
+_NOISY_REPEATS = 0.5
+
+
+def _costing(prof: Profile) -> tuple[dict[str, float | None], dict[str, int], DeviceRates, str]:
     """What candidates are costed with: module forward times (None on fake tensors), calls,
-    and the device's rates (fitted to the measured leaf modules where there are times)."""
+    the device's rates (fitted to the measured leaf modules where there are times), and a
+    note when measured times were set aside as too noisy.
+
+    Noisy times would make the plan whatever the host's load made it, different in every
+    run: then the plan is costed by the device's fixed rates (FLOPs, bytes, ops), the same
+    in every run, and says so."""
     timed = prof.time_source == "measured"
-    forward_time = pooled_times(prof.ledger, {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()})
+    measured = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
+    forward_time, repeats_spread = pooled_times(prof.ledger, measured)
     calls = {n: m.calls for n, m in prof.modules.items()}
     rates = DeviceRates.for_device(prof.device)
-    if timed:
-        rates = DeviceRates.fit(leaf_samples(prof.ledger, forward_time), rates)
-    return forward_time, calls, rates
+    if not timed:
+        return forward_time, calls, rates, ""
+    steps = prof.step_times_s
+    steps_spread = (max(steps) - min(steps)) / min(steps) if len(steps) > 1 and min(steps) > 0 else 0.0
+    if steps_spread > _NOISY_STEPS or repeats_spread > _NOISY_REPEATS:
+        note = (
+            f"step times too noisy to rank options (two steps {min(steps):.3f}-{max(steps):.3f} s, identical blocks "
+            f"{repeats_spread:.0%} apart): recompute costed from FLOPs, bytes and ops at fixed {prof.device.split(':')[0]} rates"
+        )
+        return {n: None for n in forward_time}, calls, rates, note
+    rates = DeviceRates.fit(leaf_samples(prof.ledger, forward_time), rates)
+    return forward_time, calls, rates, ""
 
 
 def profile_candidates(prof: Profile, exclude: dict[str, str] | None = None) -> list[Option]:
     """Every recompute option the planner weighs on ``prof``'s step: what each frees and costs
     (the per-op overhead of selective recompute left out: it is measured only while planning)."""
-    forward_time, calls, rates = _costing(prof)
+    forward_time, calls, rates, _ = _costing(prof)
     return build_candidates(prof.ledger, forward_time, rates=rates, calls=calls, exclude=exclude).options
 
 

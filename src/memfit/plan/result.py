@@ -116,6 +116,9 @@ class Plan:
     objective: str = "time"
     """What the plan minimised: estimated recompute ``"time"`` or recomputed ``"flops"``."""
     planning_time_s: float = 0.0
+    timing_note: str = ""
+    """Why the measured times were set aside, when they were (too noisy to rank options):
+    ``extra_compute_s`` is then the cost model's estimate."""
 
     @property
     def extra_compute_fraction(self) -> float | None:

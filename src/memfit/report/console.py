@@ -410,7 +410,9 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     if profile.step.inference:
         console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
         if timed:
-            console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
+            console.print(
+                f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})"
+            )
         render_device_fit(profile, console)
         return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
@@ -434,7 +436,9 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     _add_rows(console, mods, rows)
     console.print(mods)
     if timed:
-        console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
+        console.print(
+            f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})"
+        )
     else:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
     render_device_fit(profile, console)
@@ -641,6 +645,8 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     else:
         cost = "time not measured (fake tensors)"
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
+    if plan.timing_note:
+        console.print(f"[yellow]note:[/] {plan.timing_note}")
     if plan.use_cache_off:
         where = ", ".join(n or "(root)" for n in plan.use_cache_off)
         console.print(f"use_cache=False while training in {where}: transformers' KV cache, as its gradient checkpointing does")
