@@ -14,6 +14,7 @@ Everything the steps change is put back (see :mod:`memfit.measure.sandbox`).
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,6 +26,7 @@ from torch import nn
 
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
+from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_device, fake_sandbox, real_sandbox
@@ -32,7 +34,7 @@ from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
 from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
 
-__all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
+__all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
 
 PROFILE_FORMAT = "memfit.profile/1"
 
@@ -60,6 +62,60 @@ class ModuleStats:
     parameter_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class CudaMemory:
+    """What the CUDA caching allocator holds over the step, everything alive at its start
+    included (as ``peak_bytes``): ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``."""
+
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    fragmentation_bytes: int | None
+    """Reserved but not allocated when allocated peaked (``None`` where not known)."""
+    settings: AllocatorSettings
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` the step ran (or was replayed) under."""
+    source: str
+    """``"caching allocator model"`` (the ledger replayed through :mod:`memfit.measure.allocator`)
+    or ``"torch.cuda.max_memory_allocated/reserved"`` (measured on a real GPU)."""
+    model: dict[str, int] | None = None
+    """On a real GPU, the allocator model's replay of the same ledger, beside the measurement."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "settings": self.settings.to_dict(),
+            "source": self.source,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CudaMemory:
+        return cls(
+            allocated_peak_bytes=data["allocated_peak_bytes"],
+            reserved_peak_bytes=data["reserved_peak_bytes"],
+            fragmentation_bytes=data.get("fragmentation_bytes"),
+            settings=AllocatorSettings.parse(data["settings"]["PYTORCH_CUDA_ALLOC_CONF"]),
+            source=data["source"],
+            model=data.get("model"),
+        )
+
+
+def allocator_settings_from_env() -> AllocatorSettings:
+    """``PYTORCH_CUDA_ALLOC_CONF`` as the step's process has it: read once, where a CUDA step
+    starts (a bad value is a one-line :class:`~memfit.measure.allocator.AllocatorConfigError`)."""
+    return AllocatorSettings.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
+def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
+    """The ledger replayed through the caching allocator model (one stream, no cached segments
+    before the step)."""
+    st = replay_ledger(ledger, settings)
+    return CudaMemory(
+        st.allocated_peak_bytes, st.reserved_peak_bytes, st.fragmentation_bytes, settings, "caching allocator model"
+    )
+
+
 @dataclass
 class Profile:
     """The measured step. ``ledger`` holds the whole timeline; the rest summarises it."""
@@ -82,6 +138,18 @@ class Profile:
     """Modules whose ``use_cache`` the measured step turned off (the step a plan trains,
     measured by :func:`memfit.plan`; :mod:`memfit.apply.cache`). Empty for
     :func:`memfit.profile`, which measures the step as it is."""
+    cuda_memory: CudaMemory | None = None
+    """On CUDA (real or fake): the caching allocator's peaks; ``None`` on CPU."""
+
+    @property
+    def allocated_peak_bytes(self) -> int | None:
+        """``max_memory_allocated`` over the step on CUDA (blocks rounded to 512 B); ``None`` on CPU."""
+        return self.cuda_memory.allocated_peak_bytes if self.cuda_memory else None
+
+    @property
+    def reserved_peak_bytes(self) -> int | None:
+        """``max_memory_reserved`` over the step on CUDA (the segments: what runs out); ``None`` on CPU."""
+        return self.cuda_memory.reserved_peak_bytes if self.cuda_memory else None
 
     @property
     def peak_bytes(self) -> int:
@@ -147,6 +215,12 @@ class Profile:
             "unmeasured_ops": self.ledger.unmeasured_ops,
             "use_cache_off": list(self.use_cache_off),
         }
+        if self.cuda_memory is not None:
+            c = self.cuda_memory
+            out["allocated_peak_bytes"] = c.allocated_peak_bytes
+            out["reserved_peak_bytes"] = c.reserved_peak_bytes
+            out["allocator_settings"] = c.settings.to_dict()
+            out["cuda_memory"] = c.to_dict()
         if ledger:
             out["ledger"] = self.ledger.to_dict()
         return out
@@ -170,6 +244,7 @@ class Profile:
             meta=data.get("meta", {}),
             step=StepOptions.from_dict(data.get("step", {})),
             use_cache_off=tuple(data.get("use_cache_off", ())),
+            cuda_memory=CudaMemory.from_dict(data["cuda_memory"]) if data.get("cuda_memory") else None,
         )
 
 
@@ -328,6 +403,7 @@ def _profile(
             f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
         )
     split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
+    settings = allocator_settings_from_env() if step_device.type == "cuda" else None
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
@@ -348,12 +424,19 @@ def _profile(
             _run(box, scope, loss_fn)
         step_time = None
         per_time: dict[tuple[Phase, str], float] = {}
+        measured = None
         if not fake:
             report("timed step", 1, total)
             scope.clock = clock
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             start = clock.mark()
             _run(box, scope, loss_fn)
             step_time = clock.seconds(start, clock.mark())
+            if device.type == "cuda":
+                # the unrecorded step on the GPU itself: the ground truth the model is checked against
+                measured = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
             per_time = scope.times()
             scope.clock = None
         report("recorded step", total - 1, total)
@@ -361,6 +444,17 @@ def _profile(
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
+    cuda_memory = None
+    if settings is not None:
+        cuda_memory = model_cuda_memory(ledger, settings)
+        if measured is not None:
+            modelled = {
+                "allocated_peak_bytes": cuda_memory.allocated_peak_bytes,
+                "reserved_peak_bytes": cuda_memory.reserved_peak_bytes,
+            }
+            cuda_memory = CudaMemory(
+                measured[0], measured[1], None, settings, "torch.cuda.max_memory_allocated/reserved", modelled
+            )
     return Profile(
         ledger=ledger,
         modules=modules,
@@ -372,6 +466,7 @@ def _profile(
         step_flops=sum(flops.values()),
         step=options,
         use_cache_off=use_cache_off,
+        cuda_memory=cuda_memory,
     )
 
 
