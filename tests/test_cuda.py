@@ -80,3 +80,18 @@ def test_cuda_fit_weighs_offload():
     if "offload" in recipe.levers:
         assert "run.offload()" in recipe.snippet()
         assert abs(recipe.predicted_peak_bytes - recipe.measured_peak_bytes) <= 0.05 * recipe.measured_peak_bytes
+
+
+def test_cuda_profile_reports_the_allocators_measured_peaks():
+    """On a real GPU allocated/reserved are torch.cuda's own peaks over the unrecorded step; the
+    allocator model's replay of the recorded ledger is kept beside them and must agree."""
+    work, model, inputs = _small_gpt_on_cuda()
+    prof = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
+    c = prof.cuda_memory
+    assert c is not None and c.source == "torch.cuda.max_memory_allocated/reserved"
+    assert prof.allocated_peak_bytes >= prof.peak_bytes * 0.97 and prof.reserved_peak_bytes >= prof.allocated_peak_bytes
+    data = prof.to_dict(ledger=False)
+    assert data["allocated_peak_bytes"] == prof.allocated_peak_bytes and "allocator_settings" in data
+    # the model replays one step from an empty cache; the GPU's cache holds the warm-up's segments too
+    assert abs(c.model["allocated_peak_bytes"] - c.allocated_peak_bytes) <= 0.03 * c.allocated_peak_bytes
+    assert c.model["reserved_peak_bytes"] <= c.reserved_peak_bytes * 1.02

@@ -14,6 +14,7 @@ Everything the steps change is put back (see :mod:`memfit.measure.sandbox`).
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -26,6 +27,7 @@ from torch import nn
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import gpu as gpus
+from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_device, fake_sandbox, real_sandbox
@@ -34,7 +36,7 @@ from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
 from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
 
-__all__ = ["profile", "Profile", "ModuleStats", "PROFILE_FORMAT"]
+__all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
 
 PROFILE_FORMAT = "memfit.profile/1"
 
@@ -60,6 +62,60 @@ class ModuleStats:
     forward_flops: int = 0
     backward_flops: int = 0
     parameter_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """What the CUDA caching allocator holds over the step, everything alive at its start
+    included (as ``peak_bytes``): ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``."""
+
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    fragmentation_bytes: int | None
+    """Reserved but not allocated when allocated peaked (``None`` where not known)."""
+    settings: AllocatorSettings
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` the step ran (or was replayed) under."""
+    source: str
+    """``"caching allocator model"`` (the ledger replayed through :mod:`memfit.measure.allocator`)
+    or ``"torch.cuda.max_memory_allocated/reserved"`` (measured on a real GPU)."""
+    model: dict[str, int] | None = None
+    """On a real GPU, the allocator model's replay of the same ledger, beside the measurement."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "settings": self.settings.to_dict(),
+            "source": self.source,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CudaMemory:
+        return cls(
+            allocated_peak_bytes=data["allocated_peak_bytes"],
+            reserved_peak_bytes=data["reserved_peak_bytes"],
+            fragmentation_bytes=data.get("fragmentation_bytes"),
+            settings=AllocatorSettings.parse(data["settings"]["PYTORCH_CUDA_ALLOC_CONF"]),
+            source=data["source"],
+            model=data.get("model"),
+        )
+
+
+def allocator_settings_from_env() -> AllocatorSettings:
+    """``PYTORCH_CUDA_ALLOC_CONF`` as the step's process has it: read once, where a CUDA step
+    starts (a bad value is a one-line :class:`~memfit.measure.allocator.AllocatorConfigError`)."""
+    return AllocatorSettings.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
+def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
+    """The ledger replayed through the caching allocator model (one stream, no cached segments
+    before the step)."""
+    st = replay_ledger(ledger, settings)
+    return CudaMemory(
+        st.allocated_peak_bytes, st.reserved_peak_bytes, st.fragmentation_bytes, settings, "caching allocator model"
+    )
 
 
 @dataclass
@@ -89,6 +145,18 @@ class Profile:
     device_fit: gpus.DeviceFit | None = None
     """On CUDA (real or fake), or with a capacity: does the step fit on the GPU, with how much
     to spare (capacity minus the CUDA context estimate minus the peak)."""
+    cuda_memory: CudaMemory | None = None
+    """On CUDA (real or fake): the caching allocator's peaks; ``None`` on CPU."""
+
+    @property
+    def allocated_peak_bytes(self) -> int | None:
+        """``max_memory_allocated`` over the step on CUDA (blocks rounded to 512 B); ``None`` on CPU."""
+        return self.cuda_memory.allocated_peak_bytes if self.cuda_memory else None
+
+    @property
+    def reserved_peak_bytes(self) -> int | None:
+        """``max_memory_reserved`` over the step on CUDA (the segments: what runs out); ``None`` on CPU."""
+        return self.cuda_memory.reserved_peak_bytes if self.cuda_memory else None
 
     @property
     def peak_bytes(self) -> int:
@@ -164,6 +232,12 @@ class Profile:
                 headroom_bytes=fit.headroom_bytes,
                 device_fit=fit.to_dict(),
             )
+        if self.cuda_memory is not None:
+            c = self.cuda_memory
+            out["allocated_peak_bytes"] = c.allocated_peak_bytes
+            out["reserved_peak_bytes"] = c.reserved_peak_bytes
+            out["allocator_settings"] = c.settings.to_dict()
+            out["cuda_memory"] = c.to_dict()
         if ledger:
             out["ledger"] = self.ledger.to_dict()
         return out
@@ -189,6 +263,7 @@ class Profile:
             step=StepOptions.from_dict(data.get("step", {})),
             use_cache_off=tuple(data.get("use_cache_off", ())),
             device_fit=gpus.DeviceFit.from_dict(data["device_fit"]) if data.get("device_fit") else None,
+            cuda_memory=CudaMemory.from_dict(data["cuda_memory"]) if data.get("cuda_memory") else None,
         )
 
 
@@ -369,7 +444,14 @@ def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None =
         )
     if capacity is None and not cuda:
         return None
-    return gpus.device_fit(prof.peak_bytes, capacity_bytes=capacity, gpu=spec, cuda=cuda)
+    return gpus.device_fit(
+        prof.peak_bytes,
+        capacity_bytes=capacity,
+        gpu=spec,
+        cuda=cuda,
+        allocated_peak_bytes=prof.allocated_peak_bytes,
+        reserved_peak_bytes=prof.reserved_peak_bytes,
+    )
 
 
 def _profile(
@@ -402,6 +484,7 @@ def _profile(
             f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
         )
     split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
+    settings = allocator_settings_from_env() if step_device.type == "cuda" else None
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
@@ -423,6 +506,7 @@ def _profile(
         step_time = None
         step_times: list[float] = []
         per_time: dict[tuple[Phase, str], float] = {}
+        measured = None
         if not fake:
             # Two timed steps, the faster figure of each (step and every module's phase):
             # on a shared CPU one step's module times move by 30% or more, and a burst of
@@ -431,6 +515,9 @@ def _profile(
             # minimum is the robust statistic; plans rest on these times.
             report("timed step", 1, total)
             scope.clock = clock
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             for _ in range(_TIMED_STEPS):
                 start = clock.mark()
                 _run(box, scope, loss_fn)
@@ -439,12 +526,26 @@ def _profile(
                 step_time = seconds if step_time is None else min(step_time, seconds)
                 for key, t in scope.times().items():
                     per_time[key] = min(per_time.get(key, t), t)
+            if device.type == "cuda":
+                # the unrecorded steps on the GPU itself: the ground truth the model is checked against
+                measured = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
             scope.clock = None
         report("recorded step", total - 1, total)
         ledger, flops = record_step(box, scope, loss_fn)
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
+    cuda_memory = None
+    if settings is not None:
+        cuda_memory = model_cuda_memory(ledger, settings)
+        if measured is not None:
+            modelled = {
+                "allocated_peak_bytes": cuda_memory.allocated_peak_bytes,
+                "reserved_peak_bytes": cuda_memory.reserved_peak_bytes,
+            }
+            cuda_memory = CudaMemory(
+                measured[0], measured[1], None, settings, "torch.cuda.max_memory_allocated/reserved", modelled
+            )
     out = Profile(
         ledger=ledger,
         modules=modules,
@@ -457,6 +558,7 @@ def _profile(
         step_flops=sum(flops.values()),
         step=options,
         use_cache_off=use_cache_off,
+        cuda_memory=cuda_memory,
     )
     out.device_fit = _device_fit(out, None)
     return out

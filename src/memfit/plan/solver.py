@@ -85,9 +85,16 @@ class Problem:
     a pair column, so it is never 1 otherwise)."""
 
     def __init__(
-        self, curve: list[int], start_bytes: int, options: list[Option], cost: Callable[[Option], float] | None = None
+        self,
+        curve: list[int],
+        start_bytes: int,
+        options: list[Option],
+        cost: Callable[[Option], float] | None = None,
+        near: float = 0.0,
     ) -> None:
         self.options = options
+        self.near = near
+        """Relative cost within which ``min_cost`` prefers the simplest plan to the cheapest."""
         by_module: dict[str, list[int]] = {}
         for j, o in enumerate(options):
             by_module.setdefault(o.module, []).append(j)
@@ -172,16 +179,33 @@ class Problem:
         n = len(self.options)
         if n == 0:
             return Solution([], self.model_peak([]), 0.0) if self.model_peak([]) <= bound_bytes else None
+        constraints = self._constraints(bound_bytes / _MiB)
         res = milp(
             c=self._cost + self._tie_break(),
-            constraints=self._constraints(bound_bytes / _MiB),
+            constraints=constraints,
             integrality=self._integrality(),
             bounds=Bounds(0, 1),
             options={"time_limit": 30.0, "mip_rel_gap": 1e-6},
         )
         if res.x is None or res.status not in (0, 1):
             return None
-        return self._solution(res.x[:n])
+        best = float(self._cost @ res.x)
+        if self.near <= 0 or best <= 0:
+            return self._solution(res.x[:n])
+        # Among the plans within `near` of the cheapest, the simplest: fewest options, whole
+        # modules before selective ones. Costs are estimates from timings that move by a few
+        # percent between runs; without this, near-ties (a block in full against the same
+        # block keeping its matmuls) flip with them and each run prints another plan.
+        simple = np.array([1.0 + (o.mode == "selective") for o in self.options] + [0.0] * len(self.pairs))
+        res2 = milp(
+            c=simple + self._tie_break() / max(float(self._cost[:n].mean()), 1e-12),
+            constraints=[*constraints, LinearConstraint(self._cost[None, :], -np.inf, best * (1 + self.near))],
+            integrality=self._integrality(),
+            bounds=Bounds(0, 1),
+            options={"time_limit": 30.0, "mip_rel_gap": 1e-6},
+        )
+        x = res2.x if res2.x is not None and res2.status in (0, 1) else res.x
+        return self._solution(x[:n])
 
     def _tie_break(self) -> np.ndarray:
         """A cost far below any real difference (at most 0.1% of the mean option's) that

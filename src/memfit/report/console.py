@@ -364,6 +364,8 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
         f"= {format_bytes(profile.start_bytes)} at start + [bold]{format_bytes(profile.step_peak_bytes)}[/] during the step"
     )
     console.print(f"peak during [bold]{peak['phase']}[/], in {where} ({peak['op']})")
+    if profile.cuda_memory is not None:
+        render_cuda_memory(profile, console)
     if profile.ledger.host_peak_bytes:
         console.print(f"host memory the step took (not in the device's peak): {format_bytes(profile.ledger.host_peak_bytes)}")
     legend = ", ".join(f"[{_PHASE_STYLE[p]}]{p.value}[/]" for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
@@ -487,6 +489,18 @@ def render_device_fit(profile: Profile, console: Console) -> None:
             console.print(f"[dim]{est.name.replace('_', ' ')}: {escape(est.source)}[/]")
     for note in fit.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
+
+
+def render_cuda_memory(profile: Profile, console: Console) -> None:
+    """The caching allocator's peaks beside the tensors' (CUDA only)."""
+    c = profile.cuda_memory
+    conf = c.settings.describe()
+    how = c.source if c.model is None else f"measured: {c.source}"
+    frag = f"; {format_bytes(c.fragmentation_bytes)} reserved but unused at the peak" if c.fragmentation_bytes else ""
+    console.print(
+        f"CUDA allocator: allocated [bold]{format_bytes(c.allocated_peak_bytes)}[/], reserved "
+        f"[bold]{format_bytes(c.reserved_peak_bytes)}[/] ({how}{', PYTORCH_CUDA_ALLOC_CONF=' + escape(conf) if conf else ''}){frag}"
+    )
 
 
 def render_groundtruth(profile: Profile, measured: dict, console: Console) -> None:

@@ -1,0 +1,245 @@
+"""End to end: predict a real GPU's training-step memory on fake CUDA, and check it against the
+``torch.cuda.memory._dump_snapshot`` trace that GPU recorded, for a model whose recording code is
+public with the trace.
+
+    python benchmarks/gpu_trace_e2e.py MIRRORS [--deps DIR] [--only NAME] [--out table.md]
+
+``MIRRORS`` holds the fetched repositories as the fetch tool lays them out
+(``MIRRORS/<owner>+<name>/repo``, a bare git directory; never committed: BENCHMARKS.md says which).
+For each case below, the recording repository's model and optimizer code is exported at the
+trace's commit into a temporary directory and imported from there; the same step (dims, batch,
+context length, autocast, optimizer, the recording script's loop) runs on fake CUDA in a fresh
+interpreter (``MEMFIT_FAKE_CUDA=1`` before torch starts) under :func:`memfit.profile`, and its
+``allocated_peak_bytes`` / ``reserved_peak_bytes`` are compared with the peaks the GPU recorded
+over the traced span (:func:`memfit.measure.snapshot.relive`: the state the trace starts with
+included, as memfit's peaks include the step's start).
+
+What the traced span is, per recording script, and how the prediction covers the same span:
+
+* CS336 assignment 2 ``nsys_profile.py --memory-profiler pytorch --pattern full-training-step``
+  (Wedsonlin/assignment2-systems): 5 warm-up steps, ``del output, loss``, ``zero_grad``, then
+  recording of one step ``forward + cross_entropy, backward, optimizer.step()``. The trace starts
+  with the parameters, AdamW's state and the token tensors alive, and with the segments the
+  warm-up steps left cached. memfit's ``reserved_peak_bytes`` replays one step from an empty
+  cache; ``warm`` below also replays the warm-up the script ran (the first step creating the
+  optimizer state mid-step, then steady steps) before the measured step, through the same model.
+
+The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
+``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# (name, repo, commit, trace path, model dims, context length, autocast dtype or None, what the trace covers)
+_MEDIUM = {"vocab_size": 10000, "d_model": 1024, "d_ff": 4096, "num_layers": 24, "num_heads": 16}
+_W = ("Wedsonlin/assignment2-systems", "87b086417ea831f54f7535eb3680f90da0952722")
+CASES = [
+    {
+        "name": f"medium ctx{n} {'bf16 autocast' if dtype else 'fp32'} train",
+        "repo": _W[0],
+        "commit": _W[1],
+        "trace": f"results/medium_{n}_training_memory_snapshot.pickle",
+        "code": "cs336-basics",
+        "dims": {**_MEDIUM, "context_length": n},
+        "batch": 4,
+        "autocast": dtype,
+        "warmup": 5,
+        "span": "full-training-step",
+        "output_module": "lm_head",
+    }
+    # the script's --autocast flag is not in the trace: read from it (the logits lm_head allocates are 4 B
+    # per element at 128 and 256 tokens, 2 B at 512 and 1024, with float32 log_softmax copies beside them)
+    for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, "bfloat16"))
+]
+
+CHILD = r"""
+import json, sys
+import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
+import torch
+from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.optimizer import AdamW
+from cs336_basics.nn_utils import cross_entropy
+from memfit.measure.allocator import Alloc, CachingAllocator, Free, ledger_events
+from memfit.measure.ledger import Phase
+from memfit.measure.profile import allocator_settings_from_env
+
+case = json.loads(sys.argv[1])
+d = case["dims"]
+torch.manual_seed(0)
+model = BasicsTransformerLM(**d)
+optimizer = AdamW(model.parameters())
+x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
+y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
+step = memfit.StepOptions(autocast=case["autocast"]) if case["autocast"] else None
+prof = memfit.profile(model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step)
+led = prof.ledger
+
+# The recording script's warm-up before the traced step, through the same allocator model: the
+# parameters and token tensors first, a first step that has no optimizer state to free (it creates
+# it), then steady steps, then the traced step, whose peaks are taken from its start
+# (torch.cuda.reset_peak_memory_stats): allocated from what is alive then, reserved as the cache
+# then holds it. What a step frees of its start (AdamW's old state) is what the step before left
+# alive (its new state): paired in order, sizes checked.
+blocks = {b.id: b for b in led.blocks}
+events = ledger_events(led)
+starting = [e.id for e in events if isinstance(e, Alloc) and blocks[e.id].born < 0]
+body = [e for e in events if not (isinstance(e, Alloc) and blocks[e.id].born < 0)]
+dying = [e.id for e in body if isinstance(e, Free) and blocks[e.id].born < 0]
+kept = [e.id for e in body if isinstance(e, Alloc) and blocks[e.id].died is None]
+if [blocks[i].nbytes for i in dying] != [blocks[i].nbytes for i in kept]:
+    raise SystemExit("the step's freed start tensors do not pair with the tensors it leaves alive")
+successor = dict(zip(dying, kept))
+settings = allocator_settings_from_env()
+alloc = CachingAllocator(settings)
+live = {}
+
+def run(evs):
+    for e in evs:
+        if isinstance(e, Alloc):
+            live[e.id] = alloc.malloc(e.size)
+        else:
+            b = live.pop(e.id, None)
+            if b is not None:
+                alloc.free(b)
+
+# The script keeps `output` (the logits) until the next step's forward has returned
+# (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
+# drops it after backward. The logits: the largest tensor the forward made in the model's last module.
+last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
+logits = max(last_module, key=lambda b: b.nbytes).id
+rebound = next(
+    i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
+)
+
+def tick(e):
+    return blocks[e.id].born if isinstance(e, Alloc) else blocks[e.id].died
+
+def step(k, hold_previous):
+    # step k's own tensors are (k, id); a start tensor it frees is step k-1's survivor
+    out = []
+    for e in body:
+        if hold_previous and tick(e) >= rebound:
+            out.append(Free((k - 1, logits)))
+            hold_previous = False
+        if isinstance(e, Alloc):
+            out.append(Alloc((k, e.id), e.size))
+        elif e.id == logits:
+            continue
+        elif e.id in successor:
+            out.append(Free((k - 1, successor[e.id])))
+        else:
+            out.append(Free((k, e.id)))
+    return out
+
+run([Alloc((0, i), blocks[i].nbytes) for i in starting if i not in successor])
+for k in range(1, case["warmup"] + 1):
+    run(step(k, hold_previous=k > 1))
+run([Free((case["warmup"], logits))])  # del output, loss
+alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
+alloc.reserved_at_allocated_peak = alloc.reserved
+run(step(case["warmup"] + 1, hold_previous=False))
+warm = alloc.stats()
+print(json.dumps({
+    "peak_bytes": prof.peak_bytes,
+    "allocated_peak_bytes": prof.allocated_peak_bytes,
+    "reserved_peak_bytes": prof.reserved_peak_bytes,
+    "warm_allocated_peak_bytes": warm.allocated_peak_bytes,
+    "warm_reserved_peak_bytes": warm.reserved_peak_bytes,
+    "peak_phase": prof.peak["phase"],
+}))
+"""
+
+
+def _git(mirror: Path, *args: str) -> bytes:
+    return subprocess.run(["git", "--git-dir", str(mirror), *args], check=True, capture_output=True).stdout
+
+
+def _mirror(mirrors: Path, repo: str) -> Path:
+    m = mirrors / repo.replace("/", "+") / "repo"
+    if not m.is_dir():
+        raise SystemExit(f"{m}: not fetched (fetch github:{repo} into {mirrors})")
+    return m
+
+
+def recorded(mirrors: Path, case: dict, tmp: Path) -> dict:
+    from memfit.measure.snapshot import load_snapshot, relive
+
+    pickle_path = tmp / "trace.pickle"
+    pickle_path.write_bytes(_git(_mirror(mirrors, case["repo"]), "show", f"{case['commit']}:{case['trace']}"))
+    rec = relive(load_snapshot(pickle_path))
+    return {
+        "allocated_peak_bytes": rec.stats.allocated_peak_bytes,
+        "reserved_peak_bytes": rec.stats.reserved_peak_bytes,
+        "start_allocated_bytes": rec.start_allocated_bytes,
+        "start_reserved_bytes": rec.start_reserved_bytes,
+    }
+
+
+def predicted(mirrors: Path, case: dict, tmp: Path, deps: str | None) -> dict:
+    code = tmp / "code"
+    code.mkdir()
+    archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], case["code"])
+    subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+    path = [SRC, str(code / case["code"])] + ([deps] if deps else [])
+    env = {**os.environ, "MEMFIT_FAKE_CUDA": "1", "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{case['name']}: the fake-CUDA step failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{100.0 * (a - b) / b:+.2f}%"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mirrors", type=Path)
+    ap.add_argument("--deps", help="a directory with einops, einx, jaxtyping (pip install --target)")
+    ap.add_argument("--only", help="run the cases whose name contains this")
+    ap.add_argument("--out", type=Path, help="also write the table here")
+    ns = ap.parse_args()
+    sys.path.insert(0, SRC)
+    mib = 1 << 20
+    rows = [
+        "| trace (repo @ commit: path) | step | recorded allocated | recorded reserved | memfit profile: allocated | err | "
+        "reserved | err | the script's loop replayed: allocated | err | reserved | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in CASES:
+        if ns.only and ns.only not in case["name"]:
+            continue
+        with tempfile.TemporaryDirectory() as t:
+            rec = recorded(ns.mirrors, case, Path(t))
+            pred = predicted(ns.mirrors, case, Path(t), ns.deps)
+        ra, rr = rec["allocated_peak_bytes"], rec["reserved_peak_bytes"]
+        cells = [
+            f"{case['repo']} @ {case['commit'][:8]}: {case['trace']}",
+            case["name"],
+            f"{ra / mib:,.1f} MiB",
+            f"{rr / mib:,.1f} MiB",
+        ]
+        for key, ref in (("", ra), ("", rr), ("warm_", ra), ("warm_", rr)):
+            name = key + ("allocated_peak_bytes" if ref is ra else "reserved_peak_bytes")
+            cells += [f"{pred[name] / mib:,.1f} MiB", _pct(pred[name], ref)]
+        row = "| " + " | ".join(cells) + " |"
+        rows.append(row)
+        print(row, flush=True)
+        print(json.dumps({"case": case["name"], "recorded": rec, "predicted": pred}), file=sys.stderr, flush=True)
+    if ns.out:
+        ns.out.write_text("\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""A CUDA profile's caching-allocator peaks (allocated_peak_bytes, reserved_peak_bytes): on fake
+CUDA from the allocator model under PYTORCH_CUDA_ALLOC_CONF; on CPU absent. Fake-CUDA steps run
+in a fresh interpreter (the shim loads before torch), the shim built once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import memfit
+from memfit.measure import _fake_cuda
+from memfit.measure.profile import Profile
+
+SRC = str(Path(memfit.__file__).resolve().parents[1])
+MiB = 1 << 20
+GPT = [
+    "gpt",
+    "--batch-size",
+    "2",
+    "--size",
+    "n_layer=2",
+    "--size",
+    "n_embd=128",
+    "--size",
+    "n_head=4",
+    "--size",
+    "block_size=128",
+]
+
+
+@pytest.fixture(scope="session")
+def shim_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("memfit-cache")
+    try:
+        _fake_cuda.build(cache=cache)
+    except _fake_cuda.FakeCudaError as exc:
+        pytest.skip(f"fake CUDA unavailable here: {exc}")
+    return cache
+
+
+def _profile(cache: Path, tmp: Path, conf: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC}
+    env.pop("MEMFIT_FAKE_CUDA", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    args = [sys.executable, "-m", "memfit", "profile", *GPT, "--device", "fake-cuda", "--json", str(tmp / "p.json")]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def default_profile(shim_cache, tmp_path_factory) -> tuple[dict, str]:
+    tmp = tmp_path_factory.mktemp("default")
+    done = _profile(shim_cache, tmp, None)
+    assert done.returncode == 0, done.stderr
+    return json.loads((tmp / "p.json").read_text()), done.stdout
+
+
+def test_fake_cuda_profile_has_the_allocators_peaks(default_profile):
+    data, stdout = default_profile
+    alloc, res = data["allocated_peak_bytes"], data["reserved_peak_bytes"]
+    blocks = data["ledger"]["blocks"]
+    # every tensor is a 512-byte block; the allocator holds at least the most of them alive at once
+    assert all(b["nbytes"] % 512 == 0 for b in blocks)
+    assert alloc >= data["peak_bytes"] > 0
+    assert alloc <= sum(b["nbytes"] for b in blocks)
+    # segments are 2 MiB (small pool) or 20 MiB / multiples of 2 MiB (large pool)
+    assert res >= alloc and res % (2 * MiB) == 0
+    assert (
+        data["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == "" and data["allocator_settings"]["expandable_segments"] is False
+    )
+    assert data["cuda_memory"]["source"] == "caching allocator model"
+    assert data["cuda_memory"]["fragmentation_bytes"] >= 0
+    assert "allocated" in stdout and "reserved" in stdout and "caching allocator model" in stdout
+    back = Profile.from_dict(data)
+    assert (back.allocated_peak_bytes, back.reserved_peak_bytes) == (alloc, res)
+
+
+def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_profile, tmp_path):
+    base, _ = default_profile
+    done = _profile(shim_cache, tmp_path, "expandable_segments:True")
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["allocator_settings"]["expandable_segments"] is True
+    assert data["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert data["peak_bytes"] == base["peak_bytes"] and data["allocated_peak_bytes"] == base["allocated_peak_bytes"]
+    # one growing segment per pool, mapped in 20 MiB pages (large) and 2 MiB (small): at this size
+    # it rounds up past what the default's separate segments hold (70 MiB -> 72 MiB measured)
+    assert data["reserved_peak_bytes"] != base["reserved_peak_bytes"]
+    assert data["reserved_peak_bytes"] >= data["allocated_peak_bytes"] and data["reserved_peak_bytes"] % (2 * MiB) == 0
+
+
+def test_bad_alloc_conf_is_one_line_exit_2(shim_cache, tmp_path):
+    done = _profile(shim_cache, tmp_path, "expandable_segments:Yes")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "PYTORCH_CUDA_ALLOC_CONF" in lines[0] and "True or False" in lines[0]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cpu_profile_has_no_allocator_keys(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "not:a:valid:conf")  # CUDA-only: a CPU step never reads it
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    prof = memfit.profile(model, torch.randn(4, 16))
+    data = prof.to_dict(ledger=False)
+    assert prof.allocated_peak_bytes is None and prof.reserved_peak_bytes is None
+    assert not {"allocated_peak_bytes", "reserved_peak_bytes", "allocator_settings", "cuda_memory"} & data.keys()
