@@ -91,7 +91,10 @@ def _optimizer(trainer: Any) -> tuple[torch.optim.Optimizer, str]:
     finally:
         trainer.optimizer = None  # train() builds its own from the same arguments
     name = type(optimizer).__name__
-    return optimizer, f"{name} as Trainer.create_optimizer builds it from the TrainingArguments (optim={getattr(trainer.args.optim, 'value', trainer.args.optim)!r})"
+    return (
+        optimizer,
+        f"{name} as Trainer.create_optimizer builds it from the TrainingArguments (optim={getattr(trainer.args.optim, 'value', trainer.args.optim)!r})",
+    )
 
 
 def trainer_step(trainer: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.optim.Optimizer, str]:
@@ -107,8 +110,11 @@ def _checkpointing_off(trainer_args: Any, model: torch.nn.Module, say: Callable[
     plan replaces it (two checkpoints around one layer would recompute it twice)."""
     asked = bool(getattr(trainer_args, "activation_checkpointing", None) or getattr(trainer_args, "gradient_checkpointing", None))
     inner = unwrap(model)
-    on_model = bool(getattr(inner, "is_activation_checkpointing", False)) if hasattr(type(inner), "is_activation_checkpointing") \
+    on_model = (
+        bool(getattr(inner, "is_activation_checkpointing", False))
+        if hasattr(type(inner), "is_activation_checkpointing")
         else bool(getattr(inner, "is_gradient_checkpointing", False))
+    )
     if not (asked or on_model):
         return
     for name in ("activation_checkpointing", "gradient_checkpointing"):
@@ -163,7 +169,7 @@ class MemfitCallback(TrainerCallback):
         self.say(
             f"budget {format_bytes(found.budget_bytes)}: recompute {n} module{'s' if n != 1 else ''} "
             f"(no plan {format_bytes(found.none_peak_bytes)}); predicted peak {format_bytes(found.predicted_peak_bytes)}"
-            + ("" if self.fake else " = the ledger peak of the planned step run on the model")
+            + (" on fake tensors" if self.fake else ", measured the same (memfit's ledger of the planned step run on the model)")
         )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -257,7 +263,9 @@ def fit_trainer(
     if applied_choices(unwrap(model)) is not None:
         raise PlanError("the trainer's model already has a memfit plan applied; call memfit.remove(model) first")
     model_, batch, optimizer, what = trainer_step(trainer)
-    say(f"measuring the trainer's step: {type(unwrap(model_)).__name__}, first batch of its dataloader, loss = outputs.loss, {what}")
+    say(
+        f"measuring the trainer's step: {type(unwrap(model_)).__name__}, first batch of its dataloader, loss = outputs.loss, {what}"
+    )
     if mode == "plan":
         callback._fit_plan(args, model, optimizer, [batch], _NoMove())
         callback._fitted = True
