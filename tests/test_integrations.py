@@ -20,10 +20,12 @@ memfit's finder predicts from fake tensors and runs no step for the search at al
 from __future__ import annotations
 
 import functools
+import runpy
 import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,6 +183,16 @@ def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode):
         assert again.get("per_device_train_batch_size", BATCH) == batch
         assert again.get("gradient_accumulation_steps", 1) == k
         assert recipe.training_arguments_missing() == []
+        # memfit fit's output says the same in the Trainer's terms
+        from rich.console import Console
+
+        from memfit.report.console import render_fit
+
+        console = Console(record=True, width=200)
+        render_fit(recipe, console)
+        line = next(row for row in console.export_text().splitlines() if row.startswith("in transformers' Trainer"))
+        if k > 1:
+            assert f"per_device_train_batch_size={batch}, gradient_accumulation_steps={k}" in line
     assert _trainer_step_peak(trainer, plan) <= budget
 
     by_hand = _gpt2()
@@ -399,6 +411,12 @@ def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode):
     )
 
 
+def test_fit_exclude_names_only_levers_a_loop_can_lack():
+    model = nn.Linear(4, 4)
+    with pytest.raises(memfit.PlanError, match="'recompute'"):
+        memfit.fit(model, torch.randn(8, 4), 10**9, exclude={"recompute": "no"})
+
+
 def test_lightning_answer_follows_lightnings_rules():
     pytest.importorskip("lightning")
     from memfit.integrations.lightning import lightning_answer
@@ -411,3 +429,29 @@ def test_lightning_answer_follows_lightnings_rules():
     assert lightning_answer(10_000, "power", max_val=8192) == 8192
     with pytest.raises(memfit.PlanError):
         lightning_answer(4, "exhaustive")
+
+
+# -- the examples -----------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_example_hf_trainer(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    trainer = runpy.run_path(str(EXAMPLES / "hf_trainer.py"))["main"]()
+    assert len(_losses(trainer)) == 3
+    err = capsys.readouterr().err
+    assert "memfit: budget 5.00 MiB:" in err and "predicted" in err
+
+
+def test_example_lightning(capsys):
+    _lightning()
+    warnings.filterwarnings("ignore", module="lightning")
+    fitted, finder = runpy.run_path(str(EXAMPLES / "lightning_module.py"))["main"]()
+    assert fitted.predicted_peak_bytes <= fitted.plan.budget_bytes
+    from memfit.integrations.lightning import lightning_answer
+
+    assert finder.limit.max_batch > 2
+    assert finder.optimal_batch_size == lightning_answer(finder.limit.max_batch, "binsearch")  # less the 5% margin
+    assert finder.limit.peak_bytes <= 16 * 2**20

@@ -781,7 +781,7 @@ def fit(
         why_not = _optim8bit.unavailable(optimizer)
         if why_not is not None:
             left_out["8bit"] = why_not
-    why_not = exclude.get("offload") or _offload_unavailable(device)
+    why_not = _offload_unavailable(device) or exclude.get("offload")
     if why_not is not None:
         left_out["offload"] = why_not
 
