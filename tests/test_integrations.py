@@ -411,6 +411,20 @@ def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode):
     )
 
 
+def test_fit_trainer_refuses_what_it_cannot_set(tmp_path):
+    from memfit.integrations.transformers import fit_trainer
+
+    trainer = _hf_trainer(tmp_path, _gpt2())
+    with pytest.raises(memfit.PlanError, match="bf16=True"):
+        fit_trainer(trainer, "5MiB", allow="amp")
+    with pytest.raises(memfit.PlanError, match="mode"):
+        fit_trainer(trainer, "5MiB", mode="everything")
+    assert (
+        trainer.args.per_device_train_batch_size == BATCH
+        and trainer.callback_handler.callbacks[-1].__class__.__name__ != "MemfitCallback"
+    )
+
+
 def test_fit_exclude_names_only_levers_a_loop_can_lack():
     model = nn.Linear(4, 4)
     with pytest.raises(memfit.PlanError, match="'recompute'"):

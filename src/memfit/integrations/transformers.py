@@ -51,8 +51,10 @@ from memfit.units import format_bytes
 
 __all__ = ["MemfitCallback", "fit_trainer", "trainer_step"]
 
-_TRAINER_LEVERS = ("amp", "8bit")
-"""Opt-in levers the TrainingArguments can say (``bf16``/``fp16``, ``optim``)."""
+_TRAINER_LEVERS = ("8bit",)
+"""Opt-in levers fit_trainer can still set on a built Trainer (``optim``, read when train()
+builds the optimizer). Not ``amp``: the Trainer fixes its mixed precision when it builds
+its accelerator, in ``__init__``: set ``bf16=True`` in the TrainingArguments instead."""
 _NO_SWITCH = {"offload": "transformers' Trainer has no switch for activation offload (save_on_cpu)"}
 
 
@@ -233,8 +235,7 @@ def fit_trainer(
     also takes a fraction) before ``trainer.train()``, in the Trainer's own terms.
 
     ``mode="fit"`` (default): :func:`memfit.fit` weighs recompute and micro-batches (and
-    the opt-in levers of ``allow`` the TrainingArguments can say: ``amp`` as ``bf16``/``fp16``,
-    ``8bit`` as ``optim="adamw_bnb_8bit"``), timing real steps. ``mode="plan"``: recompute
+    ``allow="8bit"``, set as ``optim="adamw_bnb_8bit"``), timing real steps. ``mode="plan"``: recompute
     only (:func:`memfit.plan`; ``fake=True`` plans on fake tensors, no memory used).
 
     Changes, in place: the model (the recompute plan, undone by ``memfit.remove(model)``),
@@ -247,9 +248,11 @@ def fit_trainer(
     allowed = parse_allow(allow)
     other = sorted(allowed - set(_TRAINER_LEVERS))
     if other:
+        why = "amp: the Trainer fixes its mixed precision in __init__; pass bf16=True (or fp16=True) in its TrainingArguments"
         raise PlanError(
-            f"fit_trainer cannot put {', '.join(other)} into TrainingArguments (it has no argument for "
-            f"{'them' if len(other) > 1 else 'it'}); it may allow {' and '.join(_TRAINER_LEVERS)}"
+            f"fit_trainer cannot set {', '.join(other)} on a built Trainer"
+            + (f" ({why})" if "amp" in other else " (the TrainingArguments have no argument for it)")
+            + f"; it may allow {', '.join(_TRAINER_LEVERS)}"
         )
     if mode == "plan" and allowed:
         raise PlanError("allow= is for mode='fit': mode='plan' only recomputes")
