@@ -81,24 +81,30 @@ def test_each_integration_imports_only_its_framework():
 SEQ, VOCAB, SAMPLES, BATCH = 32, 128, 32, 8
 
 
-def _gpt2():
+def _gpt2(arch: str = "gpt2"):
+    """A small causal LM (GPT-2) or seq2seq model (T5) from a config, dropout on."""
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
+    if arch == "t5":
+        config = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
+        return tf.T5ForConditionalGeneration(config)
     return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ))
 
 
 class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
+    def __init__(self, arch: str = "gpt2") -> None:
         self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+        self.arch = arch
 
     def __len__(self) -> int:
         return SAMPLES
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        # seq2seq: the target is the first half of the source (a short summary, say)
+        return {"input_ids": self.ids[i], "labels": self.ids[i, : SEQ // 2] if self.arch == "t5" else self.ids[i]}
 
 
-def _hf_trainer(tmp_path, model, *, batch=BATCH, accumulate=1, callbacks=None, **extra):
+def _hf_trainer(tmp_path, model, *, batch=BATCH, accumulate=1, callbacks=None, arch="gpt2", **extra):
     tf = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # Trainer needs it
     tf.logging.set_verbosity_error()
@@ -115,7 +121,7 @@ def _hf_trainer(tmp_path, model, *, batch=BATCH, accumulate=1, callbacks=None, *
         disable_tqdm=True,
         **extra,
     )
-    return tf.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+    return tf.Trainer(model=model, args=args, train_dataset=_Tokens(arch), callbacks=callbacks)
 
 
 def _losses(trainer) -> list[float]:
@@ -123,11 +129,12 @@ def _losses(trainer) -> list[float]:
 
 
 @functools.cache
-def _hf_budget() -> tuple[int, int]:
+def _hf_budget(arch: str = "gpt2") -> tuple[int, int]:
     """60% of the way from the step's start to its unplanned peak: recompute or micro-batches needed."""
-    model = _gpt2()
-    ids = _Tokens().ids[:BATCH].clone()
-    prof = memfit.profile(model, {"input_ids": ids, "labels": ids}, optimizer=torch.optim.AdamW(model.parameters()))
+    model = _gpt2(arch)
+    data = _Tokens(arch)
+    batch = {key: torch.stack([data[i][key] for i in range(BATCH)]) for key in ("input_ids", "labels")}
+    prof = memfit.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
     return prof.start_bytes + (prof.peak_bytes - prof.start_bytes) * 6 // 10, prof.peak_bytes
 
 
@@ -149,20 +156,20 @@ def _trainer_step_peak(trainer, plan) -> int:
     ).peak_bytes
 
 
-@pytest.mark.parametrize("mode", ["fit", "callback"])
-def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "arch"), [("fit", "gpt2"), ("callback", "gpt2"), ("callback", "t5")])
+def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
     """``fit``: fit_trainer before train() (micro-batches allowed); ``callback``: MemfitCallback,
     which plans at on_train_begin, with gradient_checkpointing=True, which the plan replaces."""
     from memfit.integrations.transformers import MemfitCallback, fit_trainer
 
-    budget, none_peak = _hf_budget()
+    budget, none_peak = _hf_budget(arch)
     said: list[str] = []
     if mode == "fit":
-        trainer = _hf_trainer(tmp_path / "a", _gpt2())
+        trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), arch=arch)
         callback = fit_trainer(trainer, budget, log=said.append)  # the one line
     else:
         callback = MemfitCallback(budget, log=said.append)
-        trainer = _hf_trainer(tmp_path / "a", _gpt2(), callbacks=[callback], gradient_checkpointing=True)
+        trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), callbacks=[callback], gradient_checkpointing=True, arch=arch)
     trainer.train()
     assert callback.predicted_peak_bytes <= budget < none_peak
     assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= budget
@@ -195,10 +202,10 @@ def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode):
             assert f"per_device_train_batch_size={batch}, gradient_accumulation_steps={k}" in line
     assert _trainer_step_peak(trainer, plan) <= budget
 
-    by_hand = _gpt2()
+    by_hand = _gpt2(arch)
     if plan is not None and plan.checkpointed:
         memfit.apply(by_hand, plan)
-    reference = _hf_trainer(tmp_path / "b", by_hand, batch=batch, accumulate=k)
+    reference = _hf_trainer(tmp_path / "b", by_hand, batch=batch, accumulate=k, arch=arch)
     reference.train()
     assert len(_losses(trainer)) == 3
     assert _losses(trainer) == _losses(reference)
@@ -469,3 +476,18 @@ def test_example_lightning(capsys):
     assert finder.limit.max_batch > 2
     assert finder.optimal_batch_size == lightning_answer(finder.limit.max_batch, "binsearch")  # less the 5% margin
     assert finder.limit.peak_bytes <= 16 * 2**20
+
+
+def test_applied_plan_keeps_the_forwards_signature():
+    """transformers' Trainer keeps only the dataset columns its model's forward takes (read
+    from the signature): a plan applied before the dataloader is built must not hide them."""
+    import inspect
+
+    from memfit.apply.checkpoint import apply_choices
+
+    model = _gpt2()
+    before = list(inspect.signature(model.forward).parameters)
+    apply_choices(model, {"": ("full", ()), "transformer.h.0": ("full", ())}, [""])
+    assert list(inspect.signature(model.forward).parameters) == before
+    assert "input_ids" in before
+    memfit.remove(model)
