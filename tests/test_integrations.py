@@ -156,17 +156,18 @@ def _trainer_step_peak(trainer, plan) -> int:
     ).peak_bytes
 
 
-@pytest.mark.parametrize(("mode", "arch"), [("fit", "gpt2"), ("callback", "gpt2"), ("callback", "t5")])
+@pytest.mark.parametrize(("mode", "arch"), [("fit", "gpt2"), ("plan", "gpt2"), ("callback", "t5")])
 def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
-    """``fit``: fit_trainer before train() (micro-batches allowed); ``callback``: MemfitCallback,
-    which plans at on_train_begin, with gradient_checkpointing=True, which the plan replaces."""
+    """``fit``: fit_trainer before train() (micro-batches allowed); ``plan``: fit_trainer,
+    recompute only; ``callback``: MemfitCallback, which plans at on_train_begin, with
+    gradient_checkpointing=True, which the plan replaces."""
     from memfit.integrations.transformers import MemfitCallback, fit_trainer
 
     budget, none_peak = _hf_budget(arch)
     said: list[str] = []
-    if mode == "fit":
+    if mode in ("fit", "plan"):
         trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), arch=arch)
-        callback = fit_trainer(trainer, budget, log=said.append)  # the one line
+        callback = fit_trainer(trainer, budget, mode=mode, log=said.append)  # the one line
     else:
         callback = MemfitCallback(budget, log=said.append)
         trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), callbacks=[callback], gradient_checkpointing=True, arch=arch)
@@ -177,7 +178,9 @@ def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
     batch, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
     assert batch * k == BATCH  # the effective batch is unchanged
     plan = callback.plan
-    if mode == "callback":
+    if mode == "plan":  # applied before train(), which builds the dataloader after it
+        assert plan.checkpointed and k == 1
+    elif mode == "callback":
         assert plan.checkpointed and k == 1
         assert any("gradient_checkpointing=True" in line for line in said), said
         # the plan's modules only, not transformers' every-layer checkpointing beside them
