@@ -93,6 +93,12 @@ class _CacheOffForward:
         self.writes = False
         """(A probe) whether a training-mode call returned a cache."""
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # code that reads the forward's parameters (transformers' Trainer keeps only the
+        # dataset columns the model's forward takes) sees the module's own
+        return inspect.signature(self.original if self.original is not None else type(self.module).forward.__get__(self.module))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.original if self.original is not None else type(self.module).forward.__get__(self.module)
         if not self.module.training:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -185,6 +186,12 @@ class _CheckpointedForward:
 
     def _inner(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # code that reads the forward's parameters (transformers' Trainer keeps only the
+        # dataset columns the model's forward takes) sees the module's own
+        return inspect.signature(self._inner())
 
     def _context_fn(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         state = _StateGuard(self, args, kwargs)

@@ -55,7 +55,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -701,6 +701,7 @@ def fit(
     set_to_none: bool = True,
     progress: Progress | None = None,
     targets: Any = None,
+    exclude: Mapping[str, str] | None = None,
 ) -> Recipe:
     """The fastest combination of memory levers whose training step peaks within ``budget``.
 
@@ -716,6 +717,9 @@ def fit(
         progress: optional ``progress(description, stage, stages)`` callback, called as
             each stage (which levers apply, timing probes, exact peaks and plans, timing
             the candidates) advances.
+        exclude: exact levers the caller's training loop has no way to use (``"microbatch"``,
+            ``"offload"``), each with the reason, which ``recipe.left_out`` then gives: a
+            framework's loop (transformers' Trainer) has no switch for activation offload.
 
     Returns:
         A :class:`Recipe`: the levers, the predicted and the measured peak and step time,
@@ -733,6 +737,10 @@ def fit(
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_allow(allow)
+    exclude = dict(exclude or {})
+    unknown = sorted(set(exclude) - {"microbatch", "offload"})
+    if unknown:
+        raise PlanError(f"fit can exclude the levers 'microbatch' and 'offload', not {', '.join(map(repr, unknown))}")
     check_arguments(model, optimizer, loss_fn, targets)
     model = unwrap(model)
     if applied_choices(model) is not None:
@@ -745,7 +753,10 @@ def fit(
 
     left_out: dict[str, str] = {}
     report.start(0)
-    scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer, targets)
+    if "microbatch" in exclude:
+        scales, why = {}, exclude["microbatch"]
+    else:
+        scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer, targets)
     if why:
         left_out["microbatch"] = why
     if set_to_none:
@@ -770,7 +781,7 @@ def fit(
         why_not = _optim8bit.unavailable(optimizer)
         if why_not is not None:
             left_out["8bit"] = why_not
-    why_not = _offload_unavailable(device)
+    why_not = _offload_unavailable(device) or exclude.get("offload")
     if why_not is not None:
         left_out["offload"] = why_not
 

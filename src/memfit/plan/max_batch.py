@@ -40,7 +40,7 @@ from memfit.plan.recipe import Recipe
 from memfit.units import format_bytes
 from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
 
-__all__ = ["max_batch", "MaxBatch", "BatchLimit"]
+__all__ = ["max_batch", "largest_batch", "MaxBatch", "BatchLimit"]
 
 _LIMIT = 1 << 20  # a step whose peak does not grow with the batch stops here
 
@@ -300,3 +300,39 @@ def max_batch(
         model_type=type(model).__name__,
         device=str(device),
     )
+
+
+def largest_batch(
+    model: nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    targets: Any = None,
+    step: StepOptions | None = None,
+    multiple_of: int = 1,
+    fake: bool | str = True,
+) -> BatchLimit:
+    """The largest batch (a multiple of ``multiple_of``) whose step, exactly as it is (no
+    lever: what a framework's batch-size finder tries), peaks within ``budget``: the search
+    of :func:`max_batch` for one lever set, on fake tensors only (``fake="cuda"``: fake
+    CUDA), no step timed or run for real. ``max_batch`` 0: not even ``multiple_of`` fits."""
+    target = fit_budget(budget)
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    check_arguments(model, optimizer, loss_fn, targets)
+    args, kwargs = split_inputs(inputs)
+    check_step(unwrap(model), args, kwargs, targets)
+    example = batch_size_of(args, kwargs)
+    if example is None:
+        raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    on = "cuda" if fake_device(fake) == "cuda" else True
+
+    def peak(b: int) -> int:
+        batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
+        return measure_profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels).peak_bytes
+
+    return _largest(peak, target, example, multiple_of)

@@ -121,6 +121,38 @@ class Recipe:
 
         return apply_recipe(self, model, optimizer)
 
+    # -- transformers' TrainingArguments -----------------------------------------------------
+
+    def training_arguments(self, gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+        """The recipe as ``transformers.TrainingArguments`` keywords, for a Trainer whose
+        per-device batch is :attr:`batch_size` and which accumulates
+        ``gradient_accumulation_steps`` batches now: micro-batches become a smaller
+        per-device batch and more accumulation steps (the effective batch is unchanged),
+        ``amp`` becomes ``bf16`` or ``fp16``, ``8bit`` becomes ``optim="adamw_bnb_8bit"``.
+        Recompute is memfit's plan, which no TrainingArguments express: transformers' own
+        all-or-nothing ``gradient_checkpointing`` goes off (``fit_trainer`` applies the plan).
+        Levers the Trainer has no argument for are listed by :meth:`training_arguments_missing`."""
+        out: dict[str, Any] = {}
+        k = self.step.micro_batches
+        if k > 1 and self.batch_size:
+            out["per_device_train_batch_size"] = self.batch_size // k
+            out["gradient_accumulation_steps"] = gradient_accumulation_steps * k
+        if self.plan is not None and self.plan.checkpointed:
+            out["gradient_checkpointing"] = False
+        if "amp" in self.levers:
+            out["fp16" if self.step.autocast == "float16" else "bf16"] = True
+        if "8bit" in self.levers and self.optimizer_type == "AdamW":
+            out["optim"] = "adamw_bnb_8bit"
+        return out
+
+    def training_arguments_missing(self) -> list[str]:
+        """Levers of the recipe no ``TrainingArguments`` keyword expresses (recompute aside,
+        which :func:`memfit.integrations.transformers.fit_trainer` applies)."""
+        missing = [lever for lever in self.levers if lever in ("bf16", "foreach", "offload")]
+        if "8bit" in self.levers and self.optimizer_type != "AdamW":
+            missing.append("8bit")
+        return missing
+
     # -- the snippet --------------------------------------------------------------------------
 
     def summary(self) -> str:

@@ -859,7 +859,24 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
     else:
         console.print("in your training loop:", highlight=False)
     console.print(snippet, markup=False, highlight=False, soft_wrap=True)
+    render_training_arguments(recipe, console)
     console.print(f"fitted in {recipe.fit_time_s:.1f} s")
+
+
+def render_training_arguments(recipe: Recipe, console: Console) -> None:
+    """The recipe in transformers' Trainer's terms: the TrainingArguments to set, and what
+    they cannot say (recompute: memfit's plan, put on the model by ``fit_trainer``). Only
+    for a step the Trainer runs: ``model(**batch)`` trained on ``output.loss``."""
+    if not recipe.levers or recipe.inputs_kind != "kwargs" or not recipe.default_loss:
+        return
+    kwargs = recipe.training_arguments()
+    line = "in transformers' Trainer: TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+    if recipe.plan is not None and recipe.plan.checkpointed:
+        line += " + the recompute plan: memfit.integrations.transformers.fit_trainer(trainer, budget) applies it"
+    missing = recipe.training_arguments_missing()
+    if missing:
+        line += f"; no TrainingArguments for {', '.join(missing)}"
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def render_zoo(models: dict[str, str], default: str, console: Console) -> None:

@@ -1,0 +1,496 @@
+"""memfit inside transformers' Trainer and Lightning (tiny models from configs, CPU).
+
+Each run is trained twice from the same seed: once with memfit's one line (``fit_trainer``
+or a callback) and a budget below the step's unplanned peak, once by hand with the same
+plan applied with ``memfit.apply`` and the same batch / accumulation settings. Losses and
+parameters must be bitwise equal: memfit must not change what training computes (and
+drawing the batch it measures must not move the data order or dropout's RNG).
+
+The step peak within the budget is memfit's own measurement: the recorder's ledger of the
+Trainer's step (its model with the plan applied, its optimizer, its batches and
+accumulation), run for real.
+
+Lightning's BatchSizeFinder finds its batch by running steps until one raises CUDA's
+out-of-memory error. There is no such error on a CPU, so the limit is EMULATED: a callback
+raises ``RuntimeError("CUDA out of memory. ...")`` before a training batch whose step peak,
+measured by memfit's recorder on the real step with that very batch, is over the limit.
+memfit's finder predicts from fake tensors and runs no step for the search at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import runpy
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.measure.step import StepOptions
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared 2-core machine
+    OpenMP's waiting threads make every step (and memfit's timed probes) many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- import hygiene ---------------------------------------------------------------------
+
+
+def test_import_memfit_loads_no_framework():
+    code = (
+        "import sys, memfit, memfit.integrations\n"
+        "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_each_integration_imports_only_its_framework():
+    """What memfit's integration adds over importing the framework itself (Lightning may
+    load transformers on its own, when installed): nothing of the other framework."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    code = (
+        "import sys, transformers\n"
+        "import memfit.integrations.transformers\n"
+        "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules)\n"
+        "import lightning.pytorch\n"
+        "before = set(sys.modules)\n"
+        "import memfit.integrations.lightning\n"
+        "print(sorted(m for m in set(sys.modules) - before if not m.startswith('memfit')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["False False", "[]"]
+
+
+# -- transformers -----------------------------------------------------------------------
+
+SEQ, VOCAB, SAMPLES, BATCH = 32, 128, 32, 8
+
+
+def _gpt2(arch: str = "gpt2"):
+    """A small causal LM (GPT-2) or seq2seq model (T5) from a config, dropout on."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "t5":
+        config = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
+        return tf.T5ForConditionalGeneration(config)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, arch: str = "gpt2") -> None:
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+        self.arch = arch
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        # seq2seq: the target is the first half of the source (a short summary, say)
+        return {"input_ids": self.ids[i], "labels": self.ids[i, : SEQ // 2] if self.arch == "t5" else self.ids[i]}
+
+
+def _hf_trainer(tmp_path, model, *, batch=BATCH, accumulate=1, callbacks=None, arch="gpt2", **extra):
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # Trainer needs it
+    tf.logging.set_verbosity_error()
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulate,
+        max_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        **extra,
+    )
+    return tf.Trainer(model=model, args=args, train_dataset=_Tokens(arch), callbacks=callbacks)
+
+
+def _losses(trainer) -> list[float]:
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+@functools.cache
+def _hf_budget(arch: str = "gpt2") -> tuple[int, int]:
+    """60% of the way from the step's start to its unplanned peak: recompute or micro-batches needed."""
+    model = _gpt2(arch)
+    data = _Tokens(arch)
+    batch = {key: torch.stack([data[i][key] for i in range(BATCH)]) for key in ("input_ids", "labels")}
+    prof = memfit.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()))
+    return prof.start_bytes + (prof.peak_bytes - prof.start_bytes) * 6 // 10, prof.peak_bytes
+
+
+def _trainer_step_peak(trainer, plan) -> int:
+    """memfit's measurement of the run's step as the Trainer ran it: its model (plan
+    applied), its optimizer (state created), a step's batch in its micro-batches. Every
+    step of this run has the same shapes (fixed-length samples), so one stands for all."""
+    from memfit.integrations.transformers import _plain_optimizer
+
+    k = trainer.args.gradient_accumulation_steps
+    assert trainer.model.__dict__.get("_memfit_applied") or not (plan and plan.checkpointed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches = iter(trainer.get_train_dataloader().base_dataloader)
+        micro = [next(batches) for _ in range(k)]
+    batch = {key: torch.cat([m[key] for m in micro]) for key in micro[0]}
+    return memfit.profile(
+        trainer.model, batch, optimizer=_plain_optimizer(trainer.optimizer), step=StepOptions(micro_batches=k)
+    ).peak_bytes
+
+
+@pytest.mark.parametrize(("mode", "arch"), [("fit", "gpt2"), ("plan", "gpt2"), ("callback", "t5")])
+def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
+    """``fit``: fit_trainer before train() (micro-batches allowed); ``plan``: fit_trainer,
+    recompute only; ``callback``: MemfitCallback, which plans at on_train_begin, with
+    gradient_checkpointing=True, which the plan replaces."""
+    from memfit.integrations.transformers import MemfitCallback, fit_trainer
+
+    budget, none_peak = _hf_budget(arch)
+    said: list[str] = []
+    if mode in ("fit", "plan"):
+        trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), arch=arch)
+        callback = fit_trainer(trainer, budget, mode=mode, log=said.append)  # the one line
+    else:
+        callback = MemfitCallback(budget, log=said.append)
+        trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), callbacks=[callback], gradient_checkpointing=True, arch=arch)
+    trainer.train()
+    assert callback.predicted_peak_bytes <= budget < none_peak
+    assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= budget
+    assert any("predicted" in line and "measured" in line for line in said), said
+    batch, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    assert batch * k == BATCH  # the effective batch is unchanged
+    plan = callback.plan
+    if mode == "plan":  # applied before train(), which builds the dataloader after it
+        assert plan.checkpointed and k == 1
+    elif mode == "callback":
+        assert plan.checkpointed and k == 1
+        assert any("gradient_checkpointing=True" in line for line in said), said
+        # the plan's modules only, not transformers' every-layer checkpointing beside them
+        assert not trainer.args.gradient_checkpointing and not trainer.model.is_gradient_checkpointing
+    else:
+        recipe = callback.recipe
+        assert recipe.levers and ("microbatch" in recipe.levers) == (k > 1)
+        # what fit_trainer set is what the recipe says, also after a round trip through JSON
+        again = memfit.Recipe.from_json(recipe.to_json()).training_arguments()
+        assert again.get("per_device_train_batch_size", BATCH) == batch
+        assert again.get("gradient_accumulation_steps", 1) == k
+        assert recipe.training_arguments_missing() == []
+        # memfit fit's output says the same in the Trainer's terms
+        from rich.console import Console
+
+        from memfit.report.console import render_fit
+
+        console = Console(record=True, width=200)
+        render_fit(recipe, console)
+        line = next(row for row in console.export_text().splitlines() if row.startswith("in transformers' Trainer"))
+        if k > 1:
+            assert f"per_device_train_batch_size={batch}, gradient_accumulation_steps={k}" in line
+    assert _trainer_step_peak(trainer, plan) <= budget
+
+    by_hand = _gpt2(arch)
+    if plan is not None and plan.checkpointed:
+        memfit.apply(by_hand, plan)
+    reference = _hf_trainer(tmp_path / "b", by_hand, batch=batch, accumulate=k, arch=arch)
+    reference.train()
+    assert len(_losses(trainer)) == 3
+    assert _losses(trainer) == _losses(reference)
+    for p, q in zip(trainer.model.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q)
+
+
+# -- Lightning --------------------------------------------------------------------------
+
+WIDTH, TOKENS, ROWS = 64, 32, 256
+
+
+def _lightning():
+    return pytest.importorskip("lightning.pytorch", reason="lightning is not installed: pip install 'memfit[lightning]'")
+
+
+def _net(batch_size: int = 16, limit: int | None = None):
+    pl = _lightning()
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+            self.emulated = _EmulatedLimit(limit) if limit is not None else None
+            blocks = [
+                nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * WIDTH, WIDTH))
+                for _ in range(4)
+            ]
+            self.layers = nn.Sequential(*blocks)
+            self.head = nn.Linear(WIDTH, 10)
+            g = torch.Generator().manual_seed(3)
+            self.data = torch.utils.data.TensorDataset(
+                torch.randn(ROWS, TOKENS, WIDTH, generator=g), torch.randint(0, 10, (ROWS,), generator=g)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.head(self.layers(x).mean(1)), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            # a module hook, not a callback: Lightning's finder runs its trials without callbacks
+            if self.emulated is not None:
+                self.emulated(self, batch)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _pl_trainer(tmp_path, callbacks, max_steps=3, **extra):
+    pl = _lightning()
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks,
+        **extra,
+    )
+
+
+def _losses_callback():
+    pl = _lightning()
+
+    class Losses(pl.Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(outputs["loss"].item())
+
+    return Losses()
+
+
+def _step_peak(module, batch, optimizer) -> int:
+    from memfit.integrations.lightning import TrainingStep, training_loss
+
+    return memfit.profile(TrainingStep(module), (batch,), loss_fn=training_loss, optimizer=optimizer).peak_bytes
+
+
+@functools.cache
+def _pl_budget() -> tuple[int, int]:
+    net = _net()
+    x, y = net.data.tensors
+    opt = torch.optim.AdamW(net.parameters())
+    from memfit.integrations.lightning import TrainingStep, training_loss
+
+    prof = memfit.profile(TrainingStep(net), ((x[:16].clone(), y[:16].clone()),), loss_fn=training_loss, optimizer=opt)
+    return prof.start_bytes + (prof.peak_bytes - prof.start_bytes) * 6 // 10, prof.peak_bytes
+
+
+@pytest.mark.parametrize("mode", ["plan", pytest.param("fit", marks=pytest.mark.slow)])
+def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode):
+    from memfit.integrations.lightning import MemfitCallback, TrainingStep
+
+    warnings.filterwarnings("ignore", module="lightning")
+    budget, none_peak = _pl_budget()
+    said: list[str] = []
+    callback, losses = MemfitCallback(budget, mode=mode, log=said.append), _losses_callback()
+    net = _net()
+    torch.manual_seed(5)
+    trainer = _pl_trainer(tmp_path / "a", [callback, losses])
+    trainer.fit(net)
+    assert callback.predicted_peak_bytes <= budget < none_peak
+    assert callback.measured_peak_bytes <= budget
+    assert any("predicted" in line and "measured" in line for line in said), said
+    k = trainer.accumulate_grad_batches
+    assert net.batch_size * k == 16
+    plan = callback.plan
+    if mode == "plan":
+        assert plan.checkpointed and k == 1
+    # the step as Lightning ran it (plan applied, micro-batch of batch_size, accumulated k times): memfit's ledger
+    wrapper = TrainingStep(net)
+    if plan is not None and plan.checkpointed:
+        memfit.apply(wrapper, plan)
+    x, y = net.data.tensors
+    batch = (x[:16].clone(), y[:16].clone())
+    from memfit.integrations.lightning import training_loss
+
+    peak = memfit.profile(
+        wrapper, (batch,), loss_fn=training_loss, optimizer=trainer.optimizers[0], step=StepOptions(micro_batches=k)
+    ).peak_bytes
+    assert peak <= budget
+
+    by_hand = _net()
+    hand = TrainingStep(by_hand)
+    if plan is not None and plan.checkpointed:
+        memfit.apply(hand, plan)
+    by_hand.batch_size = net.batch_size
+    reference = _losses_callback()
+    torch.manual_seed(5)
+    _pl_trainer(tmp_path / "b", [reference], accumulate_grad_batches=k).fit(by_hand)
+    assert len(losses.values) == 3 * k
+    assert losses.values == reference.values
+    for p, q in zip(net.parameters(), by_hand.parameters()):
+        assert torch.equal(p, q)
+
+
+class _EmulatedLimit:
+    """Raises CUDA's out-of-memory error (the message Lightning's finder catches) before a
+    training batch whose real step, measured by memfit's recorder, peaks over ``limit``."""
+
+    peaks: dict[int, int] = {}  # batch size -> measured peak, shared by the runs (same model, same shapes)
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.tried: list[int] = []
+        self.refused: list[int] = []
+        self.ran: list[int] = []
+        self.measuring_s = 0.0
+        """Time spent measuring (not part of what Lightning's finder would take on a GPU)."""
+
+    def __call__(self, module, batch) -> None:
+        size = batch[0].shape[0]
+        self.tried.append(size)
+        if size not in self.peaks:
+            started = time.perf_counter()
+            self.peaks[size] = _step_peak(module, batch, module.trainer.optimizers[0])
+            self.measuring_s += time.perf_counter() - started
+        if self.peaks[size] > self.limit:
+            self.refused.append(size)
+            raise RuntimeError(f"CUDA out of memory. (emulated on CPU: the step of batch {size} peaks over the limit)")
+        self.ran.append(size)
+
+
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode):
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    from memfit.integrations.lightning import MemfitBatchSizeFinder
+
+    warnings.filterwarnings("ignore", module="lightning")
+    net = _net()
+    x, y = net.data.tensors
+    # a limit whose largest batch is not a power of two: the step at 45 (measured) fits, 46 does not
+    if 45 not in _EmulatedLimit.peaks:
+        _EmulatedLimit.peaks[45] = _step_peak(net, (x[:45].clone(), y[:45].clone()), torch.optim.AdamW(net.parameters(), lr=1e-3))
+    limit = _EmulatedLimit.peaks[45]
+
+    lightnings = _net(batch_size=2, limit=limit)
+    emulated = lightnings.emulated
+    finder = BatchSizeFinder(mode=mode, steps_per_trial=1, init_val=2, margin=0.0)
+    started = time.perf_counter()
+    _pl_trainer(tmp_path / "lightning", [finder], max_steps=1).fit(lightnings)
+    lightning_s = time.perf_counter() - started
+    assert emulated.refused  # the limit bit: Lightning's answer came from running out of memory
+
+    ours = _net(batch_size=2, limit=limit)
+    watch = ours.emulated
+    memfit_finder = MemfitBatchSizeFinder(limit, mode=mode, init_val=2, margin=0.0, log=lambda s: None)
+    _pl_trainer(tmp_path / "memfit", [memfit_finder], max_steps=1).fit(ours)
+    assert memfit_finder.limit.max_batch == 45
+    assert memfit_finder.optimal_batch_size == finder.optimal_batch_size == lightnings.batch_size == ours.batch_size
+    assert watch.refused == [] and watch.ran == [ours.batch_size]  # memfit ran no step that does not fit
+    print(
+        f"{mode}: batch {ours.batch_size}; Lightning's finder: {len(emulated.tried) - 1} trial steps at "
+        f"{len(set(emulated.tried[:-1]))} batch sizes, {len(emulated.refused)} out of memory (emulated), {lightning_s - emulated.measuring_s:.2f} s less the "
+        f"emulation's measuring; memfit's: {memfit_finder.limit.measurements} fake-tensor profiles, "
+        f"{memfit_finder.search_time_s:.2f} s, no trial step"
+    )
+
+
+def test_fit_trainer_refuses_what_it_cannot_set(tmp_path):
+    from memfit.integrations.transformers import fit_trainer
+
+    trainer = _hf_trainer(tmp_path, _gpt2())
+    with pytest.raises(memfit.PlanError, match="bf16=True"):
+        fit_trainer(trainer, "5MiB", allow="amp")
+    with pytest.raises(memfit.PlanError, match="mode"):
+        fit_trainer(trainer, "5MiB", mode="everything")
+    assert (
+        trainer.args.per_device_train_batch_size == BATCH
+        and trainer.callback_handler.callbacks[-1].__class__.__name__ != "MemfitCallback"
+    )
+
+
+def test_fit_exclude_names_only_levers_a_loop_can_lack():
+    model = nn.Linear(4, 4)
+    with pytest.raises(memfit.PlanError, match="'recompute'"):
+        memfit.fit(model, torch.randn(8, 4), 10**9, exclude={"recompute": "no"})
+
+
+def test_lightning_answer_follows_lightnings_rules():
+    pytest.importorskip("lightning")
+    from memfit.integrations.lightning import lightning_answer
+
+    assert lightning_answer(45, "power") == 32
+    assert lightning_answer(64, "power") == 64
+    assert lightning_answer(45, "binsearch", margin=0.0) == 45
+    assert lightning_answer(45, "binsearch") == 42  # int(45 * 0.95), as Lightning's margin
+    assert lightning_answer(1, "power", init_val=2) == 1
+    assert lightning_answer(10_000, "power", max_val=8192) == 8192
+    with pytest.raises(memfit.PlanError):
+        lightning_answer(4, "exhaustive")
+
+
+# -- the examples -----------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_example_hf_trainer(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    trainer = runpy.run_path(str(EXAMPLES / "hf_trainer.py"))["main"]()
+    assert len(_losses(trainer)) == 3
+    err = capsys.readouterr().err
+    assert "memfit: budget 5.00 MiB:" in err and "predicted" in err
+
+
+def test_example_lightning(capsys):
+    _lightning()
+    warnings.filterwarnings("ignore", module="lightning")
+    fitted, finder = runpy.run_path(str(EXAMPLES / "lightning_module.py"))["main"]()
+    assert fitted.predicted_peak_bytes <= fitted.plan.budget_bytes
+    from memfit.integrations.lightning import lightning_answer
+
+    assert finder.limit.max_batch > 2
+    assert finder.optimal_batch_size == lightning_answer(finder.limit.max_batch, "binsearch")  # less the 5% margin
+    assert finder.limit.peak_bytes <= 16 * 2**20
+
+
+def test_applied_plan_keeps_the_forwards_signature():
+    """transformers' Trainer keeps only the dataset columns its model's forward takes (read
+    from the signature): a plan applied before the dataloader is built must not hide them."""
+    import inspect
+
+    from memfit.apply.checkpoint import apply_choices
+
+    model = _gpt2()
+    before = list(inspect.signature(model.forward).parameters)
+    apply_choices(model, {"": ("full", ()), "transformer.h.0": ("full", ())}, [""])
+    assert list(inspect.signature(model.forward).parameters) == before
+    assert "input_ids" in before
+    memfit.remove(model)
