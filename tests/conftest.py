@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +172,17 @@ def assert_equivalent(
     memfit.apply(planned, plan)
     assert_bitwise(reference, train(planned, inputs, loss_fn, steps, **train_kwargs))
     return planned
+
+
+@pytest.fixture(scope="session")
+def shim_cache(tmp_path_factory) -> Path:
+    """A cache holding the built fake-CUDA shim (built once per session); the tests that use
+    it skip, saying why, where it cannot be built."""
+    from memfit.measure import _fake_cuda
+
+    cache = tmp_path_factory.mktemp("memfit-cache")
+    try:
+        _fake_cuda.build(cache=cache)
+    except _fake_cuda.FakeCudaError as exc:
+        pytest.skip(f"fake CUDA unavailable here: {exc}")
+    return cache

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import memfit
-from memfit.measure import _fake_cuda
 from memfit.measure.profile import Profile
 
 SRC = str(Path(memfit.__file__).resolve().parents[1])
@@ -33,15 +32,6 @@ GPT = [
     "block_size=128",
 ]
 
-
-@pytest.fixture(scope="session")
-def shim_cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.mktemp("memfit-cache")
-    try:
-        _fake_cuda.build(cache=cache)
-    except _fake_cuda.FakeCudaError as exc:
-        pytest.skip(f"fake CUDA unavailable here: {exc}")
-    return cache
 
 
 def _profile(cache: Path, tmp: Path, conf: str | None) -> subprocess.CompletedProcess:

@@ -21,16 +21,6 @@ from memfit.measure import _fake_cuda
 SRC = str(Path(memfit.__file__).resolve().parents[1])
 
 
-@pytest.fixture(scope="session")
-def shim_cache(tmp_path_factory) -> Path:
-    """A cache holding the built shim; the tests skip (saying why) where it cannot be built."""
-    cache = tmp_path_factory.mktemp("memfit-cache")
-    try:
-        _fake_cuda.build(cache=cache)
-    except _fake_cuda.FakeCudaError as exc:
-        pytest.skip(f"fake CUDA unavailable here: {exc}")
-    return cache
-
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC, **extra}
