@@ -30,7 +30,7 @@ from memfit.measure import gpu as gpus
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
-from memfit.measure.sandbox import Sandbox, fake_device, fake_sandbox, real_sandbox
+from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
@@ -491,13 +491,7 @@ def _profile(
     total = 2 if fake else 3
 
     with ExitStack() as stack:
-        if fake:
-            opened = fake_sandbox(
-                model, args, kwargs, optimizer, step=options, targets=targets, device=where if where == "cuda" else None
-            )
-        else:
-            opened = real_sandbox(model, args, kwargs, optimizer, step=options, targets=targets)
-        box = stack.enter_context(opened)
+        box = stack.enter_context(step_sandbox(where, model, args, kwargs, optimizer, step=options, targets=targets))
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
         if not box.optimizer.state or not (fake or warm):

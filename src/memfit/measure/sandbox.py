@@ -34,7 +34,7 @@ from memfit.measure import _fake_cuda, _optim8bit, _torch_compat
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
-__all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device"]
+__all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device", "step_sandbox"]
 
 
 @dataclass
@@ -295,6 +295,23 @@ def fake_device(fake: Any) -> str | None:
     raise WorkloadError(f"fake takes True (fake tensors on the model's device), 'cpu' or 'cuda' (fake CUDA), got {fake!r}")
 
 
+def step_sandbox(
+    where: str | None,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: StepOptions | None = None,
+    targets: Any = None,
+) -> Any:
+    """The sandbox for ``where`` (what :func:`fake_device` made of ``fake=``): real tensors
+    (None), fake ones on the model's device (``"same"``) or on fake CUDA (``"cuda"``)."""
+    if where is None:
+        return real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets)
+    return fake_sandbox(model, args, kwargs, optimizer, step=step, targets=targets, device="cuda" if where == "cuda" else None)
+
+
 @contextmanager
 def fake_sandbox(
     model: nn.Module,
@@ -314,22 +331,19 @@ def fake_sandbox(
     dtype = options.cast_dtype
     to = torch.device("cuda", 0) if device == "cuda" else None
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        ft = mode.from_tensor(t)
-        if to is not None:
-            with mode:
-                ft = ft.to(to)
-        if dtype is None or not t.is_floating_point():
-            return ft
-        with mode:
-            return ft.to(dtype)
-
     def fake_target(t: torch.Tensor) -> torch.Tensor:
         ft = mode.from_tensor(t)
         if to is None:
             return ft
         with mode:
             return ft.to(to)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        ft = fake_target(t)
+        if dtype is None or not t.is_floating_point():
+            return ft
+        with mode:
+            return ft.to(dtype)
 
     new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, fake, lambda t: _fake_state(mode, t))
     if to is not None:

@@ -273,7 +273,7 @@ class _Times:
         self.precision: dict[str, StepTimes] = {}
         self.optimizer: dict[tuple, float] = {}
         self.offload: StepTimes | None = None
-        self.overhead: dict[None, float] = {}
+        self.overhead_s: float | None = None
         """What selective recompute's dispatch mode adds per op (one figure for the host)."""
         self.fallback: DeviceRates | None = None
         self.probes = 0
@@ -569,10 +569,9 @@ class _Search:
     def overhead(self, combo: _Combo) -> float:
         """Seconds selective recompute's dispatch mode adds per op on this host, measured once
         (a per-op-call cost: the same under autocast or another dtype)."""
-        t = self.times
-        if None not in t.overhead:
-            t.overhead[None] = selective_overhead_s(self.device)
-        return t.overhead[None]
+        if self.times.overhead_s is None:
+            self.times.overhead_s = selective_overhead_s(self.device)
+        return self.times.overhead_s
 
     def plan(self, combo: _Combo) -> Plan | int:
         """A recompute plan for ``combo`` at the budget, or ``P_min`` when none fits."""

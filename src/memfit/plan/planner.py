@@ -29,7 +29,7 @@ from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompu
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
-from memfit.measure.sandbox import fake_device, fake_sandbox, real_sandbox
+from memfit.measure.sandbox import fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
@@ -85,14 +85,9 @@ class _Verifier:
         targets: Any = None,
     ) -> None:
         self._stack = ExitStack()
-        where = fake_device(fake)
-        if where is None:
-            opened = real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets)
-        else:
-            opened = fake_sandbox(
-                model, args, kwargs, optimizer, step=step, targets=targets, device=where if where == "cuda" else None
-            )
-        self.box = self._stack.enter_context(opened)
+        self.box = self._stack.enter_context(
+            step_sandbox(fake_device(fake), model, args, kwargs, optimizer, step=step, targets=targets)
+        )
         self.loss_fn = loss_fn
         self.runs = 0
 

@@ -142,6 +142,7 @@ class Problem:
             link_rows.append(row)
         self._links = np.array(link_rows) if link_rows else np.zeros((0, len(cols)))
         self._cost = np.array([(cost or _seconds)(o) for o in options] + [0.0] * len(self.pairs))
+        self._tie = self._tie_break()
 
     def _columns(self, chosen: list[Option]) -> np.ndarray:
         x = [1.0 if o in chosen else 0.0 for o in self.options]
@@ -181,7 +182,7 @@ class Problem:
             return Solution([], self.model_peak([]), 0.0) if self.model_peak([]) <= bound_bytes else None
         constraints = self._constraints(bound_bytes / _MiB)
         res = milp(
-            c=self._cost + self._tie_break(),
+            c=self._cost + self._tie,
             constraints=constraints,
             integrality=self._integrality(),
             bounds=Bounds(0, 1),
@@ -198,7 +199,7 @@ class Problem:
         # block keeping its matmuls) flip with them and each run prints another plan.
         simple = np.array([1.0 + (o.mode == "selective") for o in self.options] + [0.0] * len(self.pairs))
         res2 = milp(
-            c=simple + self._tie_break() / max(float(self._cost[:n].mean()), 1e-12),
+            c=simple + self._tie / max(float(self._cost[:n].mean()), 1e-12),
             constraints=[*constraints, LinearConstraint(self._cost[None, :], -np.inf, best * (1 + self.near))],
             integrality=self._integrality(),
             bounds=Bounds(0, 1),
