@@ -172,6 +172,22 @@ def test_sdpa_kernel_choice(dtype, mask, heads_kv, head_dim, kernel):
     assert _fake_cuda.sdpa_kernel(q, kv, kv, m, heads_kv != 8, (9, 0)) == kernel
 
 
+@pytest.mark.parametrize(
+    "argv, asked",
+    [
+        (["py", "-m", "memfit", "profile", "gpt", "--device", "fake-cuda"], True),
+        (["py", "-u", "-X", "dev", "-m", "memfit", "profile", "--device=fake-cuda"], True),
+        (["py", "-mmemfit", "plan", "--device", "fake-cuda"], True),
+        (["py", "/venv/bin/memfit", "profile", "--device", "fake-cuda"], True),
+        (["py", "-m", "other", "--device", "fake-cuda"], False),
+        (["py", "script.py", "--device", "fake-cuda"], False),
+        (["py", "-m", "memfit", "profile", "gpt"], False),
+    ],
+)
+def test_the_memfit_command_asking_for_fake_cuda_is_recognised(argv, asked):
+    assert _fake_cuda._is_fake_cuda_command(argv) is asked  # whatever options the interpreter got first
+
+
 def test_api_after_torch_was_imported_says_what_to_do():
     # this process imported torch without the shim: refused in one line, nothing run
     model = torch.nn.Linear(4, 4)

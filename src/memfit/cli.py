@@ -244,7 +244,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         from memfit.report.timeline import plan_timeline
 
         after = _applied_profile(work, model, inputs, plan, fake)
-        title = f"memfit plan {ns.target} --budget {ns.budget} on {plan.device}"
+        title = f"memfit plan {ns.target}, budget {label}, on {plan.device}"
         _write_pictures(ns, console, plan_timeline(before, after, plan, profile_candidates(before, plan.excluded), title))
     return 0
 
@@ -299,7 +299,7 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         after_model, after_inputs = (model, inputs) if after_work is work else _on_device(after_work, ns.device)
         before = _applied_profile(work, model, inputs, None, False, memfit.StepOptions(set_to_none=not ns.keep_grads))
         after = _applied_profile(after_work, after_model, after_inputs, recipe.plan, False, recipe.step)
-        title = f"memfit fit {ns.target} --budget {ns.budget} on {recipe.device}"
+        title = f"memfit fit {ns.target}, budget {label}, on {recipe.device}"
         _write_pictures(ns, console, recipe_timeline(before, after, recipe, title))
     return 0
 

@@ -208,11 +208,21 @@ def preload(argv: list[str] | None = None) -> None:
 
 def _is_fake_cuda_command(argv: list[str]) -> bool:
     """``memfit ... --device fake-cuda`` or ``python -m memfit ... --device=fake-cuda``."""
-    args = argv[1:]
-    if args[:2] == ["-m", "memfit"]:
-        args = args[2:]
-    elif args and os.path.basename(args[0]) == "memfit":
-        args = args[1:]
+    args, i = argv[1:], 0
+    # The interpreter's own options come first (`python -u -X dev -m memfit ...`).
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "-mmemfit"):
+            if a == "-m" and args[i + 1 : i + 2] != ["memfit"]:
+                return False
+            args = args[i + (2 if a == "-m" else 1) :]
+            break
+        if not a.startswith("-"):  # the script: the memfit command, or something else
+            if os.path.basename(a) != "memfit":
+                return False
+            args = args[i + 1 :]
+            break
+        i += 2 if a in ("-X", "-W") else 1
     else:
         return False
     return "--device=fake-cuda" in args or any(a == "--device" and b == "fake-cuda" for a, b in zip(args, args[1:]))

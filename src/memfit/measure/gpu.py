@@ -8,10 +8,10 @@ chosen here.
 
 :func:`device_fit` answers "does this step fit on that GPU, with how much to spare?":
 the capacity, minus what lives outside the caching allocator (the CUDA context: a stated
-estimate, :data:`CUDA_CONTEXT`), minus the step's predicted peak. The peak is the
-ledger's (tensor storages rounded to the allocator's 512 B blocks, cuBLAS workspaces
-included); once memfit models the caching allocator, its reserved peak (what runs out)
-takes that place: :attr:`DeviceFit.reserved_peak_bytes`.
+estimate, :data:`CUDA_CONTEXT`), minus the step's predicted peak: on CUDA the caching
+allocator's reserved peak (what runs out: :attr:`DeviceFit.reserved_peak_bytes`, from
+memfit's model of the allocator, :mod:`memfit.measure.allocator`), else the ledger's
+peak (tensor storages rounded to 512 B blocks, cuBLAS workspaces included).
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ class DeviceFit:
     gpu: GpuSpec | None = None
     """The GPU ``capacity_bytes`` is from; None for a capacity given as bytes."""
     allocated_peak_bytes: int | None = None
-    """The caching allocator's ``max_memory_allocated``, once memfit models the allocator."""
+    """The caching allocator's ``max_memory_allocated`` (on CUDA; None elsewhere)."""
     reserved_peak_bytes: int | None = None
-    """The caching allocator's ``max_memory_reserved`` (its segments: what runs out), once
-    memfit models the allocator; the answer is then against it instead of ``peak_bytes``."""
+    """The caching allocator's ``max_memory_reserved`` (its segments: what runs out), on
+    CUDA; where known, the answer is against it instead of ``peak_bytes``."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -246,7 +246,7 @@ def device_fit(
     notes = []
     if cuda and reserved_peak_bytes is None:
         notes.append(
-            "judged by the ledger's peak (allocated bytes); the caching allocator reserves more than it allocates "
-            "(fragmentation, whole segments), which is not modelled here yet"
+            "judged by the ledger's peak (allocated bytes): no reserved peak was given, and the caching allocator "
+            "reserves more than it allocates (fragmentation, whole segments)"
         )
     return DeviceFit(capacity_bytes, peak_bytes, outside, gpu, allocated_peak_bytes, reserved_peak_bytes, tuple(notes))
