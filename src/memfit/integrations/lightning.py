@@ -120,7 +120,8 @@ class MemfitCallback(pl.Callback):
     ``mode="plan"``: recompute only (:func:`memfit.plan`; ``fake=True`` plans on fake
     tensors). ``mode="fit"``: :func:`memfit.fit` weighs recompute and micro-batches (the
     latter as ``accumulate_grad_batches``, ``batch_arg_name`` divided alike). The plan is
-    removed again at ``on_fit_end``, leaving the module as it was given.
+    removed again at ``on_fit_end`` and the batch size and accumulation put back, leaving
+    the module and trainer as they were given.
     """
 
     def __init__(
@@ -150,6 +151,8 @@ class MemfitCallback(pl.Callback):
         """CUDA: ``torch.cuda.max_memory_allocated`` of each training batch."""
         self._wrapper: TrainingStep | None = None
         self._device: torch.device | None = None
+        self._undo: tuple[int, int] | None = None
+        """Fit mode with micro-batches: the batch size and accumulate_grad_batches to put back."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._device = pl_module.device
@@ -176,6 +179,7 @@ class MemfitCallback(pl.Callback):
             chose, base = recipe.summary(), recipe.base_peak_bytes
             k = recipe.step.micro_batches
             if k > 1:
+                self._undo = (size, trainer.accumulate_grad_batches)
                 lightning_setattr(pl_module, self.batch_arg_name, size // k)
                 trainer.fit_loop._combined_loader = None  # built from the new batch size
                 trainer.accumulate_grad_batches *= k
@@ -207,18 +211,27 @@ class MemfitCallback(pl.Callback):
         if self._wrapper is not None:
             remove(self._wrapper)
             self._wrapper = None
+        if self._undo is not None:  # the batch size and accumulation fit mode changed
+            size, accumulate = self._undo
+            lightning_setattr(pl_module, self.batch_arg_name, size)
+            trainer.accumulate_grad_batches = accumulate
+            self._undo = None
 
 
 def lightning_answer(largest: int, mode: str, init_val: int = 2, max_val: int = 8192, margin: float = 0.05) -> int:
     """What Lightning's ``BatchSizeFinder`` settles on when ``largest`` is the largest batch
-    whose step fits: ``"power"`` doubles from ``init_val`` while it fits (halving once when
-    even ``init_val`` does not), ``"binsearch"`` then bisects to ``largest`` and takes
-    ``margin`` off it; both stop at ``max_val``. (The finder also stops doubling at the
-    dataset's length, which this does not model.)"""
+    whose step fits: ``"power"`` doubles from ``init_val`` while it fits (halving until one
+    fits when even ``init_val`` does not), ``"binsearch"`` then bisects to ``largest`` and
+    takes ``margin`` off it; both stop at ``max_val``. Two differences, both on the safe
+    side: Lightning stops at ``max_val`` without trying it, and settles there even if it
+    does not fit, where this keeps to ``largest``; and the finder also stops doubling at
+    the dataset's length, which this does not model."""
     if mode not in ("power", "binsearch"):
         raise PlanError(f"mode is 'power' or 'binsearch' (as Lightning's BatchSizeFinder), got {mode!r}")
     if init_val > largest:
-        size = max(1, init_val // 2) if mode == "power" else max(1, largest)
+        size = init_val if mode == "power" else max(1, largest)
+        while mode == "power" and size > max(largest, 1):  # Lightning halves after each failure
+            size //= 2
     elif mode == "power":
         size = init_val
         while size < max_val and size * 2 <= largest:
