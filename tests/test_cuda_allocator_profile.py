@@ -33,7 +33,6 @@ GPT = [
 ]
 
 
-
 def _profile(cache: Path, tmp: Path, conf: str | None) -> subprocess.CompletedProcess:
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC}
     env.pop("MEMFIT_FAKE_CUDA", None)

@@ -21,7 +21,6 @@ from memfit.measure import _fake_cuda
 SRC = str(Path(memfit.__file__).resolve().parents[1])
 
 
-
 def _env(cache: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC, **extra}
     env.pop("MEMFIT_FAKE_CUDA", None)

@@ -412,9 +412,7 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     if profile.step.inference:
         console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
         if timed:
-            console.print(
-                f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})"
-            )
+            _step_time_line(profile, console)
         render_device_fit(profile, console)
         return
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
@@ -438,12 +436,14 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     _add_rows(console, mods, rows)
     console.print(mods)
     if timed:
-        console.print(
-            f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})"
-        )
+        _step_time_line(profile, console)
     else:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
     render_device_fit(profile, console)
+
+
+def _step_time_line(profile: Profile, console: Console) -> None:
+    console.print(f"step time {profile.step_time_s:.3f} s (the faster of two steps after warm-up, measured on {profile.device})")
 
 
 def render_device_fit(profile: Profile, console: Console) -> None:
