@@ -32,7 +32,7 @@ from memfit.apply import cache
 from memfit.errors import PlanError
 from memfit.measure import _torch_compat
 from memfit.measure.recorder import CHECKPOINTED
-from memfit.measure.scope import recompute_done
+from memfit.measure.scope import recompute_done, recompute_started
 from memfit.plan.stateful import call_state, changed
 
 __all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
@@ -91,6 +91,7 @@ class _BufferGuard:
     @contextlib.contextmanager
     def recompute(self, name: str) -> Iterator[None]:
         _last_recompute[0] = name
+        recompute_started(name)
         originals = [(m, k, m._buffers[k]) for m, k in self.mutated]
         for m, k, b in originals:
             m._buffers[k] = b.detach().clone()

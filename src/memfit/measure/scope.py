@@ -22,10 +22,17 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.measure.ledger import Phase
 
-__all__ = ["Scope", "Clock", "recompute_done"]
+__all__ = ["Scope", "Clock", "recompute_started", "recompute_done"]
 
 _ACTIVE: list[Scope] = []
 """Scopes entered and not yet left (a step runs under one; nested ones are rare)."""
+
+
+def recompute_started(name: str) -> None:
+    """Tell every active scope that checkpointed module ``name`` starts its recompute
+    (:mod:`memfit.apply.checkpoint` calls it)."""
+    for scope in _ACTIVE:
+        scope.recompute_started(name)
 
 
 def recompute_done() -> None:
@@ -89,6 +96,10 @@ class Scope:
         self.phase = Phase.START
         self.clock = clock
         self._forward: list[tuple[str, Any]] = []  # (name, start mark)
+        self._recompute: str | None = None
+        """The checkpointed module whose recompute runs now. torch's checkpoint replays the
+        module's bare forward, so its own hooks do not fire: without this, the ops of its
+        own body (a residual add, an inline activation) would count as backward's."""
         self._backward: list[tuple[str, Any]] = []
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
@@ -109,6 +120,8 @@ class Scope:
         recompute inside backward), else the deepest module whose backward is running."""
         if self._forward:
             return self._forward[-1][0]
+        if self._recompute is not None:
+            return self._recompute
         if self._backward and self.phase is Phase.BACKWARD:
             return max((n for n, _ in reversed(self._backward)), key=_depth)
         return None
@@ -116,7 +129,7 @@ class Scope:
     @property
     def recomputing(self) -> bool:
         """A module's forward runs during backward: a checkpointed module's recompute."""
-        return self.phase is Phase.BACKWARD and bool(self._forward)
+        return self.phase is Phase.BACKWARD and (self._recompute is not None or bool(self._forward))
 
     def set_phase(self, phase: Phase) -> None:
         if phase is Phase.FORWARD:
@@ -199,10 +212,15 @@ class Scope:
                 self._tell(Phase.BACKWARD, name, False)
                 break
 
+    def recompute_started(self, name: str) -> None:
+        if self.phase is Phase.BACKWARD:
+            self._recompute = name
+
     def recompute_done(self) -> None:
         """A checkpointed module's recompute ended. torch stops a recompute early by raising
         inside a forward, which leaves its modules' frames on the stack: they go, or the
         ticks after would count as the recompute's and be put in its modules."""
+        self._recompute = None
         if self.phase is Phase.BACKWARD:
             self._forward.clear()
 
