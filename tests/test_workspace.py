@@ -3,6 +3,10 @@ on real tensors, kept per kind of op, and taken by later steps (fake ones includ
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -56,6 +60,17 @@ def test_a_kernels_own_copy_is_in_the_ledger():
 
 
 def test_fake_profile_takes_the_measured_workspace_and_says_when_it_has_none():
+    # In a fresh process: the process-wide workspace table, and what other tests imported
+    # (after test_integrations' lightning, fake tensors dispatch prim.device and a fake
+    # ledger gains a tick: a known, not yet mended difference), must not decide it.
+    if os.environ.get("MEMFIT_TEST_IN_CHILD") != "1":
+        env = {**os.environ, "MEMFIT_TEST_IN_CHILD": "1"}
+        test = f"{__file__}::test_fake_profile_takes_the_measured_workspace_and_says_when_it_has_none"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout[-3000:]
+        return
     model, x = _workload()
     blind = memfit.profile(model, x, loss_fn=lambda out: out, fake=True)
     assert blind.ledger.unmeasured_ops > 0 and not _scratch(blind, "native_layer_norm")
