@@ -1,7 +1,7 @@
 """memfit against "checkpoint every block", "every other block" and torch.compile's memory
 budget, at the same memory, with step times measured.
 
-    python benchmarks/versus_blocks.py [--models gpt2,bert-base,llama,vit] [--rounds 5] [--compile 0.5]
+    python benchmarks/versus_blocks.py [--models gpt2,bert-base,llama,vit] [--rounds 5] [--compile 0.5] [--objectives time,flops]
 
 For each model: the hand-written plan's exact peak and recomputed FLOPs (a fake-tensor run
 with it applied), then memfit planned with that peak as its budget (its peak verified on the
@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt2,bert-base,llama,vit")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--objectives", default="time", help="memfit rows per objective: 'time', 'flops' or both ('time,flops')")
     parser.add_argument(
         "--compile", default="1.0,0.5", help="activation_memory_budget values for torch.compile rows ('' for none)"
     )
@@ -78,14 +79,27 @@ def main() -> None:
             )
             est = sum(times[n] or 0.0 for n in choices)
             rows.append((f"{label} ({len(choices)})", model, fake.peak_bytes, fake.step_flops - real.step_flops, est))
-            t0 = time.perf_counter()
-            plan = memfit.plan(work.model, work.inputs, fake.peak_bytes, loss_fn=work.loss_fn, optimizer=opt, profile=real)
-            planning = time.perf_counter() - t0
-            planned = copy.deepcopy(work.model)
-            memfit.apply(planned, plan)
-            n_full = sum(c.mode == "full" for c in plan.checkpointed.values())
-            desc = f"memfit at {label}'s peak ({n_full} full, {len(plan.checkpointed) - n_full} selective; planned in {planning:.1f} s)"
-            plans.append((desc, planned, plan.predicted_peak_bytes, plan.extra_flops, plan.extra_compute_s or 0.0))
+            for objective in ns.objectives.split(","):
+                t0 = time.perf_counter()
+                plan = memfit.plan(
+                    work.model,
+                    work.inputs,
+                    fake.peak_bytes,
+                    loss_fn=work.loss_fn,
+                    optimizer=opt,
+                    profile=real,
+                    objective=objective,
+                )
+                planning = time.perf_counter() - t0
+                planned = copy.deepcopy(work.model)
+                memfit.apply(planned, plan)
+                n_full = sum(c.mode == "full" for c in plan.checkpointed.values())
+                aim = "" if objective == "time" else f", least {objective}"
+                desc = (
+                    f"memfit at {label}'s peak{aim} ({n_full} full, {len(plan.checkpointed) - n_full} selective; "
+                    f"planned in {planning:.1f} s)"
+                )
+                plans.append((desc, planned, plan.predicted_peak_bytes, plan.extra_flops, plan.extra_compute_s or 0.0))
         rows += plans
         runs = [_step(m, work) for _, m, *_ in rows]
         for run in runs:
