@@ -376,31 +376,36 @@ def relive(snap: dict, device: int | None = None) -> Relived:
     live = _install(alloc, start, settings, empty_regions=True)
     start_alloc, start_res = alloc.allocated, alloc.reserved
     n_allocs = 0
-    try:
-        for e in trace:
-            act = e.get("action")
-            addr = int(e.get("addr", 0))
-            if act == "alloc":
-                live[addr] = alloc.place(addr, int(e["size"]), int(e.get("stream", 0)))
-                n_allocs += 1
-            elif act == "free_completed":
-                alloc.free(live.pop(addr))
-            elif act == "segment_alloc":
-                alloc.new_segment(addr, int(e["size"]), int(e.get("stream", 0)))
-            elif act == "segment_free":
-                alloc.release_segment(addr)
-            elif act == "segment_map":
-                alloc.map_at(addr, int(e["size"]), int(e.get("stream", 0)))
-            elif act == "segment_unmap":
-                alloc.unmap_at(addr, int(e["size"]), int(e.get("stream", 0)))
-    except (AllocatorConfigError, KeyError) as exc:
-        raise SnapshotError(f"the trace does not re-live consistently ({exc}): a trace memfit cannot follow") from None
+    for e in trace:
+        _relive_event(alloc, live, e)
+        n_allocs += e.get("action") == "alloc"
     mine = [s for s in snap["segments"] if int(s.get("device", 0)) == device]
     dumped = sum(int(s["total_size"]) for s in mine)
     dumped_alloc = sum(int(b["size"]) for s in mine for b in s.get("blocks", []) if b.get("state") in _STATES_ALLOCATED)
     return Relived(
         device, settings, alloc.stats(), len(trace), n_allocs, start_alloc, start_res, dumped, dumped_alloc, bool(trace)
     )
+
+
+def _relive_event(alloc: CachingAllocator, live: dict[int, Block], e: dict) -> None:
+    """One recorded event, at its recorded address."""
+    act = e.get("action")
+    addr = int(e.get("addr", 0))
+    try:
+        if act == "alloc":
+            live[addr] = alloc.place(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "free_completed":
+            alloc.free(live.pop(addr))
+        elif act == "segment_alloc":
+            alloc.new_segment(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "segment_free":
+            alloc.release_segment(addr)
+        elif act == "segment_map":
+            alloc.map_at(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "segment_unmap":
+            alloc.unmap_at(addr, int(e["size"]), int(e.get("stream", 0)))
+    except (AllocatorConfigError, KeyError) as exc:
+        raise SnapshotError(f"the trace does not re-live consistently ({exc}): a trace memfit cannot follow") from None
 
 
 # -- replaying the requests through the model -------------------------------------------------
@@ -607,3 +612,121 @@ def summarize(
 
 def _fields(s: AllocatorSettings) -> dict:
     return {k: getattr(s, k) for k in AllocatorSettings.__dataclass_fields__}
+
+
+# -- the recorded span event by event (for pictures) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBlock:
+    """One allocated block over the recorded span. Events index the trace."""
+
+    address: int
+    size: int
+    """As the allocator counts it (``memory_allocated``): the request rounded, or more."""
+    born: int
+    """The ``alloc`` event; -1 if alive when the trace began."""
+    died: int | None
+    """The ``free_completed`` event; ``None`` if alive at the dump."""
+    frames: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSegment:
+    """A segment (or an expandable segment's mapped range) over the recorded span."""
+
+    address: int
+    size: int
+    born: int
+    """The ``segment_alloc``/``segment_map`` event; -1 if held when the trace began."""
+    died: int | None
+    """The ``segment_free``/``segment_unmap`` event; ``None`` if held at the dump."""
+    small: bool
+    expandable: bool
+
+
+@dataclass(frozen=True)
+class TraceTimeline:
+    """The recorded span re-lived event by event: ``allocated[i]``/``reserved[i]`` are the
+    bytes in blocks and in segments right after event ``i`` (their maxima are :func:`relive`'s
+    peaks)."""
+
+    device: int
+    settings: AllocatorSettings
+    actions: list[str]
+    allocated: list[int]
+    reserved: list[int]
+    start_allocated_bytes: int
+    start_reserved_bytes: int
+    blocks: list[TraceBlock]
+    segments: list[TraceSegment]
+
+
+def trace_timeline(snap: dict, device: int | None = None) -> TraceTimeline:
+    """The trace re-lived as :func:`relive` does, keeping the state after every event, each
+    block's life and frames, and each segment's life. Without a trace: the dumped state, no events."""
+    device = trace_device(snap) if device is None else device
+    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
+    trace = _trace(snap, device)
+    start = _start_state(snap, device, trace)
+    alloc = CachingAllocator(settings)
+    live = _install(alloc, start, settings, empty_regions=True)
+    # the dump's frames belong to the blocks alive at its end: those alive throughout get them
+    dumped = {
+        int(b["address"]): _frames(b.get("frames")) or _any_frames(b.get("frames"))
+        for s in snap["segments"]
+        if int(s.get("device", 0)) == device
+        for b in s.get("blocks", [])
+        if b.get("state") in _STATES_ALLOCATED and "address" in b
+    }
+    blocks: list[list] = [[a, b.size, -1, None, dumped.get(a, ())] for a, b in sorted(live.items()) if b.allocated]
+    open_blocks = {rec[0]: k for k, rec in enumerate(blocks)}
+    segments: list[list] = [
+        [a, seg.size, -1, None, seg.small, seg.expandable] for a, seg in sorted(start.segments.items())
+    ]
+    open_segments = {rec[0]: k for k, rec in enumerate(segments)}
+    start_alloc, start_res = alloc.allocated, alloc.reserved
+    actions, allocated, reserved = [], [], []
+    for i, e in enumerate(trace):
+        _relive_event(alloc, live, e)
+        act, addr = str(e.get("action")), int(e.get("addr", 0))
+        if act == "alloc":
+            open_blocks[addr] = len(blocks)
+            blocks.append([addr, live[addr].size, i, None, _frames(e.get("frames")) or _any_frames(e.get("frames"))])
+        elif act == "free_completed":
+            k = open_blocks.pop(addr, None)
+            if k is not None:
+                blocks[k][3] = i
+        elif act in ("segment_alloc", "segment_map"):
+            size = int(e["size"])
+            open_segments[addr] = len(segments)
+            small = size == SMALL_BUFFER if act == "segment_alloc" else size % LARGE_BUFFER != 0
+            segments.append([addr, size, i, None, small, act == "segment_map"])
+        elif act in ("segment_free", "segment_unmap"):
+            k = open_segments.pop(addr, None)
+            if k is not None:
+                segments[k][3] = i
+        actions.append(act)
+        allocated.append(alloc.allocated)
+        reserved.append(alloc.reserved)
+    return TraceTimeline(
+        device,
+        settings,
+        actions,
+        allocated,
+        reserved,
+        start_alloc,
+        start_res,
+        # a block alive at the start and freed later: its address's frames in the dump are another block's
+        [TraceBlock(a, n, b, d, f if b >= 0 or d is None else ()) for a, n, b, d, f in blocks],
+        [TraceSegment(*rec) for rec in segments],
+    )
+
+
+def _any_frames(frames: list[dict] | None, limit: int = 3) -> tuple[str, ...]:
+    """The innermost frames where no frame is the user's own: torch's Python frames if any,
+    else the C++ ones that name a file (``??`` frames are the unwinder's own)."""
+    frames = frames or []
+    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    named = py or [f for f in frames if f.get("filename") and f.get("filename") != "??"]
+    return tuple(f"{f.get('filename', '')}:{f.get('line', 0)} {f.get('name', '')}" for f in named[:limit])
