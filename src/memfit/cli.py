@@ -599,7 +599,9 @@ def _parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH.png", help="write a PNG of allocated and reserved over the trace's events, segments below"
     )
     p.add_argument(
-        "--html", metavar="PATH.html", help="write the same as one self-contained page (hover: a block's frames; the peak's blocks)"
+        "--html",
+        metavar="PATH.html",
+        help="write the same as one self-contained page (hover: a block's frames; the peak's blocks)",
     )
     p.set_defaults(func=_cmd_snapshot)
 

@@ -681,9 +681,7 @@ def trace_timeline(snap: dict, device: int | None = None) -> TraceTimeline:
     }
     blocks: list[list] = [[a, b.size, -1, None, dumped.get(a, ())] for a, b in sorted(live.items()) if b.allocated]
     open_blocks = {rec[0]: k for k, rec in enumerate(blocks)}
-    segments: list[list] = [
-        [a, seg.size, -1, None, seg.small, seg.expandable] for a, seg in sorted(start.segments.items())
-    ]
+    segments: list[list] = [[a, seg.size, -1, None, seg.small, seg.expandable] for a, seg in sorted(start.segments.items())]
     open_segments = {rec[0]: k for k, rec in enumerate(segments)}
     start_alloc, start_res = alloc.allocated, alloc.reserved
     actions, allocated, reserved = [], [], []

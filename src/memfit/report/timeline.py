@@ -419,9 +419,9 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
         )
         for b in sorted(big, key=lambda b: (b.born, b.address))
     ]
-    marks = [
-        (g.born, g.size, 1) for g in tt.segments if g.born >= 0
-    ] + [(g.died, g.size, -1) for g in tt.segments if g.died is not None]
+    marks = [(g.born, g.size, 1) for g in tt.segments if g.born >= 0] + [
+        (g.died, g.size, -1) for g in tt.segments if g.died is not None
+    ]
     return Track(
         label=label,
         ticks=n,
@@ -433,7 +433,8 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
         peak_tick=peak_tick,
         peak_bytes=peak_bytes,
         peak_op=tt.actions[peak_tick] if peak_tick != START_TICK else "",
-        peak_module=_frames_text(at_peak_blocks[0].frames) if at_peak_blocks else None,
+        # the largest block at the peak that says where it was made (those alive at the start often do not)
+        peak_module=next((_frames_text(b.frames) for b in at_peak_blocks if b.frames), None),
         phases=[],
         lane=[],
         recompute=[],
@@ -453,9 +454,11 @@ def _peak_words(t: Track) -> str:
     if t.kind == "trace":
         if t.peak_tick == START_TICK:
             return f"allocated peak {format_bytes(t.peak_bytes)} when the trace began{lines}"
-        first = (t.peak_module or "").split("\n")[0]
-        first = "/".join(first.split("/")[-2:])  # the file and its folder: the title stays one line
-        return f"allocated peak {format_bytes(t.peak_bytes)} at event {t.peak_tick}{lines}; largest block then from {first}"
+        words = f"allocated peak {format_bytes(t.peak_bytes)} at event {t.peak_tick}{lines}"
+        if t.peak_module:
+            first = "/".join(t.peak_module.split("\n")[0].split("/")[-2:])  # the file and its folder: one line
+            words += f"; largest block then with frames from {first}"
+        return words
     return _step_peak_words(t) + lines
 
 
@@ -575,7 +578,9 @@ def _trace_lane(lane, t: Track) -> None:
     """Segments made (cudaMalloc, an expandable segment mapped) above, released below, each a
     mark as tall as its share of the largest."""
     if not t.marks:
-        lane.text(t.ticks / 2, 1, "no segment made or released during the trace", fontsize=7, ha="center", va="center", color="#555")
+        lane.text(
+            t.ticks / 2, 1, "no segment made or released during the trace", fontsize=7, ha="center", va="center", color="#555"
+        )
     big = max((b for _, b, _ in t.marks), default=1)
     for sign, y, color in ((1, 1.05, _LINE_STYLES["reserved"][0]), (-1, 0.05, "#999999")):
         ev = [(e, b) for e, b, s in t.marks if s == sign]
@@ -791,7 +796,7 @@ def timeline_html(tl: Timeline) -> str:
         trace = t.kind == "trace"
         rows = "".join(
             f"<tr><td>{format_bytes(b)}</td><td>{html.escape(c.value)}</td>"
-            f"<td>{html.escape(m or '') .replace(chr(10), '<br>') if trace else html.escape(_where(m))}</td>"
+            f"<td>{html.escape(m or '').replace(chr(10), '<br>') if trace else html.escape(_where(m))}</td>"
             f"<td>{html.escape(bw)}</td><td>{html.escape(fw)}</td></tr>"
             for b, c, m, bw, fw in t.at_peak
         )
