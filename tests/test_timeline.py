@@ -291,6 +291,10 @@ def test_fake_cuda_profile_draws_allocated_and_reserved(shim_cache, tmp_path):
     assert data["reserved_peak_bytes"] > data["allocated_peak_bytes"] >= data["peak_bytes"]
     (_, allocated), (_, reserved) = t.lines
     assert all(c <= a <= r for c, a, r in zip(t.total, allocated, reserved))
+    # measured on a real GPU: the lines are still the model's (torch reports peaks only), and the note says both
+    data["cuda_memory"].update(source="torch.cuda.max_memory_allocated/reserved", allocated_peak_bytes=123 << 20)
+    notes = profile_timeline(Profile.from_dict(data), "x").notes
+    assert any("caching allocator model" in n and "measured on the GPU" in n and "123 MiB allocated" in n for n in notes), notes
 
 
 @pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (.ci/run installs Debian's where apt works)")
