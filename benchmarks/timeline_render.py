@@ -196,16 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     png = timeline_png(Timeline(what, [track]))
     t3 = time.perf_counter()
     exact = track.peak_bytes == ledger.peak_bytes and max(track.total) == ledger.peak_bytes
+    head = "| ledger | ticks | blocks | aggregate | page | page size | PNG | PNG size | peak exact |"
+    row = [what, len(ledger.ticks), len(ledger.blocks), t1 - t0, t2 - t1]
+    return _report(ns, "timeline", head, row, page, png, t3 - t2, exact)
+
+
+def _report(ns, name: str, head: str, row: list, page: str, png: bytes, png_s: float, exact: bool) -> int:
+    """Keep the pictures if asked; print the table's row."""
     if ns.out:
         Path(ns.out).mkdir(parents=True, exist_ok=True)
-        (Path(ns.out) / "timeline.png").write_bytes(png)
-        (Path(ns.out) / "timeline.html").write_text(page)
-    print(
-        "| ledger | ticks | blocks | aggregate | page | page size | PNG | PNG size | peak exact |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
-        f"| {what} | {len(ledger.ticks)} | {len(ledger.blocks)} | {t1 - t0:.2f} s | {t2 - t1:.2f} s | "
-        f"{len(page.encode()) / 1e6:.2f} MB | {t3 - t2:.2f} s | {len(png) / 1e3:.0f} kB | {exact} |"
-    )
+        (Path(ns.out) / f"{name}.png").write_bytes(png)
+        (Path(ns.out) / f"{name}.html").write_text(page)
+    cells = [f"{v:.2f} s" if isinstance(v, float) else str(v) for v in row]
+    cells += [f"{len(page.encode()) / 1e6:.2f} MB", f"{png_s:.2f} s", f"{len(png) / 1e3:.0f} kB", str(exact)]
+    print(head + "\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n| " + " | ".join(cells) + " |")
     return 0 if exact else 1
 
 
@@ -225,17 +229,10 @@ def _snapshot(ns: argparse.Namespace) -> int:
     rec = relive(snap).stats
     track = tl.tracks[0]
     exact = track.peak_bytes == rec.allocated_peak_bytes and track.line_peaks[0][1] == rec.reserved_peak_bytes
-    if ns.out:
-        Path(ns.out).mkdir(parents=True, exist_ok=True)
-        (Path(ns.out) / "snapshot.png").write_bytes(png)
-        (Path(ns.out) / "snapshot.html").write_text(page)
-    print(
-        "| trace | events | blocks | re-live | aggregate + page | page size | PNG | PNG size | peaks exact |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
-        f"| synthetic | {len(tt.actions)} | {len(tt.blocks)} | {t1 - t0:.2f} s | {t2 - t1:.2f} s | "
-        f"{len(page.encode()) / 1e6:.2f} MB | {t3 - t2:.2f} s | {len(png) / 1e3:.0f} kB | {exact} |"
+    head = "| trace | events | blocks | re-live | aggregate + page | page size | PNG | PNG size | peaks exact |"
+    return _report(
+        ns, "snapshot", head, ["synthetic", len(tt.actions), len(tt.blocks), t1 - t0, t2 - t1], page, png, t3 - t2, exact
     )
-    return 0 if exact else 1
 
 
 if __name__ == "__main__":

@@ -197,13 +197,18 @@ def test_page_runs_in_a_headless_browser_and_shows_the_chart(tmp_path):
     dom = _browse(page.as_uri() + "#hover=0,0.35,0.3", tmp_path, "--dump-dom").stdout
     tip = re.search(r'<div id="tip"[^>]*>(.*?)</div>', dom).group(1)
     assert "block " in tip and "activations" in tip and "born: tick" in tip and "freed: tick" in tip, tip
+    # the chart's colours are on screen: parameters (#4e79a7) and activations (#e15759)
+    _assert_on_screen(page, tmp_path, (0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59))
+
+
+def _assert_on_screen(page: Path, tmp_path: Path, *colors: tuple[int, int, int]) -> None:
+    """A screenshot of ``page`` shows each colour over 2,000 pixels or more."""
     shot = tmp_path / "shot.png"
     _browse(page.as_uri(), tmp_path, f"--screenshot={shot}")
     from PIL import Image
 
     img = np.asarray(Image.open(io.BytesIO(shot.read_bytes())).convert("RGB")).astype(int)
-    # the chart's colours are on screen: parameters (#4e79a7) and activations (#e15759)
-    for rgb in ((0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59)):
+    for rgb in colors:
         assert (np.abs(img - rgb).sum(axis=2) < 12).sum() > 2_000, rgb
 
 
@@ -313,11 +318,5 @@ def test_snapshot_page_runs_in_a_headless_browser_and_hovers_a_blocks_frames(tmp
     # a pixel is about three events here: the pointer lands on the peak's pixel, not always its event
     assert abs(int(re.search(r"<b>event (\d+)</b>", tip).group(1)) - t.peak_tick) <= 4, tip
     assert "reserved: " in tip and "allocated at:" in tip and "/proj/model.py:" in tip and "born: event" in tip, tip
-    shot = tmp_path / "shot.png"
-    _browse(page.as_uri(), tmp_path, f"--screenshot={shot}")
-    from PIL import Image
-
-    img = np.asarray(Image.open(io.BytesIO(shot.read_bytes())).convert("RGB")).astype(int)
     # both layers are on screen: alive at the start (#4e79a7), allocated during the trace (#e15759)
-    for rgb in ((0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59)):
-        assert (np.abs(img - rgb).sum(axis=2) < 12).sum() > 2_000, rgb
+    _assert_on_screen(page, tmp_path, (0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59))

@@ -368,12 +368,7 @@ class Relived:
 def relive(snap: dict, device: int | None = None) -> Relived:
     """Peaks over the recorded span (the state it starts with included), from the recorded
     addresses and the allocator's split rule. Without a trace: the dumped state alone."""
-    device = trace_device(snap) if device is None else device
-    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
-    trace = _trace(snap, device)
-    start = _start_state(snap, device, trace)
-    alloc = CachingAllocator(settings)
-    live = _install(alloc, start, settings, empty_regions=True)
+    device, settings, trace, start, alloc, live = _relive_start(snap, device)
     start_alloc, start_res = alloc.allocated, alloc.reserved
     n_allocs = 0
     for e in trace:
@@ -385,6 +380,18 @@ def relive(snap: dict, device: int | None = None) -> Relived:
     return Relived(
         device, settings, alloc.stats(), len(trace), n_allocs, start_alloc, start_res, dumped, dumped_alloc, bool(trace)
     )
+
+
+def _relive_start(snap: dict, device: int | None):
+    """The device, its recorded settings and trace, the state the trace began with, and an
+    allocator holding that state with its live blocks by address: where re-living starts."""
+    device = trace_device(snap) if device is None else device
+    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
+    trace = _trace(snap, device)
+    start = _start_state(snap, device, trace)
+    alloc = CachingAllocator(settings)
+    live = _install(alloc, start, settings, empty_regions=True)
+    return device, settings, trace, start, alloc, live
 
 
 def _relive_event(alloc: CachingAllocator, live: dict[int, Block], e: dict) -> None:
@@ -665,12 +672,7 @@ class TraceTimeline:
 def trace_timeline(snap: dict, device: int | None = None) -> TraceTimeline:
     """The trace re-lived as :func:`relive` does, keeping the state after every event, each
     block's life and frames, and each segment's life. Without a trace: the dumped state, no events."""
-    device = trace_device(snap) if device is None else device
-    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
-    trace = _trace(snap, device)
-    start = _start_state(snap, device, trace)
-    alloc = CachingAllocator(settings)
-    live = _install(alloc, start, settings, empty_regions=True)
+    device, settings, trace, start, alloc, live = _relive_start(snap, device)
     # the dump's frames belong to the blocks alive at its end: those alive throughout get them
     dumped = {
         int(b["address"]): _frames(b.get("frames")) or _any_frames(b.get("frames"))
