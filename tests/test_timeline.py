@@ -30,6 +30,7 @@ from memfit.measure.snapshot import relive, trace_timeline
 from memfit.report.timeline import (
     COLUMNS,
     Timeline,
+    _peak_words,
     build_track,
     profile_timeline,
     snapshot_timeline,
@@ -320,3 +321,33 @@ def test_snapshot_page_runs_in_a_headless_browser_and_hovers_a_blocks_frames(tmp
     assert "reserved: " in tip and "allocated at:" in tip and "/proj/model.py:" in tip and "born: event" in tip, tip
     # both layers are on screen: alive at the start (#4e79a7), allocated during the trace (#e15759)
     _assert_on_screen(page, tmp_path, (0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59))
+
+
+def test_an_expandable_segments_trace_draws_its_pages_as_segments_made():
+    """expandable_segments:True: each 20 MiB page mapped is a segment made in the lane, and reserved grows page by page."""
+    MiB, E = 1 << 20, 0x7100_0000_0000
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    trace = [
+        ev("segment_map", E, 20 * MiB),
+        ev("alloc", E, 16 * MiB),
+        ev("segment_map", E + 20 * MiB, 20 * MiB),
+        ev("alloc", E + 16 * MiB, 16 * MiB),
+        ev("free_requested", E, 16 * MiB),
+        ev("free_completed", E, 16 * MiB),
+    ]
+    blocks = [(E, 16 * MiB, "inactive"), (E + 16 * MiB, 16 * MiB, "active_allocated"), (E + 32 * MiB, 8 * MiB, "inactive")]
+    segment = {"device": 0, "address": E, "total_size": 40 * MiB, "stream": 0, "segment_type": "large", "is_expandable": True}
+    segment["blocks"] = [{"address": a, "size": n, "requested_size": n, "state": st} for a, n, st in blocks]
+    snap = {"segments": [segment], "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}
+    tt = trace_timeline(snap)
+    assert tt.reserved == [20 * MiB, 20 * MiB, 40 * MiB, 40 * MiB, 40 * MiB, 40 * MiB]
+    assert tt.allocated == [0, 16 * MiB, 16 * MiB, 32 * MiB, 32 * MiB, 16 * MiB]
+    assert [(g.born, g.size, g.expandable) for g in tt.segments] == [(0, 20 * MiB, True), (2, 20 * MiB, True)]
+    t = trace_track(tt, "GPU 0")
+    assert t.marks == [(0, 20 * MiB, 1), (2, 20 * MiB, 1)] and (t.peak_tick, t.peak_bytes) == (3, 32 * MiB)
+    assert (
+        "expandable" in t.segments_at_peak[0][2] and "at event 3" in _peak_words(t) and "reserved peak 40.0 MiB" in _peak_words(t)
+    )
