@@ -725,8 +725,20 @@ def trace_timeline(snap: dict, device: int | None = None) -> TraceTimeline:
 
 def _any_frames(frames: list[dict] | None, limit: int = 3) -> tuple[str, ...]:
     """The innermost frames where no frame is the user's own: torch's Python frames if any,
-    else the C++ ones that name a file (``??`` frames are the unwinder's own)."""
+    else the C++ ones below the allocator's own (the unwinder, ``CUDACachingAllocator``) that
+    name a file: the op that asked (``ReduceOps.cpp ... max_kernel_impl``)."""
     frames = frames or []
     py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    if not py:
+        inner = [
+            k
+            for k, f in enumerate(frames)
+            if any(w in str(f.get("name", "")) + str(f.get("filename", "")) for w in _ALLOCATOR_FRAMES)
+        ]
+        frames = frames[inner[-1] + 1 :] if inner else frames
     named = py or [f for f in frames if f.get("filename") and f.get("filename") != "??"]
-    return tuple(f"{f.get('filename', '')}:{f.get('line', 0)} {f.get('name', '')}" for f in named[:limit])
+    return tuple(f"{f.get('filename', '')}:{f.get('line', 0)} {str(f.get('name', ''))[:160]}" for f in named[:limit])
+
+
+_ALLOCATOR_FRAMES = ("CachingAllocator", "CapturedTraceback", "unwind", "memory_snapshot.cpp")
+"""Words naming the frames a C++ stack starts with inside the allocator and its recorder."""

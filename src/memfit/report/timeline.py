@@ -457,6 +457,7 @@ def _peak_words(t: Track) -> str:
         words = f"allocated peak {format_bytes(t.peak_bytes)} at event {t.peak_tick}{lines}"
         if t.peak_module:
             first = "/".join(t.peak_module.split("\n")[0].split("/")[-2:])  # the file and its folder: one line
+            first = first if len(first) <= 60 else first[:59] + "…"
             words += f"; largest block then with frames from {first}"
         return words
     return _step_peak_words(t) + lines
