@@ -46,6 +46,10 @@ __all__ = [
     "replay_trace",
     "largest_allocations",
     "trace_device",
+    "trace_timeline",
+    "TraceTimeline",
+    "TraceBlock",
+    "TraceSegment",
 ]
 
 

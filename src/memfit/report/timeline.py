@@ -342,6 +342,7 @@ def build_track(
     )
 
 
+_DUMPED = "the dumped state (no trace)"
 _TRACE_LAYERS = (Layer("alive when the trace began", "#4e79a7"), Layer("allocated during the trace", "#e15759"))
 
 
@@ -352,8 +353,12 @@ def _frames_text(frames: Sequence[str]) -> str:
 def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Track:
     """A GPU trace re-lived (:func:`memfit.measure.snapshot.trace_timeline`) aggregated like a
     ledger: its blocks stacked (those alive when the trace began at the bottom), reserved as a
-    line, the allocated peak exact, the segments made and released along the axis."""
-    n = len(tt.actions)
+    line, the allocated peak exact, the segments made and released along the axis. Without a
+    trace, the dumped state is drawn as one column."""
+    actions, reserved = tt.actions, tt.reserved
+    if not actions:
+        actions, reserved = [_DUMPED], [tt.start_reserved_bytes]
+    n = len(actions)
     nb = len(tt.blocks)
     size = np.fromiter((b.size for b in tt.blocks), np.int64, nb)
     born = np.fromiter((START_TICK if b.born < 0 else b.born for b in tt.blocks), np.int64, nb)
@@ -432,17 +437,17 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
         start_bytes=start_bytes,
         peak_tick=peak_tick,
         peak_bytes=peak_bytes,
-        peak_op=tt.actions[peak_tick] if peak_tick != START_TICK else "",
+        peak_op=actions[peak_tick] if peak_tick != START_TICK else actions[0] if not tt.actions else "",
         # the largest block at the peak that says where it was made (those alive at the start often do not)
         peak_module=next((_frames_text(b.frames) for b in at_peak_blocks if b.frames), None),
         phases=[],
         lane=[],
         recompute=[],
-        col_context=[(Phase.START, None, tt.actions[r]) for r in rep],
+        col_context=[(Phase.START, None, actions[r]) for r in rep],
         blocks=hover,
         at_peak=at_peak,
-        lines=[("reserved", _envelope(tt.reserved, edges))],
-        line_peaks=[("reserved", max([tt.start_reserved_bytes, *tt.reserved]))],
+        lines=[("reserved", _envelope(reserved, edges))],
+        line_peaks=[("reserved", max([tt.start_reserved_bytes, *reserved]))],
         kind="trace",
         marks=sorted(marks),
         segments_at_peak=seg_rows,
@@ -452,6 +457,8 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
 def _peak_words(t: Track) -> str:
     lines = "".join(f"; {name} peak {format_bytes(b)}" for name, b in t.line_peaks)
     if t.kind == "trace":
+        if t.peak_op == _DUMPED:
+            return f"allocated {format_bytes(t.peak_bytes)} in {_DUMPED}{lines.replace(' peak', '')}"
         if t.peak_tick == START_TICK:
             return f"allocated peak {format_bytes(t.peak_bytes)} when the trace began{lines}"
         words = f"allocated peak {format_bytes(t.peak_bytes)} at event {t.peak_tick}{lines}"
@@ -588,7 +595,11 @@ def _trace_lane(lane, t: Track) -> None:
         if ev:
             lane.vlines([e + 0.5 for e, _ in ev], y, [y + 0.1 + 0.8 * b / big for _, b in ev], color=color, linewidth=1)
     lane.set_yticks([0.5, 1.5], ["released", "made"], fontsize=7)
-    lane.set_xlabel("event in the trace (alloc, free, segment made or released); lane: segments", fontsize=8)
+    if t.peak_op == _DUMPED:
+        lane.set_xticks([])
+        lane.set_xlabel("no trace (recorded without torch.cuda.memory._record_memory_history): the dumped state", fontsize=8)
+    else:
+        lane.set_xlabel("event in the trace (alloc, free, segment made or released); lane: segments", fontsize=8)
 
 
 # -- HTML -----------------------------------------------------------------------------------
