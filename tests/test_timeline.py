@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
+import os
+import pickle
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,18 +23,35 @@ from torch import nn
 
 import memfit
 from memfit.cli import main
+from memfit.measure.allocator import ledger_series, replay_ledger
 from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Span, Tick
-from memfit.report.timeline import COLUMNS, Timeline, build_track, timeline_html, timeline_png
+from memfit.measure.profile import Profile
+from memfit.measure.snapshot import relive, trace_timeline
+from memfit.report.timeline import (
+    COLUMNS,
+    Timeline,
+    _peak_words,
+    build_track,
+    profile_timeline,
+    snapshot_timeline,
+    timeline_html,
+    timeline_png,
+    trace_track,
+)
 
 F, B, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline_render.py"
 
 
-def _synthetic(ticks: int) -> Ledger:
+def _bench():
     spec = importlib.util.spec_from_file_location("timeline_render", _BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.synthetic_ledger(ticks)
+    return mod
+
+
+def _synthetic(ticks: int) -> Ledger:
+    return _bench().synthetic_ledger(ticks)
 
 
 def _small_ledger() -> Ledger:
@@ -177,11 +198,157 @@ def test_page_runs_in_a_headless_browser_and_shows_the_chart(tmp_path):
     dom = _browse(page.as_uri() + "#hover=0,0.35,0.3", tmp_path, "--dump-dom").stdout
     tip = re.search(r'<div id="tip"[^>]*>(.*?)</div>', dom).group(1)
     assert "block " in tip and "activations" in tip and "born: tick" in tip and "freed: tick" in tip, tip
+    # the chart's colours are on screen: parameters (#4e79a7) and activations (#e15759)
+    _assert_on_screen(page, tmp_path, (0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59))
+
+
+def _assert_on_screen(page: Path, tmp_path: Path, *colors: tuple[int, int, int]) -> None:
+    """A screenshot of ``page`` shows each colour over 2,000 pixels or more."""
     shot = tmp_path / "shot.png"
     _browse(page.as_uri(), tmp_path, f"--screenshot={shot}")
     from PIL import Image
 
     img = np.asarray(Image.open(io.BytesIO(shot.read_bytes())).convert("RGB")).astype(int)
-    # the chart's colours are on screen: parameters (#4e79a7) and activations (#e15759)
-    for rgb in ((0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59)):
+    for rgb in colors:
         assert (np.abs(img - rgb).sum(axis=2) < 12).sum() > 2_000, rgb
+
+
+# -- CUDA: allocated and reserved over the ticks; a GPU's own trace -------------------------------
+
+
+def test_allocator_series_over_ticks_reaches_the_replay_peaks_and_the_aggregated_lines_keep_them():
+    ledger = _synthetic(3000)
+    series = ledger_series(ledger)
+    stats = replay_ledger(ledger)
+    n = len(ledger.ticks)
+    assert len(series.allocated) == len(series.reserved) == n
+    assert max([series.start_allocated_bytes, *series.allocated]) == stats.allocated_peak_bytes
+    assert max([series.start_reserved_bytes, *series.reserved]) == stats.reserved_peak_bytes
+    # blocks are tensors rounded up, segments hold blocks: exact bytes <= allocated <= reserved at every tick
+    assert all(c <= a <= r for c, a, r in zip(ledger.curve(), series.allocated, series.reserved))
+    assert series.allocated[-1] == stats.allocated_bytes and series.reserved[-1] == stats.reserved_bytes
+    lines = [
+        ("allocated", series.allocated, stats.allocated_peak_bytes),
+        ("reserved", series.reserved, stats.reserved_peak_bytes),
+    ]
+    t = build_track(ledger, "step", columns=100, lines=lines)
+    assert [name for name, _ in t.lines] == ["allocated", "reserved"] and len(t.lines[1][1]) == 100
+    assert max(t.lines[0][1]) == stats.allocated_peak_bytes and max(t.lines[1][1]) == stats.reserved_peak_bytes
+
+
+def _snapshot_dict(events: int) -> dict:
+    return _bench().synthetic_snapshot(events)
+
+
+def test_trace_relived_event_by_event_matches_the_allocator_and_the_recorded_peaks():
+    snap = _snapshot_dict(3000)
+    trace = snap["device_traces"][0]
+    tt = trace_timeline(snap)
+    rec = relive(snap)
+    assert len(tt.actions) == len(trace)
+    assert max(tt.allocated) == rec.stats.allocated_peak_bytes and max(tt.reserved) == rec.stats.reserved_peak_bytes
+    assert tt.reserved[-1] == rec.dumped_reserved_bytes and tt.allocated[-1] == rec.dumped_allocated_bytes
+    t = trace_track(tt, "GPU 0", columns=len(trace))
+    # the blocks' lives, stacked, are the allocator's allocated bytes after every event
+    assert t.total == tt.allocated and t.kind == "trace"
+    assert t.peak_bytes == rec.stats.allocated_peak_bytes and tt.actions[t.peak_tick] == "alloc"
+    assert dict(t.line_peaks) == {"reserved": rec.stats.reserved_peak_bytes}
+    made = sum(e["action"] == "segment_alloc" for e in trace)
+    released = sum(e["action"] == "segment_free" for e in trace)
+    assert made and released and sorted(s for _, _, s in t.marks) == [-1] * released + [1] * made
+    assert any("/proj/model.py:" in (m or "") for _, _, m, _, _ in t.at_peak)
+    assert t.segments_at_peak and all(used <= size for size, used, _ in t.segments_at_peak)
+    # aggregated: the peak column is exact
+    small = trace_track(tt, "GPU 0", columns=50)
+    assert len(small.rep) == 50 and max(small.total) == t.peak_bytes and max(small.lines[0][1]) == max(tt.reserved)
+
+
+def test_cli_snapshot_writes_png_and_page(tmp_path):
+    path, png, page = tmp_path / "snap.pickle", tmp_path / "s.png", tmp_path / "s.html"
+    path.write_bytes(pickle.dumps(_snapshot_dict(3000)))
+    assert main(["snapshot", str(path), "--plot", str(png), "--html", str(page)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and 10_000 < png.stat().st_size < 400_000
+    text = page.read_text()
+    assert "allocated during the trace" in text and "/proj/model.py:" in text and "Largest segments at the peak" in text
+    assert '"kind":"trace"' in text and "http://" not in text and "https://" not in text
+    # a snapshot without a trace: the dumped state alone, still drawn
+    bare = _snapshot_dict(3000)
+    bare["device_traces"] = [[]]
+    path.write_bytes(pickle.dumps(bare))
+    assert main(["snapshot", str(path), "--plot", str(png), "--html", str(page)]) == 0
+    text = page.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG" and "no trace" in text and "in the dumped state (no trace)" in text
+
+
+def test_fake_cuda_profile_draws_allocated_and_reserved(shim_cache, tmp_path):
+    out, png, page = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "p.html"
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": str(Path(memfit.__file__).resolve().parents[1])}
+    env.pop("MEMFIT_FAKE_CUDA", None)
+    args = ["profile", "gpt", "--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4"]
+    args += ["--size", "block_size=64", "--device", "fake-cuda", "--json", str(out), "--plot", str(png), "--html", str(page)]
+    done = subprocess.run([sys.executable, "-m", "memfit", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = page.read_text()
+    assert '"lines":[["allocated"' in text and "caching allocator model replaying these ticks" in text
+    # the lines' peaks are the profile's own allocator numbers, and reserved holds what allocated holds
+    t = profile_timeline(Profile.from_dict(data), "x").tracks[0]
+    assert dict(t.line_peaks) == {"allocated": data["allocated_peak_bytes"], "reserved": data["reserved_peak_bytes"]}
+    assert data["reserved_peak_bytes"] > data["allocated_peak_bytes"] >= data["peak_bytes"]
+    (_, allocated), (_, reserved) = t.lines
+    assert all(c <= a <= r for c, a, r in zip(t.total, allocated, reserved))
+    # measured on a real GPU: the lines are still the model's (torch reports peaks only), and the note says both
+    data["cuda_memory"].update(source="torch.cuda.max_memory_allocated/reserved", allocated_peak_bytes=123 << 20)
+    notes = profile_timeline(Profile.from_dict(data), "x").notes
+    assert any("caching allocator model" in n and "measured on the GPU" in n and "123 MiB allocated" in n for n in notes), notes
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (.ci/run installs Debian's where apt works)")
+def test_snapshot_page_runs_in_a_headless_browser_and_hovers_a_blocks_frames(tmp_path):
+    snap = _snapshot_dict(3000)
+    tl = snapshot_timeline(trace_timeline(snap), "synthetic trace", "memory")
+    page = tmp_path / "snap.html"
+    page.write_text(timeline_html(tl))
+    t = tl.tracks[0]
+    top = max(t.peak_bytes, t.line_peaks[0][1]) * 1.1
+    # at the peak, halfway up the blocks allocated during the trace
+    fy = (t.start_bytes + (t.peak_bytes - t.start_bytes) / 2) / top
+    dom = _browse(page.as_uri() + f"#hover=0,{(t.peak_tick + 0.5) / t.ticks:.4f},{fy:.4f}", tmp_path, "--dump-dom").stdout
+    assert 'data-memfit="ok"' in dom and "memfit-error" not in dom.split("</head>")[1], dom[-2000:]
+    tip = re.search(r'<div id="tip"[^>]*>(.*?)</div>', dom).group(1)
+    # a pixel is about three events here: the pointer lands on the peak's pixel, not always its event
+    assert abs(int(re.search(r"<b>event (\d+)</b>", tip).group(1)) - t.peak_tick) <= 4, tip
+    assert "reserved: " in tip and "allocated at:" in tip and "/proj/model.py:" in tip and "born: event" in tip, tip
+    # both layers are on screen: alive at the start (#4e79a7), allocated during the trace (#e15759)
+    _assert_on_screen(page, tmp_path, (0x4E, 0x79, 0xA7), (0xE1, 0x57, 0x59))
+
+
+def test_an_expandable_segments_trace_draws_its_pages_as_segments_made():
+    """expandable_segments:True: each 20 MiB page mapped is a segment made in the lane, and reserved grows page by page."""
+    MiB, E = 1 << 20, 0x7100_0000_0000
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    trace = [
+        ev("segment_map", E, 20 * MiB),
+        ev("alloc", E, 16 * MiB),
+        ev("segment_map", E + 20 * MiB, 20 * MiB),
+        ev("alloc", E + 16 * MiB, 16 * MiB),
+        ev("free_requested", E, 16 * MiB),
+        ev("free_completed", E, 16 * MiB),
+    ]
+    blocks = [(E, 16 * MiB, "inactive"), (E + 16 * MiB, 16 * MiB, "active_allocated"), (E + 32 * MiB, 8 * MiB, "inactive")]
+    segment = {"device": 0, "address": E, "total_size": 40 * MiB, "stream": 0, "segment_type": "large", "is_expandable": True}
+    segment["blocks"] = [{"address": a, "size": n, "requested_size": n, "state": st} for a, n, st in blocks]
+    snap = {"segments": [segment], "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}
+    tt = trace_timeline(snap)
+    assert tt.reserved == [20 * MiB, 20 * MiB, 40 * MiB, 40 * MiB, 40 * MiB, 40 * MiB]
+    assert tt.allocated == [0, 16 * MiB, 16 * MiB, 32 * MiB, 32 * MiB, 16 * MiB]
+    assert [(g.born, g.size, g.expandable) for g in tt.segments] == [(0, 20 * MiB, True), (2, 20 * MiB, True)]
+    t = trace_track(tt, "GPU 0")
+    assert t.marks == [(0, 20 * MiB, 1), (2, 20 * MiB, 1)] and (t.peak_tick, t.peak_bytes) == (3, 32 * MiB)
+    assert (
+        "expandable" in t.segments_at_peak[0][2] and "at event 3" in _peak_words(t) and "reserved peak 40.0 MiB" in _peak_words(t)
+    )

@@ -375,6 +375,12 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(json.dumps(summary.to_dict(), indent=1))
         console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.measure.snapshot import load_snapshot, trace_timeline
+        from memfit.report.timeline import snapshot_timeline
+
+        tt = trace_timeline(load_snapshot(ns.path), summary.recorded.device)
+        _write_pictures(ns, console, snapshot_timeline(tt, f"memfit snapshot {Path(ns.path).name}", ns.path))
     return 0
 
 
@@ -589,6 +595,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device-index", type=int, metavar="N", help="which GPU's trace (default: the one with the most events)")
     p.add_argument("--top", type=int, default=10, help="largest allocations to list (default 10)")
+    p.add_argument(
+        "--plot", metavar="PATH.png", help="write a PNG of allocated and reserved over the trace's events, segments below"
+    )
+    p.add_argument(
+        "--html",
+        metavar="PATH.html",
+        help="write the same as one self-contained page (hover: a block's frames; the peak's blocks)",
+    )
     p.set_defaults(func=_cmd_snapshot)
 
     p = sub.add_parser("zoo", help="list the built-in models")

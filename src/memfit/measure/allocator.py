@@ -1056,3 +1056,52 @@ def replay_ledger(ledger, settings: AllocatorSettings | None = None, *, capacity
     :class:`~memfit.measure.ledger.Ledger`): everything alive at its start included, as the
     ledger's ``peak_bytes`` includes it. One stream, no cached segments before the step."""
     return replay(ledger_events(ledger), settings, capacity=capacity)
+
+
+# -- allocated and reserved over a ledger's ticks (for pictures) --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSeries:
+    """What the allocator model holds over a ledger's ticks: ``allocated[t]`` and ``reserved[t]``
+    are the bytes in blocks and in segments right after tick ``t`` (one allocation or free), so
+    with the start's they reach the replay's peaks (``stats``)."""
+
+    allocated: list[int]
+    reserved: list[int]
+    start_allocated_bytes: int
+    """Held before the step's first tick: the blocks alive at its start."""
+    start_reserved_bytes: int
+    stats: AllocatorStats
+
+
+def ledger_series(ledger, settings: AllocatorSettings | None = None, *, capacity: int | None = None) -> LedgerSeries:
+    """:func:`replay_ledger`, recording the allocator's state at every tick (same events, same
+    order, so the series' maxima are :func:`replay_ledger`'s peaks)."""
+    from memfit.measure.ledger import START_TICK
+
+    tick_of: dict[Hashable, tuple[int, int | None]] = {b.id: (b.born, b.died) for b in ledger.blocks}
+    n = len(ledger.ticks)
+    allocated, reserved = [-1] * n, [-1] * n
+    alloc = CachingAllocator(settings, capacity=capacity)
+    live: dict[Hashable, Block] = {}
+    start: tuple[int, int] | None = None
+    for ev in ledger_events(ledger):
+        born, died = tick_of[ev.id]
+        tick = born if isinstance(ev, Alloc) else died
+        if tick != START_TICK and start is None:
+            start = (alloc.allocated, alloc.reserved)
+        if isinstance(ev, Alloc):
+            live[ev.id] = alloc.malloc(ev.size, ev.stream)
+        else:
+            alloc.free(live.pop(ev.id))
+        if tick != START_TICK:
+            allocated[tick], reserved[tick] = alloc.allocated, alloc.reserved
+    if start is None:
+        start = (alloc.allocated, alloc.reserved)
+    prev = start
+    for t in range(n):  # a tick without a block of the allocator's (host graph memory) holds what the one before did
+        if allocated[t] < 0:
+            allocated[t], reserved[t] = prev
+        prev = (allocated[t], reserved[t])
+    return LedgerSeries(allocated, reserved, start[0], start[1], alloc.stats())

@@ -46,6 +46,10 @@ __all__ = [
     "replay_trace",
     "largest_allocations",
     "trace_device",
+    "trace_timeline",
+    "TraceTimeline",
+    "TraceBlock",
+    "TraceSegment",
 ]
 
 
@@ -368,39 +372,51 @@ class Relived:
 def relive(snap: dict, device: int | None = None) -> Relived:
     """Peaks over the recorded span (the state it starts with included), from the recorded
     addresses and the allocator's split rule. Without a trace: the dumped state alone."""
-    device = trace_device(snap) if device is None else device
-    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
-    trace = _trace(snap, device)
-    start = _start_state(snap, device, trace)
-    alloc = CachingAllocator(settings)
-    live = _install(alloc, start, settings, empty_regions=True)
+    device, settings, trace, start, alloc, live = _relive_start(snap, device)
     start_alloc, start_res = alloc.allocated, alloc.reserved
     n_allocs = 0
-    try:
-        for e in trace:
-            act = e.get("action")
-            addr = int(e.get("addr", 0))
-            if act == "alloc":
-                live[addr] = alloc.place(addr, int(e["size"]), int(e.get("stream", 0)))
-                n_allocs += 1
-            elif act == "free_completed":
-                alloc.free(live.pop(addr))
-            elif act == "segment_alloc":
-                alloc.new_segment(addr, int(e["size"]), int(e.get("stream", 0)))
-            elif act == "segment_free":
-                alloc.release_segment(addr)
-            elif act == "segment_map":
-                alloc.map_at(addr, int(e["size"]), int(e.get("stream", 0)))
-            elif act == "segment_unmap":
-                alloc.unmap_at(addr, int(e["size"]), int(e.get("stream", 0)))
-    except (AllocatorConfigError, KeyError) as exc:
-        raise SnapshotError(f"the trace does not re-live consistently ({exc}): a trace memfit cannot follow") from None
+    for e in trace:
+        _relive_event(alloc, live, e)
+        n_allocs += e.get("action") == "alloc"
     mine = [s for s in snap["segments"] if int(s.get("device", 0)) == device]
     dumped = sum(int(s["total_size"]) for s in mine)
     dumped_alloc = sum(int(b["size"]) for s in mine for b in s.get("blocks", []) if b.get("state") in _STATES_ALLOCATED)
     return Relived(
         device, settings, alloc.stats(), len(trace), n_allocs, start_alloc, start_res, dumped, dumped_alloc, bool(trace)
     )
+
+
+def _relive_start(snap: dict, device: int | None):
+    """The device, its recorded settings and trace, the state the trace began with, and an
+    allocator holding that state with its live blocks by address: where re-living starts."""
+    device = trace_device(snap) if device is None else device
+    settings = AllocatorSettings.from_snapshot(snap.get("allocator_settings"))
+    trace = _trace(snap, device)
+    start = _start_state(snap, device, trace)
+    alloc = CachingAllocator(settings)
+    live = _install(alloc, start, settings, empty_regions=True)
+    return device, settings, trace, start, alloc, live
+
+
+def _relive_event(alloc: CachingAllocator, live: dict[int, Block], e: dict) -> None:
+    """One recorded event, at its recorded address."""
+    act = e.get("action")
+    addr = int(e.get("addr", 0))
+    try:
+        if act == "alloc":
+            live[addr] = alloc.place(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "free_completed":
+            alloc.free(live.pop(addr))
+        elif act == "segment_alloc":
+            alloc.new_segment(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "segment_free":
+            alloc.release_segment(addr)
+        elif act == "segment_map":
+            alloc.map_at(addr, int(e["size"]), int(e.get("stream", 0)))
+        elif act == "segment_unmap":
+            alloc.unmap_at(addr, int(e["size"]), int(e.get("stream", 0)))
+    except (AllocatorConfigError, KeyError) as exc:
+        raise SnapshotError(f"the trace does not re-live consistently ({exc}): a trace memfit cannot follow") from None
 
 
 # -- replaying the requests through the model -------------------------------------------------
@@ -607,3 +623,126 @@ def summarize(
 
 def _fields(s: AllocatorSettings) -> dict:
     return {k: getattr(s, k) for k in AllocatorSettings.__dataclass_fields__}
+
+
+# -- the recorded span event by event (for pictures) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBlock:
+    """One allocated block over the recorded span. Events index the trace."""
+
+    address: int
+    size: int
+    """As the allocator counts it (``memory_allocated``): the request rounded, or more."""
+    born: int
+    """The ``alloc`` event; -1 if alive when the trace began."""
+    died: int | None
+    """The ``free_completed`` event; ``None`` if alive at the dump."""
+    frames: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSegment:
+    """A segment (or an expandable segment's mapped range) over the recorded span."""
+
+    address: int
+    size: int
+    born: int
+    """The ``segment_alloc``/``segment_map`` event; -1 if held when the trace began."""
+    died: int | None
+    """The ``segment_free``/``segment_unmap`` event; ``None`` if held at the dump."""
+    small: bool
+    expandable: bool
+
+
+@dataclass(frozen=True)
+class TraceTimeline:
+    """The recorded span re-lived event by event: ``allocated[i]``/``reserved[i]`` are the
+    bytes in blocks and in segments right after event ``i`` (their maxima are :func:`relive`'s
+    peaks)."""
+
+    device: int
+    settings: AllocatorSettings
+    actions: list[str]
+    allocated: list[int]
+    reserved: list[int]
+    start_allocated_bytes: int
+    start_reserved_bytes: int
+    blocks: list[TraceBlock]
+    segments: list[TraceSegment]
+
+
+def trace_timeline(snap: dict, device: int | None = None) -> TraceTimeline:
+    """The trace re-lived as :func:`relive` does, keeping the state after every event, each
+    block's life and frames, and each segment's life. Without a trace: the dumped state, no events."""
+    device, settings, trace, start, alloc, live = _relive_start(snap, device)
+    # the dump's frames belong to the blocks alive at its end: those alive throughout get them
+    dumped = {
+        int(b["address"]): _frames(b.get("frames")) or _any_frames(b.get("frames"))
+        for s in snap["segments"]
+        if int(s.get("device", 0)) == device
+        for b in s.get("blocks", [])
+        if b.get("state") in _STATES_ALLOCATED and "address" in b
+    }
+    blocks: list[list] = [[a, b.size, -1, None, dumped.get(a, ())] for a, b in sorted(live.items()) if b.allocated]
+    open_blocks = {rec[0]: k for k, rec in enumerate(blocks)}
+    segments: list[list] = [[a, seg.size, -1, None, seg.small, seg.expandable] for a, seg in sorted(start.segments.items())]
+    open_segments = {rec[0]: k for k, rec in enumerate(segments)}
+    start_alloc, start_res = alloc.allocated, alloc.reserved
+    actions, allocated, reserved = [], [], []
+    for i, e in enumerate(trace):
+        _relive_event(alloc, live, e)
+        act, addr = str(e.get("action")), int(e.get("addr", 0))
+        if act == "alloc":
+            open_blocks[addr] = len(blocks)
+            blocks.append([addr, live[addr].size, i, None, _frames(e.get("frames")) or _any_frames(e.get("frames"))])
+        elif act == "free_completed":
+            k = open_blocks.pop(addr, None)
+            if k is not None:
+                blocks[k][3] = i
+        elif act in ("segment_alloc", "segment_map"):
+            size = int(e["size"])
+            open_segments[addr] = len(segments)
+            small = size == SMALL_BUFFER if act == "segment_alloc" else size % LARGE_BUFFER != 0
+            segments.append([addr, size, i, None, small, act == "segment_map"])
+        elif act in ("segment_free", "segment_unmap"):
+            k = open_segments.pop(addr, None)
+            if k is not None:
+                segments[k][3] = i
+        actions.append(act)
+        allocated.append(alloc.allocated)
+        reserved.append(alloc.reserved)
+    return TraceTimeline(
+        device,
+        settings,
+        actions,
+        allocated,
+        reserved,
+        start_alloc,
+        start_res,
+        # a block alive at the start and freed later: its address's frames in the dump are another block's
+        [TraceBlock(a, n, b, d, f if b >= 0 or d is None else ()) for a, n, b, d, f in blocks],
+        [TraceSegment(*rec) for rec in segments],
+    )
+
+
+def _any_frames(frames: list[dict] | None, limit: int = 3) -> tuple[str, ...]:
+    """The innermost frames where no frame is the user's own: torch's Python frames if any,
+    else the C++ ones below the allocator's own (the unwinder, ``CUDACachingAllocator``) that
+    name a file: the op that asked (``ReduceOps.cpp ... max_kernel_impl``)."""
+    frames = frames or []
+    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    if not py:
+        inner = [
+            k
+            for k, f in enumerate(frames)
+            if any(w in str(f.get("name", "")) + str(f.get("filename", "")) for w in _ALLOCATOR_FRAMES)
+        ]
+        frames = frames[inner[-1] + 1 :] if inner else frames
+    named = py or [f for f in frames if f.get("filename") and f.get("filename") != "??"]
+    return tuple(f"{f.get('filename', '')}:{f.get('line', 0)} {str(f.get('name', ''))[:160]}" for f in named[:limit])
+
+
+_ALLOCATOR_FRAMES = ("CachingAllocator", "CapturedTraceback", "unwind", "memory_snapshot.cpp")
+"""Words naming the frames a C++ stack starts with inside the allocator and its recorder."""

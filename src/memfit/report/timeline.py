@@ -15,13 +15,16 @@ from __future__ import annotations
 import html
 import io
 import json
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from memfit.measure.allocator import AllocatorSettings, ledger_series
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase
 from memfit.measure.profile import Profile
+from memfit.measure.snapshot import TraceTimeline
 from memfit.plan.candidates import Option
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
@@ -36,6 +39,9 @@ __all__ = [
     "timeline_html",
     "profile_timeline",
     "plan_timeline",
+    "trace_track",
+    "snapshot_timeline",
+    "Layer",
     "recipe_timeline",
     "COLUMNS",
 ]
@@ -71,6 +77,26 @@ COLORS = {
     Category.TEMPORARY: "#b07aa1",
     Category.WORKSPACE: "#9d7660",
 }
+_LINE_STYLES = {"allocated": ("#222222", (0, ())), "reserved": ("#6a3d9a", (0, (5, 2)))}
+"""Colour and dash of the CUDA lines, by the first word of their name."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A stacked layer that is not a ledger category (a GPU trace's blocks)."""
+
+    value: str
+    color: str
+
+
+def _color(c: Category | Layer) -> str:
+    return c.color if isinstance(c, Layer) else COLORS[c]
+
+
+def _line_style(name: str) -> tuple[str, tuple]:
+    return _LINE_STYLES.get(name.split()[0], ("#222222", (0, ())))
+
+
 _PHASE_COLORS = {Phase.FORWARD: "#4e79a7", Phase.BACKWARD: "#f28e2b", Phase.OPTIMIZER: "#59a14f"}
 _RECOMPUTE_COLOR = "#d62728"
 
@@ -85,7 +111,7 @@ class Track:
     """Column ``i`` covers ticks ``[edges[i], edges[i+1])``."""
     rep: list[int]
     """The tick drawn for each column: the one of highest memory in it (first if tied)."""
-    categories: list[Category]
+    categories: list[Category | Layer]
     """Categories present (bottom to top)."""
     stack: list[list[int]]
     """``stack[c][i]``: bytes of ``categories[c]`` alive right after tick ``rep[i]``."""
@@ -105,9 +131,20 @@ class Track:
     blocks: list[tuple[int, int, int, Category, str | None, str, Phase, str, Phase | None]] = field(default_factory=list)
     """For hover: ``(born, died, bytes, category, module, op at birth, phase at birth, op at
     free, phase at free)``; ``born`` is -1 before the step, ``died`` is ``ticks`` if never freed."""
-    at_peak: list[tuple[int, Category, str | None, str, str]] = field(default_factory=list)
+    at_peak: list[tuple[int, Category | Layer, str | None, str, str]] = field(default_factory=list)
     """Largest blocks alive at the peak: ``(bytes, category, module, born, freed)`` (born and
     freed as words)."""
+    lines: list[tuple[str, list[int]]] = field(default_factory=list)
+    """Series drawn as lines over the stack, per column (the highest of its ticks): on CUDA,
+    ``allocated`` and ``reserved``."""
+    line_peaks: list[tuple[str, int]] = field(default_factory=list)
+    kind: str = "step"
+    """``"step"``: a ledger's ticks; ``"trace"``: a GPU trace's events (``module`` holds a
+    block's frames, and the lane shows segments made and released instead of module spans)."""
+    marks: list[tuple[int, int, int]] = field(default_factory=list)
+    """For a trace: ``(event, bytes, +1 segment made / -1 released)``."""
+    segments_at_peak: list[tuple[int, int, str]] = field(default_factory=list)
+    """For a trace: the largest segments held at the peak, ``(bytes, allocated in it, what)``."""
 
     @property
     def total(self) -> list[int]:
@@ -163,11 +200,53 @@ def _runs(values: Sequence, start: int = 0) -> list[tuple[int, int, object]]:
     return out
 
 
-def build_track(ledger: Ledger, label: str, *, columns: int = COLUMNS, checkpointed: Sequence[str] = ()) -> Track:
+def _stacked(size: np.ndarray, layer: np.ndarray, born: np.ndarray, died: np.ndarray, n: int, k: int):
+    """``(curves, base)``: bytes of each of ``k`` layers right after each of ``n`` ticks, and
+    before the first (blocks born at ``START_TICK``); ``died`` is ``n`` for never freed."""
+    # np.add.at, not bincount: bincount's float weights would round bytes above 2**53
+    delta = np.zeros((k, n + 1), np.int64)
+    grown = born != START_TICK
+    np.add.at(delta, (layer[grown], born[grown]), size[grown])
+    np.add.at(delta, (layer, died), -size)
+    base = np.zeros(k, np.int64)
+    np.add.at(base, layer[~grown], size[~grown])
+    return base[:, None] + np.cumsum(delta[:, :n], axis=1), base
+
+
+def _columns(total: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(edges, rep)``: at most ``columns`` columns over the ticks, each drawn at its highest tick."""
+    n = len(total)
+    if n <= columns:
+        return np.arange(n + 1), np.arange(n)
+    edges = np.linspace(0, n, columns + 1).round().astype(np.int64)
+    col = np.searchsorted(edges, np.arange(n), side="right") - 1
+    order = np.lexsort((np.arange(n), -total, col))  # by column, highest first, earliest of ties
+    first = np.ones(n, bool)
+    first[1:] = col[order][1:] != col[order][:-1]
+    return edges, order[first]
+
+
+def _envelope(series: Sequence[int], edges: Sequence[int]) -> list[int]:
+    """The highest value of ``series`` in each column: a line's peak stays exact."""
+    v = np.asarray(series, np.int64)
+    if not len(v):
+        return []
+    return [int(x) for x in np.maximum.reduceat(v, np.asarray(edges[:-1], np.int64))]
+
+
+def build_track(
+    ledger: Ledger,
+    label: str,
+    *,
+    columns: int = COLUMNS,
+    checkpointed: Sequence[str] = (),
+    lines: Sequence[tuple[str, Sequence[int], int]] = (),
+) -> Track:
     """``ledger`` aggregated to at most ``columns`` columns, its peak exact.
 
     ``checkpointed``: the modules a plan recomputes, to name each run of recompute ticks by
-    its module (else the innermost module running is named)."""
+    its module (else the innermost module running is named). ``lines``: ``(name, one value
+    per tick, peak)`` drawn over the stack (each column its highest value)."""
     n = len(ledger.ticks)
     cat_index = {c: i for i, c in enumerate(_ORDER)}
     nb = len(ledger.blocks)
@@ -176,26 +255,9 @@ def build_track(ledger: Ledger, label: str, *, columns: int = COLUMNS, checkpoin
     born = np.fromiter((b.born for b in ledger.blocks), np.int64, nb)
     died = np.fromiter((n if b.died is None else b.died for b in ledger.blocks), np.int64, nb)
     k = len(_ORDER)
-    # np.add.at, not bincount: bincount's float weights would round bytes above 2**53
-    delta = np.zeros((k, n + 1), np.int64)
-    grown = born != START_TICK
-    np.add.at(delta, (cat[grown], born[grown]), size[grown])
-    np.add.at(delta, (cat, died), -size)
-    base = np.zeros(k, np.int64)
-    np.add.at(base, cat[~grown], size[~grown])
-    curves = base[:, None] + np.cumsum(delta[:, :n], axis=1)  # (k, n): bytes right after each tick
+    curves, base = _stacked(size, cat, born, died, n, k)
     total = curves.sum(axis=0)
-
-    if n <= columns:
-        edges = np.arange(n + 1)
-        rep = np.arange(n)
-    else:
-        edges = np.linspace(0, n, columns + 1).round().astype(np.int64)
-        col = np.searchsorted(edges, np.arange(n), side="right") - 1
-        order = np.lexsort((np.arange(n), -total, col))  # by column, highest first, earliest of ties
-        first = np.ones(n, bool)
-        first[1:] = col[order][1:] != col[order][:-1]
-        rep = order[first]
+    edges, rep = _columns(total, columns)
 
     present = [i for i in range(k) if curves[i].any() or base[i]]
     start_bytes = int(base.sum())
@@ -275,10 +337,140 @@ def build_track(ledger: Ledger, label: str, *, columns: int = COLUMNS, checkpoin
         col_context=[(ticks[r].phase, ticks[r].module, ticks[r].op) for r in rep],
         blocks=hover,
         at_peak=at_peak,
+        lines=[(name, _envelope(v, edges)) for name, v, _ in lines],
+        line_peaks=[(name, peak) for name, _, peak in lines],
+    )
+
+
+_DUMPED = "the dumped state (no trace)"
+_TRACE_LAYERS = (Layer("alive when the trace began", "#4e79a7"), Layer("allocated during the trace", "#e15759"))
+
+
+def _frames_text(frames: Sequence[str]) -> str:
+    return "\n".join(frames) if frames else "(no Python frames recorded)"
+
+
+def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Track:
+    """A GPU trace re-lived (:func:`memfit.measure.snapshot.trace_timeline`) aggregated like a
+    ledger: its blocks stacked (those alive when the trace began at the bottom), reserved as a
+    line, the allocated peak exact, the segments made and released along the axis. Without a
+    trace, the dumped state is drawn as one column."""
+    actions, reserved = tt.actions, tt.reserved
+    if not actions:
+        actions, reserved = [_DUMPED], [tt.start_reserved_bytes]
+    n = len(actions)
+    nb = len(tt.blocks)
+    size = np.fromiter((b.size for b in tt.blocks), np.int64, nb)
+    born = np.fromiter((START_TICK if b.born < 0 else b.born for b in tt.blocks), np.int64, nb)
+    died = np.fromiter((n if b.died is None else b.died for b in tt.blocks), np.int64, nb)
+    layer = (born != START_TICK).astype(np.int64)
+    curves, base = _stacked(size, layer, born, died, n, 2)
+    total = curves.sum(axis=0)
+    edges, rep = _columns(total, columns)
+    present = [i for i in range(2) if curves[i].any() or base[i]]
+    start_bytes = int(base.sum())
+    peak_tick = int(np.argmax(total)) if n and int(total.max()) > start_bytes else START_TICK
+    peak_bytes = start_bytes if peak_tick == START_TICK else int(total[peak_tick])
+
+    def words(event: int | None) -> str:
+        if event is None:
+            return "alive at the dump"
+        return "before the trace" if event < 0 else f"event {event}"
+
+    def alive(b_born: int, b_died: int | None, at: int) -> bool:
+        return (b_born < 0 or b_born <= at) and (b_died is None or b_died > at) if at >= 0 else b_born < 0
+
+    at_peak_blocks = sorted((b for b in tt.blocks if alive(b.born, b.died, peak_tick)), key=lambda b: -b.size)
+    # blocks of one size from one place (a layer's activations, repeated) are one row
+    groups: dict[tuple, list] = {}
+    for b in at_peak_blocks:
+        groups.setdefault((b.size, b.born >= 0, b.frames), []).append(b)
+    at_peak = []
+    for (size, during, frames), bs in sorted(groups.items(), key=lambda kv: -kv[0][0] * len(kv[1]))[:_TABLE_ROWS]:
+        if len(bs) == 1:
+            born_w, died_w = words(bs[0].born), words(bs[0].died)
+        else:
+            bw = sorted(words(b.born) for b in bs)
+            dw = {words(b.died) for b in bs}
+            ends = [n if b.died is None else b.died for b in bs]
+            born_w = f"{len(bs)} blocks of {format_bytes(size)}: " + (
+                bw[0] if len(set(bw)) == 1 else f"events {min(b.born for b in bs)}..{max(b.born for b in bs)}"
+            )
+            died_w = dw.pop() if len(dw) == 1 else f"events {min(ends)}..{max(ends)}"
+        at_peak.append((size * len(bs), _TRACE_LAYERS[during], _frames_text(frames), born_w, died_w))
+    segs = sorted((g for g in tt.segments if alive(g.born, g.died, peak_tick)), key=lambda g: -g.size)
+    starts = sorted((b.address, b.size) for b in at_peak_blocks)
+    addrs = [a for a, _ in starts]
+    seg_rows = []
+    for g in segs[:_TABLE_ROWS]:
+        lo, hi = bisect_left(addrs, g.address), bisect_left(addrs, g.address + g.size)
+        kind = ("small pool" if g.small else "large pool") + (", expandable" if g.expandable else "")
+        made = "before the trace" if g.born < 0 else f"made at event {g.born}"
+        seg_rows.append((g.size, sum(sz for _, sz in starts[lo:hi]), f"{kind}, {made}, at {g.address:#x}"))
+
+    floor = peak_bytes / 1500
+    big = sorted((b for b in tt.blocks if b.size >= floor), key=lambda b: -b.size)[:_HOVER_BLOCKS]
+    hover = [
+        (
+            START_TICK if b.born < 0 else b.born,
+            n if b.died is None else b.died,
+            b.size,
+            _TRACE_LAYERS[b.born >= 0],
+            _frames_text(b.frames),
+            "",
+            Phase.START,
+            "",
+            None if b.died is None else Phase.START,
+        )
+        for b in sorted(big, key=lambda b: (b.born, b.address))
+    ]
+    marks = [(g.born, g.size, 1) for g in tt.segments if g.born >= 0] + [
+        (g.died, g.size, -1) for g in tt.segments if g.died is not None
+    ]
+    return Track(
+        label=label,
+        ticks=n,
+        edges=[int(e) for e in edges],
+        rep=[int(r) for r in rep],
+        categories=[_TRACE_LAYERS[i] for i in present],
+        stack=[[int(v) for v in curves[i, rep]] for i in present],
+        start_bytes=start_bytes,
+        peak_tick=peak_tick,
+        peak_bytes=peak_bytes,
+        peak_op=actions[peak_tick] if peak_tick != START_TICK else actions[0] if not tt.actions else "",
+        # the largest block at the peak that says where it was made (those alive at the start often do not)
+        peak_module=next((_frames_text(b.frames) for b in at_peak_blocks if b.frames), None),
+        phases=[],
+        lane=[],
+        recompute=[],
+        col_context=[(Phase.START, None, actions[r]) for r in rep],
+        blocks=hover,
+        at_peak=at_peak,
+        lines=[("reserved", _envelope(reserved, edges))],
+        line_peaks=[("reserved", max([tt.start_reserved_bytes, *reserved]))],
+        kind="trace",
+        marks=sorted(marks),
+        segments_at_peak=seg_rows,
     )
 
 
 def _peak_words(t: Track) -> str:
+    lines = "".join(f"; {name} peak {format_bytes(b)}" for name, b in t.line_peaks)
+    if t.kind == "trace":
+        if t.peak_op == _DUMPED:
+            return f"allocated {format_bytes(t.peak_bytes)} in {_DUMPED}{lines.replace(' peak', '')}"
+        if t.peak_tick == START_TICK:
+            return f"allocated peak {format_bytes(t.peak_bytes)} when the trace began{lines}"
+        words = f"allocated peak {format_bytes(t.peak_bytes)} at event {t.peak_tick}{lines}"
+        if t.peak_module:
+            first = "/".join(t.peak_module.split("\n")[0].split("/")[-2:])  # the file and its folder: one line
+            first = first if len(first) <= 60 else first[:59] + "…"
+            words += f"; largest block then with frames from {first}"
+        return words
+    return _step_peak_words(t) + lines
+
+
+def _step_peak_words(t: Track) -> str:
     if t.peak_tick == START_TICK:
         return f"peak {format_bytes(t.peak_bytes)} before the step"
     return f"peak {format_bytes(t.peak_bytes)} at tick {t.peak_tick}: {t.peak_op} in {_where(t.peak_module)}"
@@ -287,22 +479,30 @@ def _peak_words(t: Track) -> str:
 # -- PNG ------------------------------------------------------------------------------------
 
 
+def _top(tl: Timeline) -> int:
+    """The highest value any track draws (stack, lines) or the budget."""
+    return max([t.peak_bytes for t in tl.tracks] + [b for t in tl.tracks for _, b in t.line_peaks] + [tl.budget_bytes or 0])
+
+
 def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
     """The timeline as a PNG: one stacked panel per track (same y scale), phases shaded, the
-    peak marked, module spans and recomputes in a lane under each panel."""
+    peak marked, CUDA's allocated and reserved as lines, module spans and recomputes (a
+    trace: segments made and released) in a lane under each panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     rows = len(tl.tracks)
     fig = plt.figure(figsize=(11, 3.3 * rows + 0.9), dpi=dpi, layout="constrained")
     subs = fig.subfigures(rows, 1) if rows > 1 else [fig]
     axes = [ax for sub in subs for ax in sub.subplots(2, 1, gridspec_kw={"height_ratios": (5, 1), "hspace": 0.02})]
-    top = max([t.peak_bytes for t in tl.tracks] + [tl.budget_bytes or 0]) * 1.12 or 1
+    top = _top(tl) * 1.12 or 1
     unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    shown: dict[Category, None] = {}
+    shown: dict[Category | Layer, None] = {}
+    line_names: dict[str, None] = {}
     for r, t in enumerate(tl.tracks):
         ax, lane = axes[2 * r], axes[2 * r + 1]
         # steps as a polygon per category (each column flat over its ticks); fill_between
@@ -311,9 +511,13 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
         bottom = np.zeros(len(t.rep))
         for c, values in zip(t.categories, t.stack):
             v = np.array(values, dtype=float) / scale
-            ax.fill_between(xs, np.repeat(bottom, 2), np.repeat(bottom + v, 2), color=COLORS[c], linewidth=0)
+            ax.fill_between(xs, np.repeat(bottom, 2), np.repeat(bottom + v, 2), color=_color(c), linewidth=0)
             bottom += v
             shown[c] = None
+        for name, values in t.lines:
+            color, dash = _line_style(name)
+            ax.plot(xs, np.repeat(np.array(values, dtype=float) / scale, 2), color=color, linestyle=dash, linewidth=1.1)
+            line_names[name] = None
         for p, col in _PHASE_COLORS.items():
             ax.broken_barh(
                 [(a, b - a) for a, b, q in t.phases if q is p],
@@ -341,26 +545,17 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
         ax.set_ylabel(unit)
         ax.tick_params(labelbottom=False, labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-        # lane: forward spans above, backward below, recomputes in red
-        # one collection per row: thousands of spans draw as fast as a dozen
-        for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
-            bars = [(a, b - a) for a, b, _, q in t.lane if q is p]
-            edge = "white" if len(bars) < 200 else "none"
-            lane.broken_barh(bars, (y + 0.1, 0.8), facecolor=_PHASE_COLORS[p], edgecolor=edge, linewidth=0.4)
-        for a, b, name, p in t.lane:
-            if (b - a) > t.ticks / 40:
-                y = 1.0 if p is Phase.FORWARD else 0.0
-                lane.text(
-                    (a + b) / 2, y + 0.5, name.rpartition(".")[2] or name, fontsize=6, ha="center", va="center", color="white"
-                )
-        lane.broken_barh([(a, max(b - a, t.ticks / 800)) for a, b, _ in t.recompute], (0.0, 0.35), facecolor=_RECOMPUTE_COLOR)
+        if t.kind == "trace":
+            _trace_lane(lane, t)
+        else:
+            _step_lane(lane, t)
         lane.set_xlim(0, max(1, t.ticks))
         lane.set_ylim(0, 2)
-        lane.set_yticks([0.5, 1.5], ["bwd", "fwd"], fontsize=7)
         lane.tick_params(labelsize=8)
-        lane.set_xlabel("tick (one allocation or free)", fontsize=8)
-    handles = [Patch(color=COLORS[c], label=c.value) for c in _ORDER if c in shown]
-    handles += [Patch(color=_PHASE_COLORS[p], alpha=0.25, label=p.value) for p in _PHASE_COLORS]
+    handles = [Patch(color=_color(c), label=c.value) for c in [*_ORDER, *_TRACE_LAYERS] if c in shown]
+    handles += [Line2D([], [], color=_line_style(n)[0], linestyle=_line_style(n)[1], label=n) for n in line_names]
+    if any(t.phases for t in tl.tracks):
+        handles += [Patch(color=_PHASE_COLORS[p], alpha=0.25, label=p.value) for p in _PHASE_COLORS]
     if any(t.recompute for t in tl.tracks):
         handles.append(Patch(color=_RECOMPUTE_COLOR, alpha=0.4, label="recompute"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
@@ -369,6 +564,42 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def _step_lane(lane, t: Track) -> None:
+    """Forward spans above, backward below, recomputes in red; one collection per row, so
+    thousands of spans draw as fast as a dozen."""
+    for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
+        bars = [(a, b - a) for a, b, _, q in t.lane if q is p]
+        edge = "white" if len(bars) < 200 else "none"
+        lane.broken_barh(bars, (y + 0.1, 0.8), facecolor=_PHASE_COLORS[p], edgecolor=edge, linewidth=0.4)
+    for a, b, name, p in t.lane:
+        if (b - a) > t.ticks / 40:
+            y = 1.0 if p is Phase.FORWARD else 0.0
+            lane.text((a + b) / 2, y + 0.5, name.rpartition(".")[2] or name, fontsize=6, ha="center", va="center", color="white")
+    lane.broken_barh([(a, max(b - a, t.ticks / 800)) for a, b, _ in t.recompute], (0.0, 0.35), facecolor=_RECOMPUTE_COLOR)
+    lane.set_yticks([0.5, 1.5], ["bwd", "fwd"], fontsize=7)
+    lane.set_xlabel("tick (one allocation or free)", fontsize=8)
+
+
+def _trace_lane(lane, t: Track) -> None:
+    """Segments made (cudaMalloc, an expandable segment mapped) above, released below, each a
+    mark as tall as its share of the largest."""
+    if not t.marks:
+        lane.text(
+            t.ticks / 2, 1, "no segment made or released during the trace", fontsize=7, ha="center", va="center", color="#555"
+        )
+    big = max((b for _, b, _ in t.marks), default=1)
+    for sign, y, color in ((1, 1.05, _LINE_STYLES["reserved"][0]), (-1, 0.05, "#999999")):
+        ev = [(e, b) for e, b, s in t.marks if s == sign]
+        if ev:
+            lane.vlines([e + 0.5 for e, _ in ev], y, [y + 0.1 + 0.8 * b / big for _, b in ev], color=color, linewidth=1)
+    lane.set_yticks([0.5, 1.5], ["released", "made"], fontsize=7)
+    if t.peak_op == _DUMPED:
+        lane.set_xticks([])
+        lane.set_xlabel("no trace (recorded without torch.cuda.memory._record_memory_history): the dumped state", fontsize=8)
+    else:
+        lane.set_xlabel("event in the trace (alloc, free, segment made or released); lane: segments", fontsize=8)
 
 
 # -- HTML -----------------------------------------------------------------------------------
@@ -385,8 +616,9 @@ def _page_data(tl: Timeline) -> dict:
 
     phases = [p.value for p in Phase]
     pidx = {p: i for i, p in enumerate(Phase)}
-    cats = [c.value for c in _ORDER]
-    cidx = {c: i for i, c in enumerate(_ORDER)}
+    layers: list[Category | Layer] = list(_ORDER) + [c for c in _TRACE_LAYERS if any(c in t.categories for t in tl.tracks)]
+    cats = [c.value for c in layers]
+    cidx = {c: i for i, c in enumerate(layers)}
     tracks = []
     for t in tl.tracks:
         tracks.append(
@@ -402,6 +634,9 @@ def _page_data(tl: Timeline) -> dict:
                 "recompute": [[a, b, s(name)] for a, b, name in t.recompute],
                 "ctx": [[pidx[p], s(m), s(op)] for p, m, op in t.col_context],
                 "peak": [t.peak_tick, t.peak_bytes],
+                "kind": t.kind,
+                "lines": [[name, v, _line_style(name)[0]] for name, v in t.lines],
+                "marks": [list(m) for m in t.marks],
                 "peakText": _peak_words(t),
                 "blocks": [
                     [b, d, nbytes, cidx[c], s(m), s(op), pidx[bp], s(dop), -1 if dp is None else pidx[dp]]
@@ -413,9 +648,9 @@ def _page_data(tl: Timeline) -> dict:
         "strings": [None if k == "\0" else k for k in strings],
         "phases": phases,
         "cats": cats,
-        "colors": [COLORS[c] for c in _ORDER],
+        "colors": [_color(c) for c in layers],
         "phaseColors": {p.value: col for p, col in _PHASE_COLORS.items()},
-        "top": max([t.peak_bytes for t in tl.tracks] + [tl.budget_bytes or 0]),
+        "top": _top(tl),
         "budget": tl.budget_bytes,
         "tracks": tracks,
     }
@@ -475,6 +710,7 @@ const tip = document.getElementById('tip');
 function fmt(n){const u=[['TiB',2**40],['GiB',2**30],['MiB',2**20],['KiB',2**10]];
   for(const [name,s] of u){if(n>=s){const v=n/s;return v.toFixed(v<10?2:v<100?1:0)+' '+name;}}return n+' B';}
 function where(m){return m===null?'(outside any module)':(m===''?'(root)':m);}
+function esc(x){return String(x).replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'})[c]);}
 function draw(t, host){
   const c = document.createElement('canvas'), dpr = window.devicePixelRatio||1, H = T+PH+LH+26;
   c.width=W*dpr; c.height=H*dpr; c.style.width=W+'px'; c.style.height=H+'px'; host.appendChild(c);
@@ -488,6 +724,9 @@ function draw(t, host){
     for(let i=0;i<ncol;i++){ g.lineTo(X(t.edges[i]),Y(base[i]+v[i])); g.lineTo(X(t.edges[i+1]),Y(base[i]+v[i])); }
     for(let i=ncol-1;i>=0;i--){ g.lineTo(X(t.edges[i+1]),Y(base[i])); g.lineTo(X(t.edges[i]),Y(base[i])); }
     g.closePath(); g.fill(); for(let i=0;i<ncol;i++) base[i]+=v[i]; });
+  for(const [name,v,col] of t.lines){ g.strokeStyle=col; g.lineWidth=1.4; if(name.startsWith('reserved')) g.setLineDash([6,3]);
+    g.beginPath(); for(let i=0;i<ncol;i++){ const y=Y(v[i]); if(i===0) g.moveTo(X(t.edges[0]),y); else g.lineTo(X(t.edges[i]),y); g.lineTo(X(t.edges[i+1]),y); }
+    g.stroke(); g.setLineDash([]); g.lineWidth=1; }
   g.fillStyle='rgba(214,39,40,0.18)'; for(const [a,b] of t.recompute) g.fillRect(X(a),T,Math.max(X(b)-X(a),1),PH);
   g.strokeStyle='#888'; g.beginPath(); g.moveTo(L,T); g.lineTo(L,T+PH); g.lineTo(L+pw,T+PH); g.stroke();
   g.fillStyle='#333'; g.font='10px sans-serif'; g.textAlign='right';
@@ -501,6 +740,11 @@ function draw(t, host){
   if(t.peak[0]>=0){ const x=X(t.peak[0]+0.5); g.strokeStyle='#000'; g.setLineDash([2,2]); g.beginPath(); g.moveTo(x,T); g.lineTo(x,T+PH); g.stroke(); g.setLineDash([]);
     g.fillStyle='#000'; g.beginPath(); g.moveTo(x-5,Y(t.peak[1])-8); g.lineTo(x+5,Y(t.peak[1])-8); g.lineTo(x,Y(t.peak[1])-1); g.fill(); }
   const ly=T+PH+4;
+  if(t.kind==='trace'){ let big=1; for(const m of t.marks) big=Math.max(big,m[1]);
+    if(!t.marks.length){ g.fillStyle='#555'; g.textAlign='center'; g.fillText('no segment made or released during the trace',L+pw/2,ly+LH/2+3); }
+    g.textAlign='right'; g.fillStyle='#555'; g.fillText('made',L-4,ly+LH/4+3); g.fillText('released',L-4,ly+3*LH/4+3);
+    for(const [e,b,sg] of t.marks){ const y=sg>0?ly:ly+LH/2, h=Math.max(2,(LH/2-3)*b/big); g.fillStyle=sg>0?'#6a3d9a':'#999';
+      g.fillRect(X(e+0.5)-0.5,y+LH/2-2-h,1.2,h); } }
   for(const [a,b,name,p] of t.lane){ const y=D.phases[p]==='forward'?ly:ly+LH/2; g.fillStyle=D.phaseColors[D.phases[p]]||'#999';
     g.fillRect(X(a),y,Math.max(X(b)-X(a)-0.5,0.5),LH/2-2);
     const label=(S[name]||'').split('.').pop(); if(X(b)-X(a)>label.length*6+4){g.fillStyle='#fff'; g.textAlign='center'; g.fillText(label,(X(a)+X(b))/2,y+LH/4+3);} }
@@ -511,12 +755,16 @@ function draw(t, host){
     const k=(mx-L)/pw*n; let lo=0, hi=ncol-1; while(lo<hi){const m=(lo+hi+1)>>1; if(t.edges[m]<=k) lo=m; else hi=m-1;}
     const i=lo, tick=t.rep[i], v=(T+PH-my)/PH*top; let acc=0, cj=-1;
     for(let j=0;j<t.cats.length;j++){ if(v<acc+t.stack[j][i]){cj=j;break;} acc+=t.stack[j][i]; }
-    const ctx=t.ctx[i]; let h='<b>tick '+tick+'</b> ('+D.phases[ctx[0]]+', '+S[ctx[2]]+' in '+where(S[ctx[1]])+')<br>';
-    let total=0; for(let j=0;j<t.cats.length;j++) total+=t.stack[j][i]; h+='alive: '+fmt(total);
-    if(t.edges[i+1]-t.edges[i]>1) h+=' (highest of ticks '+t.edges[i]+'..'+(t.edges[i+1]-1)+')';
+    const ctx=t.ctx[i], tr=t.kind==='trace', word=tr?'event':'tick';
+    let h=tr?'<b>event '+tick+'</b> ('+esc(S[ctx[2]])+')<br>':'<b>tick '+tick+'</b> ('+D.phases[ctx[0]]+', '+esc(S[ctx[2]])+' in '+esc(where(S[ctx[1]]))+')<br>';
+    let total=0; for(let j=0;j<t.cats.length;j++) total+=t.stack[j][i]; h+=(tr?'allocated: ':'alive: ')+fmt(total);
+    if(t.edges[i+1]-t.edges[i]>1) h+=' (highest of '+word+'s '+t.edges[i]+'..'+(t.edges[i+1]-1)+')';
+    for(const [name,v] of t.lines) h+='<br>'+esc(name)+': '+fmt(v[i]);
     if(cj>=0){ const ci=t.cats[cj]; h+='<br>'+D.cats[ci]+': '+fmt(t.stack[cj][i]); let found=null;
       for(const b of t.blocks){ if(b[3]!==ci||b[0]>tick||b[1]<=tick) continue; if(v<acc+b[2]){found=b;break;} acc+=b[2]; }
-      if(found){ const b=found; h+='<hr><b>block '+fmt(b[2])+'</b> ('+b[2]+' bytes), '+D.cats[b[3]]+'<br>module: '+where(S[b[4]])+
+      if(found&&tr){ const b=found; h+='<hr><b>block '+fmt(b[2])+'</b> ('+b[2]+' bytes), '+esc(D.cats[b[3]])+'<br>allocated at:<br>'+esc(S[b[4]]).replace(/\n/g,'<br>')+
+        '<br>born: '+(b[0]<0?'before the trace':'event '+b[0])+'<br>freed: '+(b[8]<0?'alive at the dump':'event '+b[1]); }
+      else if(found){ const b=found; h+='<hr><b>block '+fmt(b[2])+'</b> ('+b[2]+' bytes), '+D.cats[b[3]]+'<br>module: '+esc(where(S[b[4]]))+
         '<br>born: '+(b[0]<0?'before the step':'tick '+b[0]+' ('+D.phases[b[6]]+', '+S[b[5]]+')')+
         '<br>freed: '+(b[8]<0?'outlives the step':'tick '+b[1]+' ('+D.phases[b[8]]+', '+S[b[7]]+')'); }
       else h+='<br>(smaller blocks here: not listed)'; }
@@ -540,27 +788,66 @@ def timeline_html(tl: Timeline) -> str:
     data = json.dumps(_page_data(tl), separators=(",", ":")).replace("</", "<\\/")
     title = html.escape(tl.title)
     legend = " ".join(
-        f'<span><i style="background:{COLORS[c]}"></i>{html.escape(c.value)}</span>'
-        for c in _ORDER
+        f'<span><i style="background:{_color(c)}"></i>{html.escape(c.value)}</span>'
+        for c in [*_ORDER, *_TRACE_LAYERS]
         if any(c in t.categories for t in tl.tracks)
     )
-    legend += " " + " ".join(
-        f'<span><i style="background:{col};opacity:.35"></i>{p.value}</span>' for p, col in _PHASE_COLORS.items()
-    )
+    for name in dict.fromkeys(n for t in tl.tracks for n, _ in t.lines):
+        color, dash = _line_style(name)
+        style = "dashed" if dash[1] else "solid"
+        legend += f' <span><i style="height:0;border-top:2px {style} {color};vertical-align:3px"></i>{html.escape(name)}</span>'
+    if any(t.phases for t in tl.tracks):
+        legend += " " + " ".join(
+            f'<span><i style="background:{col};opacity:.35"></i>{p.value}</span>' for p, col in _PHASE_COLORS.items()
+        )
     if any(t.recompute for t in tl.tracks):
         legend += f' <span><i style="background:{_RECOMPUTE_COLOR};opacity:.5"></i>recompute</span>'
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in tl.notes)
     tables = []
     for t in tl.tracks:
+        trace = t.kind == "trace"
         rows = "".join(
-            f"<tr><td>{format_bytes(b)}</td><td>{html.escape(c.value)}</td><td>{html.escape(_where(m))}</td>"
+            f"<tr><td>{format_bytes(b)}</td><td>{html.escape(c.value)}</td>"
+            f"<td>{html.escape(m or '').replace(chr(10), '<br>') if trace else html.escape(_where(m))}</td>"
             f"<td>{html.escape(bw)}</td><td>{html.escape(fw)}</td></tr>"
             for b, c, m, bw, fw in t.at_peak
         )
         tables.append(
-            f"<h3>Largest blocks at the peak: {html.escape(t.label)}</h3><table><tr><th>bytes</th><th>category</th>"
-            f"<th>module</th><th>born</th><th>freed</th></tr>{rows}</table>"
+            f"<h3>Largest blocks at the peak: {html.escape(t.label)}</h3><table><tr><th>bytes</th><th>"
+            f"{'kind' if trace else 'category'}</th><th>{'allocated at (innermost frame first)' if trace else 'module'}</th>"
+            f"<th>born</th><th>freed</th></tr>{rows}</table>"
         )
+        if t.segments_at_peak:
+            rows = "".join(
+                f"<tr><td>{format_bytes(size)}</td><td>{format_bytes(used)}</td><td>{html.escape(what)}</td></tr>"
+                for size, used, what in t.segments_at_peak
+            )
+            tables.append(
+                f"<h3>Largest segments at the peak: {html.escape(t.label)}</h3><table><tr><th>bytes</th>"
+                f"<th>allocated in it</th><th>segment</th></tr>{rows}</table>"
+            )
+    if all(t.kind == "trace" for t in tl.tracks):
+        explain = (
+            "Bytes in allocated blocks right after each event of the GPU's trace (an allocation, a free, a segment made "
+            "or released), those alive when the trace began at the bottom; dashed: reserved (the segments). "
+            "Dotted line: the allocated peak. Along the axis: segments made (above) and released (below), "
+            "each mark as tall as its size. "
+        )
+    else:
+        explain = (
+            "Memory right after each tick (one allocation or free), stacked by category; shaded: forward, backward, "
+            "optimizer; dotted line: the peak. Along the axis: module spans (forward above, backward below), recomputes "
+            "in red. "
+        )
+        if any(t.lines for t in tl.tracks):
+            explain += (
+                "Lines: the CUDA caching allocator's allocated (blocks, rounded up) and reserved (segments) bytes, from "
+                "the allocator model's replay of the same ticks. "
+            )
+    explain = (
+        f'<p style="font-size:12px">{explain}Where a track has more ticks than columns, each column shows the tick of '
+        "highest memory in it: the envelope and the peak are exact. Hover for the block under the pointer.</p>"
+    )
     scatter = ""
     if tl.candidates:
         scatter = (
@@ -585,10 +872,7 @@ e.id='memfit-error';e.textContent='error: '+m+' (line '+l+')';document.body.appe
 <ul>{notes}</ul>
 <div class="legend">{legend}</div>
 <div id="charts"></div>
-<p style="font-size:12px">Memory right after each tick (one allocation or free), stacked by category; shaded: forward,
-backward, optimizer; dotted line: the peak. Along the axis: module spans (forward above, backward below), recomputes in red.
-Where a track has more ticks than columns, each column shows the tick of highest memory in it: the envelope and the peak are exact.
-Hover for the block under the pointer.</p>
+{explain}
 {"".join(tables)}
 {scatter}
 <div id="tip"></div><div id="memfit-status" style="display:none">loading</div>
@@ -606,9 +890,59 @@ def _source(prof: Profile) -> str:
     return f"recorded by memfit.profile on {on}: {len(prof.ledger.ticks)} ticks, {len(prof.ledger.blocks)} blocks"
 
 
+def _conf(settings: AllocatorSettings) -> str:
+    conf = settings.describe()
+    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "the allocator's default settings"
+
+
+def _cuda(prof: Profile) -> tuple[list[tuple[str, list[int], int]], list[str]]:
+    """On CUDA, the lines (allocated, reserved: the allocator model's replay of the ledger's
+    ticks, since torch reports only their peaks) and a note saying so; on the CPU, nothing."""
+    cm = prof.cuda_memory
+    if cm is None:
+        return [], []
+    s = ledger_series(prof.ledger, cm.settings)
+    note = (
+        f"allocated and reserved lines: the CUDA caching allocator model replaying these ticks under "
+        f"{_conf(cm.settings)} (peaks {format_bytes(s.stats.allocated_peak_bytes)} allocated, "
+        f"{format_bytes(s.stats.reserved_peak_bytes)} reserved)"
+    )
+    if cm.source != "caching allocator model":
+        note += (
+            f"; measured on the GPU ({cm.source}): {format_bytes(cm.allocated_peak_bytes)} allocated, "
+            f"{format_bytes(cm.reserved_peak_bytes)} reserved"
+        )
+    lines = [
+        ("allocated", s.allocated, s.stats.allocated_peak_bytes),
+        ("reserved", s.reserved, s.stats.reserved_peak_bytes),
+    ]
+    return lines, [note]
+
+
+def _track(prof: Profile, label: str, notes: list[str], checkpointed: Sequence[str] = ()) -> Track:
+    """``prof``'s ledger as a track, with CUDA's lines where it ran on CUDA (their note added to ``notes``)."""
+    lines, note = _cuda(prof)
+    notes += [f"{label}: {n}" for n in note]
+    return build_track(prof.ledger, label, checkpointed=checkpointed, lines=lines)
+
+
 def profile_timeline(prof: Profile, title: str) -> Timeline:
     """The profiled step as one track."""
-    return Timeline(title, [build_track(prof.ledger, "step")], notes=[f"step {_source(prof)}"])
+    notes = [f"step {_source(prof)}"]
+    return Timeline(title, [_track(prof, "step", notes)], notes=notes)
+
+
+def snapshot_timeline(tt: TraceTimeline, title: str, source: str) -> Timeline:
+    """A GPU's recorded trace (``source``: where it was read) as one track."""
+    notes = [
+        f"GPU {tt.device}'s trace in {source}: {len(tt.actions)} events, {len(tt.blocks)} blocks, "
+        f"{len(tt.segments)} segments, recorded under {_conf(tt.settings)}",
+        "re-lived at the recorded addresses (memfit.measure.snapshot.trace_timeline): what the GPU held, "
+        "not a model's guess; blocks count as the allocator does (memory_allocated: requests rounded up)",
+    ]
+    if not tt.actions:
+        notes.append("the snapshot has no trace (recorded without _record_memory_history): only the dumped state")
+    return Timeline(title, [trace_track(tt, f"GPU {tt.device}")], notes=notes)
 
 
 def plan_timeline(before: Profile, after: Profile, plan: Plan, candidates: Sequence[Option], title: str) -> Timeline:
@@ -617,19 +951,19 @@ def plan_timeline(before: Profile, after: Profile, plan: Plan, candidates: Seque
     plan's predicted peak; ``candidates`` are the options the planner weighed on ``before``."""
     chosen = {(m, c.mode) for m, c in plan.checkpointed.items()}
     cands = [Candidate(o.module, o.mode, o.freed_bytes, o.cost_s, o.cost_flops, (o.module, o.mode) in chosen) for o in candidates]
+    notes = [
+        f"no plan: the step {_source(before)}",
+        f"plan: the same step with the plan applied (memfit.apply), {_source(after)}; "
+        f"the plan's predicted peak is {format_bytes(plan.predicted_peak_bytes)}",
+    ]
+    tracks = [
+        _track(before, "no plan", notes),
+        _track(after, f"plan ({len(plan.checkpointed)} modules recomputed)", notes, list(plan.checkpointed)),
+    ]
     return Timeline(
         title,
-        [
-            build_track(before.ledger, "no plan"),
-            build_track(
-                after.ledger, f"plan ({len(plan.checkpointed)} modules recomputed)", checkpointed=list(plan.checkpointed)
-            ),
-        ],
-        notes=[
-            f"no plan: the step {_source(before)}",
-            f"plan: the same step with the plan applied (memfit.apply), {_source(after)}; "
-            f"the plan's predicted peak is {format_bytes(plan.predicted_peak_bytes)}",
-        ]
+        tracks,
+        notes=notes
         + (
             [
                 "tensors a selective checkpoint keeps are held by the checkpoint, not by autograd's saved-tensor hooks: "
@@ -646,12 +980,6 @@ def plan_timeline(before: Profile, after: Profile, plan: Plan, candidates: Seque
 def recipe_timeline(before: Profile, after: Profile, recipe: Recipe, title: str) -> Timeline:
     """The step as it is and with ``recipe``'s levers (its step options and plan), each profiled."""
     checkpointed = list(recipe.plan.checkpointed) if recipe.plan is not None else []
-    return Timeline(
-        title,
-        [
-            build_track(before.ledger, "as it is"),
-            build_track(after.ledger, f"recipe: {recipe.summary()}", checkpointed=checkpointed),
-        ],
-        notes=[f"as it is: the step {_source(before)}", f"recipe: the recipe's step (its plan applied), {_source(after)}"],
-        budget_bytes=recipe.budget_bytes,
-    )
+    notes = [f"as it is: the step {_source(before)}", f"recipe: the recipe's step (its plan applied), {_source(after)}"]
+    tracks = [_track(before, "as it is", notes), _track(after, f"recipe: {recipe.summary()}", notes, checkpointed)]
+    return Timeline(title, tracks, notes=notes, budget_bytes=recipe.budget_bytes)
