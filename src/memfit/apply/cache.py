@@ -161,6 +161,11 @@ def turned_off(model: nn.Module) -> tuple[str, ...]:
     return tuple(f.name for f in _installed(model) if not f.probe and f.turned_off)
 
 
+def switched(model: nn.Module) -> tuple[str, ...]:
+    """Modules of ``model`` carrying the switch (a copy of a switched model carries it too)."""
+    return tuple(f.name for f in _installed(model) if not f.probe)
+
+
 def writers(model: nn.Module) -> tuple[str, ...]:
     """Modules of ``model`` whose probe saw a training-mode call return a cache."""
     return tuple(f.name for f in _installed(model) if f.probe and f.writes)
