@@ -27,7 +27,8 @@ from torch import nn
 from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.ledger import Phase
+from memfit.measure.allocator import AllocatorSettings, replay_ledger
+from memfit.measure.ledger import Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import fake_device, step_sandbox
 from memfit.measure.scope import Scope
@@ -57,7 +58,10 @@ _MiB = 2**20
 @dataclass(frozen=True)
 class _Run:
     peak_bytes: int
+    """What the budget bounds: on CUDA the caching allocator's reserved peak, else the tensor peak."""
     step_flops: int
+    tensor_bytes: int
+    """The ledger's peak (on CUDA: the allocated peak)."""
 
 
 class _RecomputeFailed(Exception):
@@ -90,6 +94,9 @@ class _Verifier:
         )
         self.loss_fn = loss_fn
         self.runs = 0
+        self.settings: AllocatorSettings | None = None
+        """On CUDA: the allocator settings each run's ledger is replayed under (set once the
+        step's profile is known)."""
 
     def stateful(self) -> tuple[dict[str, str], tuple[str, ...]]:
         """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`), and the
@@ -143,7 +150,17 @@ class _Verifier:
             raise
         finally:
             remove(self.box.model)
-        return _Run(ledger.peak_bytes, sum(flops.values()))
+        return _Run(_budget_peak(ledger, self.settings), sum(flops.values()), ledger.peak_bytes)
+
+
+def _budget_peak(ledger: Ledger, settings: AllocatorSettings | None) -> int:
+    """What a budget bounds for a recorded step: on CUDA the reserved peak of its allocations
+    and frees replayed through the caching allocator model (exact for the model: the planned
+    step's own sequence, recompute included, not a bound fitted to the unplanned step's),
+    else the ledger's peak."""
+    if settings is None:
+        return ledger.peak_bytes
+    return replay_ledger(ledger, settings).reserved_peak_bytes
 
 
 def _profile_fake(profile: Profile) -> bool | str:
@@ -271,7 +288,13 @@ def plan(
         ledger = prof.ledger
         timed = prof.time_source == "measured"
         forward_time, calls, rates, timing_note = _costing(prof)
-        none_peak = prof.peak_bytes
+        # On CUDA the budget bounds what the caching allocator reserves: every verified run
+        # is replayed through the allocator model, and P_none is the same model's figure for
+        # the unplanned step (on a real GPU too, where the profile measured it beside: plans
+        # and P_none are then judged alike).
+        verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
+        none_peak = _none_peak(prof)
+        none_run = _Run(none_peak, prof.step_flops, prof.peak_bytes)
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
@@ -290,7 +313,7 @@ def plan(
             try:
                 report("lowest reachable peak", 0, 2)
                 lowest = problem.min_peak()
-                low_run = verifier.run(lowest.chosen) if lowest.chosen else _Run(none_peak, prof.step_flops)
+                low_run = verifier.run(lowest.chosen) if lowest.chosen else none_run
                 # The model of the step is conservative (it keeps a checkpointed module's
                 # activations alive through its whole forward), so its minimum can miss the
                 # plain recipe of recomputing every repeated block: try that too.
@@ -300,7 +323,7 @@ def plan(
                     if recipe_run.peak_bytes < low_run.peak_bytes:
                         lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
                 min_peak = min(low_run.peak_bytes, none_peak)
-                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], _Run(none_peak, prof.step_flops))
+                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
                 target = spec.resolve(min_peak, none_peak)
                 if target < min_peak:
                     raise BudgetInfeasibleError(
@@ -310,7 +333,7 @@ def plan(
                         budget_bytes=target,
                     )
                 report("cheapest plan within the budget", 1, 2)
-                chosen, run = _fit(problem, verifier, target, none_peak, prof.step_flops, low)
+                chosen, run = _fit(problem, verifier, target, none_run, low)
             except _RecomputeFailed as failed:
                 excluded[failed.module] = failed.reason
                 continue
@@ -323,6 +346,8 @@ def plan(
     return Plan(
         budget_bytes=target,
         predicted_peak_bytes=run.peak_bytes,
+        allocated_peak_bytes=run.tensor_bytes if verifier.settings is not None else None,
+        peak_basis="reserved_peak_bytes" if verifier.settings is not None else "peak_bytes",
         start_bytes=prof.start_bytes,
         none_peak_bytes=none_peak,
         min_peak_bytes=min_peak,
@@ -396,13 +421,25 @@ def _every_block(model: nn.Module, options: list[Option]) -> list[Option]:
     return [full[n] for n in names] if names and all(n in full for n in names) else []
 
 
+def _none_peak(prof: Profile) -> int:
+    """``P_none`` as plans are judged: the allocator model's reserved peak on CUDA (measured
+    figures, on a real GPU, are the profile's own), else the tensor peak."""
+    memory = prof.cuda_memory
+    if memory is None:
+        return prof.peak_bytes
+    return memory.model["reserved_peak_bytes"] if memory.model else memory.reserved_peak_bytes
+
+
 def _fit(
-    problem: Problem, verifier: _Verifier, target: int, none_peak: int, base_flops: int, low: tuple[list[Option], _Run]
+    problem: Problem, verifier: _Verifier, target: int, none: _Run, low: tuple[list[Option], _Run]
 ) -> tuple[list[Option], _Run]:
-    """Cheapest verified plan within ``target``: solve, run it, tighten."""
-    if target >= none_peak:
-        return [], _Run(none_peak, base_flops)
-    bound = target - target // 400  # a 0.25% margin saves most second rounds
+    """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
+    step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
+    leaves the unplanned step's reserved-over-allocated gap, and each run's overshoot
+    (replayed through the allocator model) tightens it further."""
+    if target >= none.peak_bytes:
+        return [], none
+    bound = target - target // 400 - (none.peak_bytes - none.tensor_bytes)  # a 0.25% margin saves most second rounds
     for _ in range(_MAX_TIGHTENING):
         sol = problem.min_cost(bound)
         if sol is None:

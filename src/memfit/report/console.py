@@ -652,6 +652,11 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
         + ("[green]fits[/]" if fits else "[red]over[/]")
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
     )
+    if plan.allocated_peak_bytes is not None:
+        console.print(
+            f"on CUDA these are reserved bytes (the caching allocator's segments, memfit's model of it: what runs out); "
+            f"the plan's step allocates {format_bytes(plan.allocated_peak_bytes)} at its peak"
+        )
     if plan.extra_compute_s is not None and plan.step_time_s:
         cost = (
             f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
