@@ -59,9 +59,9 @@ _MiB = 2**20
 class _Run:
     peak_bytes: int
     """What the budget bounds: on CUDA the caching allocator's reserved peak, else the tensor peak."""
-    step_flops: int
     tensor_bytes: int
-    """The ledger's peak (on CUDA: the allocated peak)."""
+    """The ledger's peak; on CUDA the allocator model's allocated peak."""
+    step_flops: int
 
 
 class _RecomputeFailed(Exception):
@@ -150,17 +150,18 @@ class _Verifier:
             raise
         finally:
             remove(self.box.model)
-        return _Run(_budget_peak(ledger, self.settings), sum(flops.values()), ledger.peak_bytes)
+        return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
 
 
-def _budget_peak(ledger: Ledger, settings: AllocatorSettings | None) -> int:
-    """What a budget bounds for a recorded step: on CUDA the reserved peak of its allocations
-    and frees replayed through the caching allocator model (exact for the model: the planned
-    step's own sequence, recompute included, not a bound fitted to the unplanned step's),
-    else the ledger's peak."""
+def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:
+    """What a budget bounds for a recorded step, and its tensor peak: on CUDA the reserved and
+    allocated peaks of its allocations and frees replayed through the caching allocator model
+    (exact for the model: the planned step's own sequence, recompute included, not a bound
+    fitted to the unplanned step's), else the ledger's peak twice."""
     if settings is None:
-        return ledger.peak_bytes
-    return replay_ledger(ledger, settings).reserved_peak_bytes
+        return ledger.peak_bytes, ledger.peak_bytes
+    stats = replay_ledger(ledger, settings)
+    return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 
 def _profile_fake(profile: Profile) -> bool | str:
@@ -191,7 +192,9 @@ def plan(
         model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`.
         budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``,
             ``"800MB"``), or a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``) meaning
-            ``P_min + f * (P_none - P_min)``.
+            ``P_min + f * (P_none - P_min)``. On CUDA (real or fake) the peaks are the
+            caching allocator's reserved peaks (memfit's model of it replaying each planned
+            step; :attr:`Plan.allocated_peak_bytes` beside).
         fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes);
             ``"cuda"``: on fake CUDA, as for :func:`memfit.profile`.
         profile: a profile of this step to plan from, instead of measuring a new one.
@@ -294,7 +297,7 @@ def plan(
         # and P_none are then judged alike).
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         none_peak = _none_peak(prof)
-        none_run = _Run(none_peak, prof.step_flops, prof.peak_bytes)
+        none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
@@ -421,13 +424,18 @@ def _every_block(model: nn.Module, options: list[Option]) -> list[Option]:
     return [full[n] for n in names] if names and all(n in full for n in names) else []
 
 
-def _none_peak(prof: Profile) -> int:
+def _none_peak(prof: Profile, key: str = "reserved_peak_bytes") -> int:
     """``P_none`` as plans are judged: the allocator model's reserved peak on CUDA (measured
     figures, on a real GPU, are the profile's own), else the tensor peak."""
     memory = prof.cuda_memory
     if memory is None:
         return prof.peak_bytes
-    return memory.model["reserved_peak_bytes"] if memory.model else memory.reserved_peak_bytes
+    return memory.model[key] if memory.model else getattr(memory, key)
+
+
+def _none_allocated(prof: Profile) -> int:
+    """The unplanned step's tensor peak, as :attr:`_Run.tensor_bytes` counts it."""
+    return _none_peak(prof, "allocated_peak_bytes")
 
 
 def _fit(

@@ -842,8 +842,14 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
     if recipe.measured_step_time_s is not None:
         predicted = f"predicted {recipe.predicted_step_time_s:.3f} s, " if recipe.predicted_step_time_s is not None else ""
         measured.append(f"step {predicted}measured {recipe.measured_step_time_s:.3f} s (median of 3 after warm-up)")
+    elif recipe.times_predicted and recipe.predicted_step_time_s is not None:
+        measured.append(f"step {recipe.predicted_step_time_s:.4f} s predicted by the cost model (not measured)")
+    allocated = ""
+    if recipe.allocated_peak_bytes is not None:
+        allocated = f" reserved (allocated {format_bytes(recipe.allocated_peak_bytes)})"
     console.print(
         f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/]"
+        + allocated
         + (f"; {'; '.join(measured)}" if measured else ""),
         highlight=False,
     )
