@@ -51,6 +51,21 @@ def test_cli_profiles_a_transformer_on_fake_cuda(shim_cache, tmp_path):
     assert not _ops(data) & {"_safe_softmax", "bmm", "_scaled_dot_product_flash_attention_for_cpu"}
     # the CUDA allocator's 512-byte blocks, and no CPU autograd-graph estimate
     assert all(b["nbytes"] % 512 == 0 for b in data["ledger"]["blocks"]) and data["breakdown"]["autograd_graph"] == 0
+    # SDPA's backward temporaries, no tensor of which shows: one estimated workspace block per
+    # layer at the backward kernel. fp32, (batch 2, heads 4, seq 64, dim 16): delta
+    # 2*4*64 floats, the dQ accumulator 2*4*64*64 floats (seq and dim rounded to 64); the
+    # output's gradient arrives contiguous in the kernel's layout (no copy)
+    attention = [
+        b
+        for b in data["ledger"]["blocks"]
+        if b["category"] == "kernel_workspace"
+        and b["born"] >= 0
+        and "attention_backward" in data["ledger"]["ticks"][b["born"]][2]
+    ]
+    assert [b["nbytes"] for b in attention] == [2 * 4 * 64 * 4 + 2 * 4 * 64 * 64 * 4] * 2
+    ticks = data["ledger"]["ticks"]
+    assert data["ledger"]["attention_estimates"] == 2  # freed within the kernel's own op, after its outputs
+    assert all(b["died"] > b["born"] + 1 and ticks[b["died"]][2] == ticks[b["born"]][2] for b in attention)
     params = sum(
         p.numel() * 4
         for p in memfit.load_target(
@@ -352,7 +367,19 @@ PLAN_SCRIPT = textwrap.dedent(
     plan = memfit.plan(w.model, w.inputs, budget, optimizer=w.make_optimizer(), fake="cuda", **kw)
     memfit.apply(w.model, plan)
     after = memfit.profile(w.model, w.inputs, optimizer=w.make_optimizer(), fake="cuda", **kw)
+    # float16 autocast takes the flash kernel: its softmax_d and float32 dq_accum, estimated
+    tiny = memfit.load_target("gpt", batch_size=2, sizes={"n_layer": 1, "n_embd": 64, "n_head": 4, "block_size": 100})
+    half = memfit.profile(
+        tiny.model, tiny.inputs, loss_fn=tiny.loss_fn, targets=tiny.targets, fake="cuda",
+        step=memfit.StepOptions(autocast="float16"),
+    )
+    led = half.ledger
+    flash = [
+        b.nbytes for b in led.blocks
+        if b.category.value == "kernel_workspace" and b.born >= 0 and "attention_backward" in led.ticks[b.born].op
+    ]
     print("RESULT" + json.dumps({
+        "flash": flash, "flash_ops": sorted({t.op for t in led.ticks if "attention_backward" in t.op}),
         "budget": budget, "base_reserved": base.reserved_peak_bytes, "base_allocated": base.allocated_peak_bytes,
         "plan": plan.to_dict(), "reserved": after.reserved_peak_bytes, "allocated": after.allocated_peak_bytes,
     }))
@@ -370,3 +397,7 @@ def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_prof
     # the planned step, profiled again with the plan applied, reserves exactly what the plan predicted
     assert r["reserved"] == plan["predicted_peak_bytes"] <= r["budget"]
     assert r["allocated"] == plan["allocated_peak_bytes"] < plan["predicted_peak_bytes"]
+    # flash backward at (batch 2, heads 4, seq 100, dim 16): softmax_d 2*4*128 floats and
+    # dq_accum 2*128*4*32 floats (seq rounded to 128, dim to 32), each in 512 B blocks
+    assert r["flash_ops"] == ["_scaled_dot_product_flash_attention_backward"]
+    assert r["flash"] == [2 * 4 * 128 * 4 + 2 * 128 * 4 * 32 * 4]

@@ -396,10 +396,17 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             f"of {format_bytes(ledger.cublas_workspace_bytes)} ({ledger.cublas_workspace_bytes:,} B: one per thread that "
             "runs matmuls, the forward's and autograd's; torch keeps them, so they are alive from the start)"
         )
+    if ledger.attention_estimates:
+        console.print(
+            f"kernel_workspace includes the temporaries of {ledger.attention_estimates} attention backward call"
+            f"{'s' if ledger.attention_estimates > 1 else ''} (flash / memory-efficient SDPA: float32 dQ accumulator, "
+            "softmax or delta sums, a copy of a non-contiguous output gradient): an estimate from torch's sources, "
+            "not a measurement"
+        )
     if profile.device.startswith("fake:cuda"):
         console.print(
-            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, attention backward "
-            "temporaries) is not counted, and blocks are rounded to 512 B but not placed in the caching allocator's segments"
+            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, kernels' own "
+            "temporaries) is not counted, attention backward's aside (estimated)"
         )
     elif profile.ledger.unmeasured_ops:
         console.print(
