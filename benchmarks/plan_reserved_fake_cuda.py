@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from _table import emit
+
 import memfit
 from memfit import zoo
-
-from _table import emit
 
 CASES = {
     "gpt 6 x 512, 512 tokens, batch 8": dict(n_layer=6, n_embd=512, n_head=8, block_size=512, batch_size=8),
@@ -39,9 +39,7 @@ def main() -> None:
         work = zoo.build("gpt", **sizes)
         kw = dict(loss_fn=work.loss_fn, targets=work.targets)
         prof = memfit.profile(work.model, work.inputs, optimizer=work.make_optimizer(), fake="cuda", **kw)
-        rows.append(
-            f"| {name} | no plan | {prof.reserved_peak_bytes:,} B | {prof.allocated_peak_bytes:,} B | 0 | - | - | - |"
-        )
+        rows.append(f"| {name} | no plan | {prof.reserved_peak_bytes:,} B | {prof.allocated_peak_bytes:,} B | 0 | - | - | - |")
         for b in ns.budgets.split(","):
             started = time.perf_counter()
             plan = memfit.plan(work.model, work.inputs, float(b), optimizer=work.make_optimizer(), fake="cuda", **kw)
