@@ -8,6 +8,7 @@ import torch
 import memfit
 from memfit import zoo
 from memfit.bench.child import measure_step_peak
+from memfit.workload import call_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -73,13 +74,37 @@ def test_cuda_fit_weighs_offload():
     offloaded = memfit.profile(
         model, inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True, step=memfit.StepOptions(offload=True)
     )
-    recipe = memfit.fit(model, inputs, (plain.peak_bytes + offloaded.peak_bytes) // 2, loss_fn=work.loss_fn, optimizer=opt)
+    # on CUDA budgets and predicted peaks are reserved bytes (the allocator model's)
+    budget = (plain.budget_peak_bytes + offloaded.budget_peak_bytes) // 2
+    recipe = memfit.fit(model, inputs, budget, loss_fn=work.loss_fn, optimizer=opt)
     assert "offload" not in recipe.left_out or recipe.left_out["offload"].startswith("the chosen")
     rows = [w for w in recipe.what_if if "offload" in w.levers]
-    assert rows and rows[0].predicted_peak_bytes == offloaded.peak_bytes and "host memory" in rows[0].note
+    assert rows and rows[0].predicted_peak_bytes == offloaded.budget_peak_bytes and "host memory" in rows[0].note
     if "offload" in recipe.levers:
         assert "run.offload()" in recipe.snippet()
-        assert abs(recipe.predicted_peak_bytes - recipe.measured_peak_bytes) <= 0.05 * recipe.measured_peak_bytes
+        assert abs(recipe.allocated_peak_bytes - recipe.measured_peak_bytes) <= 0.05 * recipe.measured_peak_bytes
+
+
+def test_cuda_plan_for_a_reserved_budget_reserves_within_it():
+    """A plan for a budget under the step's reserved peak, applied: torch's own
+    max_memory_reserved over real steps stays within it (2% for the allocator model)."""
+    work, model, inputs = _small_gpt_on_cuda()
+    opt = work.make_optimizer()
+    plain = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True)
+    budget = plain.allocated_peak_bytes - (plain.allocated_peak_bytes - plain.start_bytes) // 4
+    plan = memfit.plan(model, inputs, budget, loss_fn=work.loss_fn, optimizer=opt)
+    assert plan.peak_basis == "reserved_peak_bytes" and plan.predicted_peak_bytes <= budget
+    memfit.apply(model, plan)
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            call_loss(work.loss_fn, model(**inputs), work.targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert torch.cuda.max_memory_reserved() <= budget * 1.02
+    finally:
+        memfit.remove(model)
 
 
 def test_cuda_profile_reports_the_allocators_measured_peaks():

@@ -38,3 +38,26 @@ def test_device_fit_arithmetic_and_the_reserved_peak_slot():
     assert gpu.DeviceFit.from_dict(later.to_dict()) == later
     cpu = gpu.device_fit(100, capacity_bytes=100, cuda=False)
     assert cpu.outside == () and cpu.headroom_bytes == 0 and cpu.fits
+
+
+def test_attention_backward_temporaries_follow_torchs_allocations():
+    flash = "_scaled_dot_product_flash_attention_backward"
+    kw = dict(batch=2, heads=8, heads_kv=8, seq_q=1000, seq_k=1000, head_dim=80, itemsize=2, grad_out_copy=False)
+    # softmax_d (2, 8, 1024) float32 and dq_accum (2, 1024, 8, 96) float32
+    assert gpu.attention_backward_bytes(flash, **kw) == 2 * 8 * 1024 * 4 + 2 * 1024 * 8 * 96 * 4
+    # head_dim past 128 rounds to 64; a non-contiguous output gradient is copied; GQA expands dK and dV
+    wide = {**kw, "head_dim": 136}
+    assert gpu.attention_backward_bytes(flash, **wide) == 2 * 8 * 1024 * 4 + 2 * 1024 * 8 * 192 * 4
+    copy = 2 * 1000 * 8 * 80 * 2
+    assert (
+        gpu.attention_backward_bytes(flash, **{**kw, "grad_out_copy": True}) == gpu.attention_backward_bytes(flash, **kw) + copy
+    )
+    gqa = gpu.attention_backward_bytes(flash, **{**kw, "heads_kv": 2})
+    assert gqa == gpu.attention_backward_bytes(flash, **kw) + 2 * (2 * 1000 * 8 * 80 * 2)
+    eff = "_scaled_dot_product_efficient_attention_backward"
+    # delta (2, 8, 1000) float32 and one workspace: the dQ accumulator, seq and dim to 64
+    assert gpu.attention_backward_bytes(eff, **kw) == 2 * 8 * 1000 * 4 + 2 * 8 * 1024 * 128 * 4
+    # past head_dim 128 the dK and dV accumulators join the same workspace
+    assert gpu.attention_backward_bytes(eff, **wide) == 2 * 8 * 1000 * 4 + 3 * 2 * 8 * 1024 * 192 * 4
+    with pytest.raises(ValueError, match="not an attention backward op"):
+        gpu.attention_backward_bytes("mm", **kw)

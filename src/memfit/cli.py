@@ -259,11 +259,6 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
     if ns.multiple_of < 1:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     fake = FAKE.get(ns.device, False)
-    if fake and not ns.max_batch:
-        raise MemfitError(
-            f"memfit fit times real steps, which fake tensors cannot run (--device {ns.device}): run it on the GPU, or "
-            "use memfit fit --max-batch (peaks only) or memfit plan on fake CUDA"
-        )
     _require_device(ns.device)
     work = _workload(ns)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
@@ -285,7 +280,7 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         recipe = found.recipe
     else:
         with progress_bar(console, f"fitting {work.name}") as progress:
-            recipe = memfit.fit(model, inputs, budget, progress=progress, **common)
+            recipe = memfit.fit(model, inputs, budget, progress=progress, fake=fake, **common)
         recipe.budget = label
     render_fit(recipe, console, title=work.name, path=ns.json)
     if ns.json:
@@ -550,7 +545,7 @@ def _parser() -> argparse.ArgumentParser:
         "--device",
         choices=["cpu", "cuda", "fake-cuda"],
         default="cpu",
-        help="fit measures step times, so fake-cuda only with --max-batch (its peaks; no recipe timed)",
+        help="fake-cuda: exact peaks on a simulated CUDA GPU, step times predicted by the cost model (nothing timed)",
     )
     _gpu_options(p)
     p.add_argument(

@@ -123,7 +123,11 @@ def run_bench(
                     rows.append(row)
                     continue
                 row.plan_time_s = profile_s + time.perf_counter() - t0
-                row.predicted_peak_bytes = plan.predicted_peak_bytes
+                # measured below as max_memory_allocated on CUDA: the plan's allocated peak, not
+                # the reserved one its budget bounds there
+                row.predicted_peak_bytes = (
+                    plan.allocated_peak_bytes if plan.allocated_peak_bytes is not None else plan.predicted_peak_bytes
+                )
                 path = Path(tmp) / f"plan-{i}.json"
                 path.write_text(plan.to_json())
                 plans[budget] = path

@@ -29,6 +29,8 @@ __all__ = [
     "GpuError",
     "find_gpu",
     "cublas_workspace_bytes",
+    "ATTENTION_BACKWARD_OPS",
+    "attention_backward_bytes",
     "Estimate",
     "CUDA_CONTEXT",
     "nccl_estimate",
@@ -118,6 +120,70 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = Non
         if pairs:
             return sum(int(size) * 1024 * int(count) for size, count in pairs)
     return default
+
+
+# --- attention backward ---------------------------------------------------------------------
+
+ATTENTION_BACKWARD_OPS = frozenset(
+    {"_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward"}
+)
+"""SDPA's CUDA backward kernels, which allocate temporaries no op returns (below)."""
+
+
+def _up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _block(nbytes: int) -> int:
+    """One allocation as the caching allocator counts it (512 B blocks)."""
+    return _up(nbytes, 512)
+
+
+def attention_backward_bytes(
+    op: str,
+    *,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    itemsize: int,
+    grad_out_copy: bool,
+) -> int:
+    """An estimate of what one SDPA backward kernel on CUDA allocates for itself (through the
+    caching allocator, freed before it returns), from torch's sources:
+
+    - both kernels copy the output's gradient when it is not contiguous in the kernel's
+      (batch, seq, heads, dim) layout (``grad_out.contiguous()``, ``attention_backward.cu``);
+    - flash (``flash_api.cpp``, ``mha_bwd``): ``softmax_d``, float32 (batch, heads,
+      seq_q rounded to 128), and the float32 dQ accumulator ``dq_accum`` (batch, seq_q
+      rounded to 128, heads, head_dim rounded to 32, or 64 past 128; the non-deterministic
+      path); with fewer key/value heads (GQA), dK and dV expanded to every head;
+    - memory-efficient (cutlass ``_efficient_attention_backward``): ``delta``, float32
+      (batch, heads, seq_q), and the ``workspace`` of ``kernel_backward.h``: a float32 dQ
+      accumulator per (batch, head), taken here as seq_q and head_dim each rounded to 64
+      (one key split; the kernel's split-keys heuristic can take more), plus float32 dK and
+      dV accumulators when head_dim is over 128 (the kernels then keep them in memory, not
+      in registers).
+
+    Each allocation is counted in the caching allocator's 512 B blocks. An estimate: kernel choices inside a kernel family (block sizes, split keys,
+    deterministic mode) move these by their rounding, and cuDNN attention is not modelled.
+    """
+    copy = _block(batch * seq_q * heads * head_dim * itemsize) if grad_out_copy else 0
+    if op == "_scaled_dot_product_flash_attention_backward":
+        dim_rounded = _up(head_dim, 32 if head_dim <= 128 else 64)
+        softmax_d = _block(batch * heads * _up(seq_q, 128) * 4)
+        dq_accum = _block(batch * _up(seq_q, 128) * heads * dim_rounded * 4)
+        expanded = 2 * _block(batch * seq_k * heads * head_dim * itemsize) if heads_kv != heads else 0
+        return copy + softmax_d + dq_accum + expanded
+    if op == "_scaled_dot_product_efficient_attention_backward":
+        delta = _block(batch * heads * seq_q * 4)
+        accumulators = batch * heads * _up(seq_q, 64) * _up(head_dim, 64)
+        if head_dim > 128:
+            accumulators += 2 * batch * heads * _up(seq_k, 64) * _up(head_dim, 64)
+        return copy + delta + _block(accumulators * 4)  # one workspace tensor
+    raise ValueError(f"not an attention backward op: {op}")
 
 
 # --- outside the allocator ------------------------------------------------------------------

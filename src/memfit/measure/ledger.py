@@ -165,6 +165,10 @@ class Ledger:
     thread and stream that ran a cuBLAS op, alive from the start; no tensor shows them)."""
     cublas_workspace_bytes: int = 0
     """Bytes of each of them (by the GPU's generation, :func:`memfit.measure.gpu.cublas_workspace_bytes`)."""
+    attention_estimates: int = 0
+    """Fake CUDA steps: SDPA backward calls whose :attr:`Category.WORKSPACE` block is an
+    estimate of the kernel's own temporaries (:func:`memfit.measure.gpu.attention_backward_bytes`),
+    not a measurement."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
@@ -244,6 +248,7 @@ class Ledger:
             "unmeasured_ops": self.unmeasured_ops,
             "cublas_workspaces": self.cublas_workspaces,
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
+            "attention_estimates": self.attention_estimates,
         }
 
     @classmethod
@@ -264,6 +269,7 @@ class Ledger:
             int(data.get("unmeasured_ops", 0)),
             int(data.get("cublas_workspaces", 0)),
             int(data.get("cublas_workspace_bytes", 0)),
+            attention_estimates=int(data.get("attention_estimates", 0)),
         )
 
 

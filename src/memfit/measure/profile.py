@@ -159,6 +159,12 @@ class Profile:
         return self.cuda_memory.reserved_peak_bytes if self.cuda_memory else None
 
     @property
+    def budget_peak_bytes(self) -> int:
+        """The peak a memory budget bounds: on CUDA (real or fake) the caching allocator's
+        reserved peak (its segments: what runs out), elsewhere :attr:`peak_bytes`."""
+        return self.cuda_memory.reserved_peak_bytes if self.cuda_memory else self.peak_bytes
+
+    @property
     def peak_bytes(self) -> int:
         """Highest live bytes in the step, everything alive at its start included: tensors,
         and on CPU autograd's graph (:attr:`Category.GRAPH`, estimated)."""

@@ -92,6 +92,25 @@ _TAG = "memfit.op#"
 """Prefix of the profiler regions around ops whose kernel workspace is being measured."""
 
 
+def _attention_backward_estimate(op: str, args: tuple) -> int:
+    """:func:`memfit.measure.gpu.attention_backward_bytes` for an SDPA backward call: its
+    arguments start with the output's gradient, query, key (batch, heads, seq, dim)."""
+    grad_out, query, key = args[0], args[1], args[2]
+    batch, heads, seq_q, head_dim = query.shape
+    return gpu.attention_backward_bytes(
+        op,
+        batch=batch,
+        heads=heads,
+        heads_kv=key.shape[1],
+        seq_q=seq_q,
+        seq_k=key.shape[2],
+        head_dim=head_dim,
+        itemsize=query.element_size(),
+        # the kernels take it as (batch, seq, heads, dim), contiguous, copying it if not
+        grad_out_copy=not grad_out.transpose(1, 2).is_contiguous(),
+    )
+
+
 def _cuda_capability(device: torch.device | None) -> tuple[int, int]:
     """The step's GPU's compute capability (fake CUDA answers for the GPU it simulates)."""
     return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
@@ -200,6 +219,7 @@ class Recorder(TorchDispatchMode):
         self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
         self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
         self.unmeasured_ops = 0
+        self.attention_estimates = 0
         # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
         # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
         # torch for the process: in the steady-state step memfit records (a warm-up step ran
@@ -396,6 +416,10 @@ class Recorder(TorchDispatchMode):
             return None, None
         sig = workspace.signature(func, args, kwargs)
         known = self.table.get(sig)
+        if known is None and self._trace is None and self.device_type == "cuda" and self._op in gpu.ATTENTION_BACKWARD_OPS:
+            # fake CUDA runs no kernel to measure: SDPA's backward temporaries from torch's sources
+            known = _attention_backward_estimate(self._op, args)
+            self.attention_estimates += 1
         if known is None and self._trace is None:
             self.unmeasured_ops += 1
             return None, None
@@ -502,5 +526,13 @@ class Recorder(TorchDispatchMode):
         )
         ops = [OpCall(o.module, o.op, o.flops, at(o.first), at(o.end)) for o in self.ops]
         return Ledger(
-            blocks, ticks, spans, ops, self.elsewhere_peak, self.unmeasured_ops, self.cublas_workspaces, self._cublas_bytes
+            blocks,
+            ticks,
+            spans,
+            ops,
+            self.elsewhere_peak,
+            self.unmeasured_ops,
+            self.cublas_workspaces,
+            self._cublas_bytes,
+            attention_estimates=self.attention_estimates,
         )

@@ -64,13 +64,14 @@ from torch import nn
 
 from memfit.apply.cache import switched_off
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
-from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError
+from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError, WorkloadError
 from memfit.measure import _optim8bit, _torch_compat
+from memfit.measure.allocator import AllocatorSettings
 from memfit.measure.ledger import Phase
-from memfit.measure.profile import Profile, Progress, check_step
+from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory
 from memfit.measure.profile import _run as run_step
 from memfit.measure.profile import profile as measure_profile
-from memfit.measure.sandbox import real_sandbox
+from memfit.measure.sandbox import fake_device, real_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions, eval_mode, first_micro_batches
 from memfit.measure.timing import StepTimes, optimizer_step_time, selective_overhead_s, time_steps
@@ -92,7 +93,7 @@ from memfit.workload import (
 
 __all__ = ["fit", "parse_allow", "fit_budget", "EXACT_LEVERS", "OPT_IN_LEVERS"]
 
-EXACT_LEVERS = ("recompute", "microbatch", "set_to_none", "offload")
+EXACT_LEVERS = ("recompute", "microbatch", "set_to_none", "offload", "expandable_segments")
 """Levers that leave what training computes as it was: always considered."""
 OPT_IN_LEVERS = ("amp", "bf16", "foreach", "8bit")
 """Levers that change the numerics: considered only when ``allow`` names them."""
@@ -108,6 +109,7 @@ _SPREAD = 0.2  # timed steps spread wider than this (max - min over median) are 
 _NOISY = 0.3  # still wider: the timings cannot rank candidates; the predictions do
 _PARTED = 0.15  # predicted and measured step time further apart than this: said in the notes
 _LOSS_RTOL = 1e-4
+_FP32_SLOWER = 8.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class _Combo:
     set_to_none: bool = True
     eight_bit: bool = False
     offload: bool = False
+    expandable: bool = False
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the same step (same ledger, same
+    time), other segments: its peak is the ledger replayed under that setting."""
 
 
 @dataclass
@@ -374,8 +379,13 @@ class _Search:
         scales: dict[int, float],
         report: _Stages,
         targets: Any,
+        fake_cuda: bool = False,
     ) -> None:
         self.model = model
+        self.fake_cuda = fake_cuda
+        """The step runs on fake CUDA: peaks from fake-CUDA profiles, times from the cost model only."""
+        self.settings = allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None
+        """On CUDA: the process's allocator settings, which peaks are judged under."""
         self.inputs = inputs
         self.args, self.kwargs = split_inputs(inputs)
         self.loss_fn = loss_fn
@@ -395,6 +405,8 @@ class _Search:
         """The optimizer has its state (fit's own first step): the step as it is runs warm."""
         self.peaks: dict[_Combo, int] = {}
         self.host_peaks: dict[_Combo, int] = {}
+        self.allocated: dict[_Combo, int | None] = {}
+        """On CUDA: each combination's allocated peak, beside the reserved one it is judged by."""
         self.plans: dict[_Combo, Plan | int] = {}
         self.fake_profiles = 0
         self.chosen_by = "the measured times"
@@ -402,7 +414,7 @@ class _Search:
     def options(self, combo: _Combo) -> StepOptions:
         k = combo.micro_batches
         amp = combo.precision == "amp"
-        cuda = self.device.type == "cuda"
+        cuda = self.device.type == "cuda" or self.fake_cuda
         return StepOptions(
             micro_batches=k,
             loss_scale=self.scales[k] if k > 1 else None,
@@ -431,6 +443,8 @@ class _Search:
             used.add("8bit")
         if combo.offload:
             used.add("offload")
+        if combo.expandable:
+            used.add("expandable_segments")
         return tuple(lever for lever in LEVERS if lever in used)
 
     def label(self, combo: _Combo, plan: Plan | None = None) -> str:
@@ -525,11 +539,20 @@ class _Search:
         # The step does not run on the device: the cost model's round figures, from FLOPs,
         # output bytes and op count of its exact fake-tensor profile.
         if self.times.fallback is None:
-            self.times.fallback = DeviceRates.for_device(str(self.device))
-        prof = self.profile(self.options(combo))
-        ops = len(prof.ledger.ops)
+            self.times.fallback = DeviceRates.for_device("cuda" if self.fake_cuda else str(self.device))
+        # The whole batch in one: a fake profile of k micro-batches runs only the first
+        # three (first_micro_batches), so its FLOPs are not the step's; k micro-batches do
+        # the whole batch's FLOPs and bytes, and launch every op k times.
+        prof = self.profile(replace(self.options(combo), micro_batches=1, loss_scale=None))
+        ops = len(prof.ledger.ops) * combo.micro_batches
         nbytes = sum(b.nbytes for b in prof.ledger.blocks if b.born >= 0)
-        return self.times.fallback.estimate(prof.step_flops, nbytes, 3 * ops), False
+        flops = prof.step_flops
+        if combo.precision == "fp32" and (self.device.type == "cuda" or self.fake_cuda):
+            # The CUDA rates are half-precision tensor-core figures; torch's float32 matmuls
+            # (TF32 off by default) run about an eighth as fast (H100: 67 against 989 dense
+            # TFLOP/s in NVIDIA's datasheet, A100: 19.5 against 312).
+            flops *= _FP32_SLOWER
+        return self.times.fallback.estimate(flops, nbytes, 3 * ops), False
 
     # -- peaks and plans ------------------------------------------------------------------------
 
@@ -550,17 +573,38 @@ class _Search:
             # With transformers' KV cache off where a plan turned it off: the step the plan trains.
             with first_micro_batches(3), switched_off(self.model, self.use_cache_off):
                 self.profiles[key] = measure_profile(
-                    self.model, inputs, loss_fn=self.loss_fn, optimizer=self.optimizer, fake=True, step=options, targets=targets
+                    self.model,
+                    inputs,
+                    loss_fn=self.loss_fn,
+                    optimizer=self.optimizer,
+                    fake="cuda" if self.fake_cuda else True,
+                    step=options,
+                    targets=targets,
                 )
         return self.profiles[key]
 
     def peak(self, combo: _Combo) -> int:
+        """The exact peak the budget bounds: on CUDA (real or fake) the caching allocator's
+        reserved peak (memfit's model of it), else the tensor peak."""
         if combo not in self.peaks:
             self.report(f"fake-tensor profile: {self.label(combo)}")
-            prof = self.profile(self.options(combo))
-            self.peaks[combo] = prof.peak_bytes
+            prof = self.judged(self.profile(self.options(combo)), combo)
+            self.peaks[combo] = prof.budget_peak_bytes
+            self.allocated[combo] = prof.allocated_peak_bytes
             self.host_peaks[combo] = prof.ledger.host_peak_bytes
         return self.peaks[combo]
+
+    def judged(self, prof: Profile, combo: _Combo) -> Profile:
+        """``prof`` with its allocator figures under ``combo``'s allocator settings (with
+        ``expandable_segments``, the same ledger replayed under them)."""
+        if not combo.expandable or self.settings is None:
+            return prof
+        return replace(prof, cuda_memory=model_cuda_memory(prof.ledger, self.expandable_settings))
+
+    @property
+    def expandable_settings(self) -> AllocatorSettings:
+        assert self.settings is not None
+        return replace(self.settings, expandable_segments=True)
 
     def host_note(self, combo: _Combo) -> str:
         """What an offloading step holds in host memory, for its what-if row."""
@@ -588,7 +632,7 @@ class _Search:
             options = replace(options, micro_batches=1, loss_scale=self.scales[k], set_to_none=False)
         # The exact step on fake tensors (verified there too), its modules' times those
         # measured by the probes: the recompute time is predicted, the peak is exact.
-        prof = self.profile(options, k)
+        prof = self.judged(self.profile(options, k), combo)
         seconds = self.times.module_times(combo)
         overhead = None
         if seconds is not None:
@@ -602,7 +646,7 @@ class _Search:
             prof = replace(prof, modules=modules, time_source="measured", step_time_s=predicted / k, device=str(self.device))
             overhead = self.overhead(combo)
         # The accumulated step holds a few scalars more than one micro-batch's (the loss sum).
-        slack = max(0, self.peak(combo) - prof.peak_bytes) if k > 1 else 0
+        slack = max(0, self.peak(combo) - prof.budget_peak_bytes) if k > 1 else 0
         try:
             result: Plan | int = make_plan(
                 self.model,
@@ -701,13 +745,15 @@ def fit(
     progress: Progress | None = None,
     targets: Any = None,
     exclude: Mapping[str, str] | None = None,
+    fake: bool | str = False,
 ) -> Recipe:
     """The fastest combination of memory levers whose training step peaks within ``budget``.
 
     Args:
         model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`
             (micro-batches cut the targets with the inputs).
-        budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``).
+        budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``); on CUDA (real or fake)
+            the caching allocator's reserved peak (what runs out; memfit's model of it).
         allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"foreach"``,
             ``"8bit"``; a list or ``"amp,bf16"``). The exact levers (recompute,
             micro-batching, ``zero_grad(set_to_none=True)``, offload) are always weighed.
@@ -719,6 +765,12 @@ def fit(
         exclude: exact levers the caller's training loop has no way to use (``"microbatch"``,
             ``"offload"``), each with the reason, which ``recipe.left_out`` then gives: a
             framework's loop (transformers' Trainer) has no switch for activation offload.
+        fake: ``"cuda"``: the step as a CUDA GPU runs it, on fake CUDA (a model on the CPU,
+            as for :func:`memfit.profile`): peaks exact on fake tensors (reserved, from the
+            allocator model), step times only predicted by the cost model from FLOPs, bytes
+            and op counts (nothing can be timed), so the recipe is chosen by predicted times
+            and nothing is measured (``measured_*`` None; the notes say so). Activation
+            offload is not weighed there.
 
     Returns:
         A :class:`Recipe`: the levers, the predicted and the measured peak and step time,
@@ -736,6 +788,9 @@ def fit(
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_allow(allow)
+    fake_cuda = fake_device(fake) == "cuda"
+    if fake and not fake_cuda:
+        raise WorkloadError("fit weighs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
     exclude = dict(exclude or {})
     unknown = sorted(set(exclude) - {"microbatch", "offload"})
     if unknown:
@@ -781,19 +836,30 @@ def fit(
         if why_not is not None:
             left_out["8bit"] = why_not
     why_not = _offload_unavailable(device) or exclude.get("offload")
+    if fake_cuda:
+        why_not = "not weighed on fake CUDA (host memory and copies are not simulated): weigh it with fit on the GPU"
     if why_not is not None:
         left_out["offload"] = why_not
+    cuda = device.type == "cuda" or fake_cuda
+    conf = allocator_settings_from_env() if cuda else None
+    if conf is not None and conf.expandable_segments:
+        left_out["expandable_segments"] = "already on (PYTORCH_CUDA_ALLOC_CONF)"
 
     # One real step in a sandbox that stays open for the whole search: the optimizer has its
     # state from here on, so no fake-tensor profile, plan or timed run needs a warm-up step
     # of its own to create it. Closing it restores the model and the optimizer.
-    with _optimizer_state(model, args, kwargs, loss_fn, optimizer, targets):
-        search = _Search(model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets)
+    # (On fake CUDA no real step runs: each fake profile creates the state it needs.)
+    with contextlib.nullcontext() if fake_cuda else _optimizer_state(model, args, kwargs, loss_fn, optimizer, targets):
+        search = _Search(
+            model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets, fake_cuda=fake_cuda
+        )
         ks = [1, *sorted(scales)]
         foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
         zero = [set_to_none] + ([True] if not set_to_none else [])
         eight = [False] + ([True] if "8bit" not in left_out else [])
         offload = [False]
+        # a setting of the CUDA caching allocator: not a lever (nor named) off CUDA
+        expandable = [False] + ([True] if cuda and "expandable_segments" not in left_out else [])
         if "offload" not in left_out:
             try:
                 search.peak(replace(_Combo(set_to_none=set_to_none), offload=True))
@@ -810,18 +876,26 @@ def fit(
         singles += [replace(base, set_to_none=z) for z in zero[1:]]
         singles += [replace(base, eight_bit=e) for e in eight[1:]]
         singles += [replace(base, offload=o) for o in offload[1:]]
+        singles += [replace(base, expandable=x) for x in expandable[1:]]
         # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
         combos = [
-            _Combo(k, p, f, z, e, o)
-            for k, p, f, z, e, o in itertools.product(ks, precisions, foreach, zero, eight, offload)
+            _Combo(k, p, f, z, e, o, x)
+            for k, p, f, z, e, o, x in itertools.product(ks, precisions, foreach, zero, eight, offload, expandable)
             if not (e and f is not None)
         ]
 
         # 2. The few measurements every combination's time is predicted from.
         report.start(1)
-        search.probe(ks, precisions, combos)
         notes: list[str] = []
-        if search.times.base is None:
+        if fake_cuda:
+            notes.append(
+                "fake CUDA: peaks are exact on fake tensors (reserved, from memfit's model of the caching allocator); step "
+                "times are predicted by the cost model (FLOPs, bytes, op counts at fixed GPU rates), not measured, and "
+                "chose the recipe: time it on the GPU"
+            )
+        else:
+            search.probe(ks, precisions, combos)
+        if search.times.base is None and not fake_cuda:
             notes.append(
                 "the step as it is did not run on the device (out of memory): step times are the cost model's round "
                 "figures for this device until the candidates are timed"
@@ -854,13 +928,22 @@ def fit(
 
         # 4. The few predicted fastest, for real.
         report.start(3)
-        best = _time_candidates(search, queue, notes)
+        if fake_cuda:
+            best = _choose(cands)  # by predicted time: nothing runs on fake tensors
+            search.chosen_by = "the predictions"
+        else:
+            best = _time_candidates(search, queue, notes)
         if best.measured is not None and best.measured.peak_bytes is not None and best.measured.peak_bytes > target:
             notes.append(
                 f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
                 f"the budget that fake tensors met ({best.peak_bytes} bytes): lower the budget by that much"
             )
 
+        if best.combo.expandable and not fake_cuda:
+            notes.append(
+                "expandable_segments:True cannot be switched on in a process whose CUDA allocator has started: the recipe "
+                "was timed without it (the setting moves segments, not kernels); its peak is the allocator model's"
+            )
         options = search.options(best.combo)
         measured_time = best.measured.median if best.measured is not None else None
         measured_peak = best.measured.peak_bytes if best.measured is not None else None
@@ -890,17 +973,21 @@ def fit(
             if search.peaks[base] <= target
             else "the chosen recipe fits faster (see the what-if rows)"
         )
-        for lever in ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload"):
+        exact_and_opt_in = ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload")
+        for lever in exact_and_opt_in + (("expandable_segments",) if cuda else ()):
             if lever not in best.levers and lever not in left_out:
                 left_out[lever] = unused
         batch = batch_size_of(args, kwargs)
         base_time = search.times.base.median if search.times.base is not None else None
+        if fake_cuda:
+            base_time = search.predict(base)[0]  # predicted, as every time of this recipe (times_predicted)
         return Recipe(
             budget_bytes=target,
             levers=best.levers,
             step=options,
             plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
             predicted_peak_bytes=best.peak_bytes,
+            allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
             predicted_step_time_s=best.time_s,
             measured_peak_bytes=measured_peak,
             measured_step_time_s=measured_time,
@@ -916,9 +1003,15 @@ def fit(
             model_type=type(model).__name__,
             fingerprint=fingerprint(model),
             optimizer_type=type(optimizer).__name__,
-            device=str(device),
+            device="fake:cuda:0" if fake_cuda else str(device),
             budget=str(budget),
             fit_time_s=time.perf_counter() - started,
+            allocator_conf=(
+                (search.expandable_settings if best.combo.expandable else search.settings).describe()
+                if search.settings is not None
+                else ""
+            ),
+            times_predicted=fake_cuda,
             notes=notes,
             search={
                 "combinations": len(combos),

@@ -57,7 +57,8 @@ class BatchLimit:
     predicted_batch: int
     """What the line through two measurements predicted, before the checks."""
     peak_bytes: int
-    """The exact (fake-tensor) peak at ``max_batch``; 0 when it is 0."""
+    """The exact (fake-tensor) peak at ``max_batch`` (on CUDA, real or fake: the caching
+    allocator's reserved peak, which the budget bounds); 0 when it is 0."""
     measurements: int
 
     @property
@@ -165,7 +166,7 @@ def max_batch(
         model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`;
             ``inputs`` is an example batch: every tensor whose dim 0 is its batch size (in
             the inputs and the targets) is tiled or cut to the batch sizes tried.
-        budget: bytes bounding the whole step's peak (``"6GiB"``).
+        budget: bytes bounding the whole step's peak (``"6GiB"``); on CUDA (real or fake) its reserved peak.
         allow: opt-in levers that change the numerics (``"amp"``, ``"bf16"``, ``"8bit"``), as for :func:`memfit.fit`.
         set_to_none: what the training loop calls now, as for :func:`memfit.fit`.
         multiple_of: only batch sizes that are multiples of this (8 for tensor cores, say).
@@ -219,7 +220,7 @@ def max_batch(
             batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
             return measure_profile(
                 model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
-            ).peak_bytes
+            ).budget_peak_bytes
 
         return peak
 
@@ -333,6 +334,8 @@ def largest_batch(
 
     def peak(b: int) -> int:
         batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
-        return measure_profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels).peak_bytes
+        return measure_profile(
+            model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
+        ).budget_peak_bytes
 
     return _largest(peak, target, example, multiple_of)

@@ -27,7 +27,8 @@ from torch import nn
 from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.ledger import Phase
+from memfit.measure.allocator import AllocatorSettings, replay_ledger
+from memfit.measure.ledger import Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import fake_device, step_sandbox
 from memfit.measure.scope import Scope
@@ -57,6 +58,9 @@ _MiB = 2**20
 @dataclass(frozen=True)
 class _Run:
     peak_bytes: int
+    """What the budget bounds: on CUDA the caching allocator's reserved peak, else the tensor peak."""
+    tensor_bytes: int
+    """The ledger's peak; on CUDA the allocator model's allocated peak."""
     step_flops: int
 
 
@@ -91,6 +95,9 @@ class _Verifier:
         self.loss_fn = loss_fn
         self.runs = 0
         self._real: _Verifier | None = None
+        self.settings: AllocatorSettings | None = None
+        """On CUDA: the allocator settings each run's ledger is replayed under (set once the
+        step's profile is known)."""
 
     def stateful(self) -> tuple[dict[str, str], tuple[str, ...]]:
         """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`), and the
@@ -161,7 +168,18 @@ class _Verifier:
             remove(self.box.model)
         if ledger.unmeasured_ops and self._real is not None:
             return self._real.run(chosen)
-        return _Run(ledger.peak_bytes, sum(flops.values()))
+        return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
+
+
+def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:
+    """What a budget bounds for a recorded step, and its tensor peak: on CUDA the reserved and
+    allocated peaks of its allocations and frees replayed through the caching allocator model
+    (exact for the model: the planned step's own sequence, recompute included, not a bound
+    fitted to the unplanned step's), else the ledger's peak twice."""
+    if settings is None:
+        return ledger.peak_bytes, ledger.peak_bytes
+    stats = replay_ledger(ledger, settings)
+    return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 
 # Seconds a fake-tensor verification run costs per op the step dispatches, twice what was
@@ -209,7 +227,9 @@ def plan(
         model, inputs, loss_fn, optimizer, targets: the step, as for :func:`memfit.profile`.
         budget: bytes bounding the whole step's peak (``6 * 2**30``, ``"6GiB"``,
             ``"800MB"``), or a fraction ``f`` in [0, 1] (``0.5``, ``"50%"``) meaning
-            ``P_min + f * (P_none - P_min)``.
+            ``P_min + f * (P_none - P_min)``. On CUDA (real or fake) the peaks are the
+            caching allocator's reserved peaks (memfit's model of it replaying each planned
+            step; :attr:`Plan.allocated_peak_bytes` beside).
         fake: profile on fake tensors (no times: costs are estimated from FLOPs and bytes);
             ``"cuda"``: on fake CUDA, as for :func:`memfit.profile`.
         profile: a profile of this step to plan from, instead of measuring a new one.
@@ -311,7 +331,13 @@ def plan(
         ledger = prof.ledger
         timed = prof.time_source == "measured"
         forward_time, calls, rates, timing_note = _costing(prof)
-        none_peak = prof.peak_bytes
+        # On CUDA the budget bounds what the caching allocator reserves: every verified run
+        # is replayed through the allocator model, and P_none is the same model's figure for
+        # the unplanned step (on a real GPU too, where the profile measured it beside: plans
+        # and P_none are then judged alike).
+        verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
+        none_peak = _none_peak(prof)
+        none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
@@ -330,7 +356,7 @@ def plan(
             try:
                 report("lowest reachable peak", 0, 2)
                 lowest = problem.min_peak()
-                low_run = verifier.run(lowest.chosen) if lowest.chosen else _Run(none_peak, prof.step_flops)
+                low_run = verifier.run(lowest.chosen) if lowest.chosen else none_run
                 # The model of the step is conservative (it keeps a checkpointed module's
                 # activations alive through its whole forward), so its minimum can miss the
                 # plain recipe of recomputing every repeated block: try that too.
@@ -340,7 +366,7 @@ def plan(
                     if recipe_run.peak_bytes < low_run.peak_bytes:
                         lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
                 min_peak = min(low_run.peak_bytes, none_peak)
-                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], _Run(none_peak, prof.step_flops))
+                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
                 target = spec.resolve(min_peak, none_peak)
                 if target < min_peak:
                     raise BudgetInfeasibleError(
@@ -350,7 +376,7 @@ def plan(
                         budget_bytes=target,
                     )
                 report("cheapest plan within the budget", 1, 2)
-                chosen, run = _fit(problem, verifier, target, none_peak, prof.step_flops, low)
+                chosen, run = _fit(problem, verifier, target, none_run, low)
             except _RecomputeFailed as failed:
                 excluded[failed.module] = failed.reason
                 continue
@@ -363,6 +389,8 @@ def plan(
     return Plan(
         budget_bytes=target,
         predicted_peak_bytes=run.peak_bytes,
+        allocated_peak_bytes=run.tensor_bytes if verifier.settings is not None else None,
+        peak_basis="reserved_peak_bytes" if verifier.settings is not None else "peak_bytes",
         start_bytes=prof.start_bytes,
         none_peak_bytes=none_peak,
         min_peak_bytes=min_peak,
@@ -436,13 +464,30 @@ def _every_block(model: nn.Module, options: list[Option]) -> list[Option]:
     return [full[n] for n in names] if names and all(n in full for n in names) else []
 
 
+def _none_peak(prof: Profile, key: str = "reserved_peak_bytes") -> int:
+    """``P_none`` as plans are judged: the allocator model's reserved peak on CUDA (measured
+    figures, on a real GPU, are the profile's own), else the tensor peak."""
+    memory = prof.cuda_memory
+    if memory is None:
+        return prof.peak_bytes
+    return memory.model[key] if memory.model else getattr(memory, key)
+
+
+def _none_allocated(prof: Profile) -> int:
+    """The unplanned step's tensor peak, as :attr:`_Run.tensor_bytes` counts it."""
+    return _none_peak(prof, "allocated_peak_bytes")
+
+
 def _fit(
-    problem: Problem, verifier: _Verifier, target: int, none_peak: int, base_flops: int, low: tuple[list[Option], _Run]
+    problem: Problem, verifier: _Verifier, target: int, none: _Run, low: tuple[list[Option], _Run]
 ) -> tuple[list[Option], _Run]:
-    """Cheapest verified plan within ``target``: solve, run it, tighten."""
-    if target >= none_peak:
-        return [], _Run(none_peak, base_flops)
-    bound = target - target // 400  # a 0.25% margin saves most second rounds
+    """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
+    step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
+    leaves the unplanned step's reserved-over-allocated gap, and each run's overshoot
+    (replayed through the allocator model) tightens it further."""
+    if target >= none.peak_bytes:
+        return [], none
+    bound = target - target // 400 - (none.peak_bytes - none.tensor_bytes)  # a 0.25% margin saves most second rounds
     for _ in range(_MAX_TIGHTENING):
         sol = problem.min_cost(bound)
         if sol is None:

@@ -33,6 +33,8 @@ LEVERS: dict[str, str] = {
     "bf16": "parameters, gradients and optimizer state in bfloat16",
     "foreach": "the optimizer's other implementation (foreach or for-loop), whose step has other temporaries",
     "8bit": "8-bit optimizer state: bitsandbytes AdamW8bit / Adam8bit in place of torch's AdamW / Adam",
+    "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the CUDA caching allocator grows segments "
+    "in place instead of caching fixed ones (less reserved, the same numerics)",
 }
 """Every lever memfit knows, with what it does."""
 
@@ -69,6 +71,8 @@ class Recipe:
     plan: Plan | None
     """What to recompute, or None."""
     predicted_peak_bytes: int
+    """What the budget bounds: on CUDA (real or fake) the caching allocator's reserved peak
+    (memfit's model of it), else the step's tensor peak."""
     predicted_step_time_s: float | None
     measured_peak_bytes: int | None
     """Peak of the recipe's step run on the real model (recorder ledger; model restored after)."""
@@ -99,6 +103,14 @@ class Recipe:
     notes: list[str] = field(default_factory=list)
     """Warnings about the search: prediction and measurement that part by more than 15%,
     timings too noisy to rank the candidates, a lever stopped for being slow."""
+    allocated_peak_bytes: int | None = None
+    """On CUDA: the recipe's allocated peak (``max_memory_allocated``), beside the reserved
+    :attr:`predicted_peak_bytes`."""
+    allocator_conf: str = ""
+    """On CUDA: the ``PYTORCH_CUDA_ALLOC_CONF`` the predicted peak assumes (with the
+    ``expandable_segments`` lever, the process's settings plus it)."""
+    times_predicted: bool = False
+    """Step times only predicted (fake CUDA: nothing could be timed); the recipe was chosen by them."""
     search: dict[str, int] = field(default_factory=dict)
     """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
     ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for
@@ -148,7 +160,7 @@ class Recipe:
     def training_arguments_missing(self) -> list[str]:
         """Levers of the recipe no ``TrainingArguments`` keyword expresses (recompute aside,
         which :func:`memfit.integrations.transformers.fit_trainer` applies)."""
-        missing = [lever for lever in self.levers if lever in ("bf16", "foreach", "offload")]
+        missing = [lever for lever in self.levers if lever in ("bf16", "foreach", "offload", "expandable_segments")]
         if "8bit" in self.levers and self.optimizer_type != "AdamW":
             missing.append("8bit")
         return missing
@@ -169,6 +181,8 @@ class Recipe:
         )
         if self.predicted_step_time_s is not None:
             head += f", {self.predicted_step_time_s:.3f} s/step"
+        if self.levers == ("expandable_segments",):
+            return f"{head}\n{self._environment_line()}\n# nothing else changes: keep your training loop\n"
         if not self.levers:
             return f"{head}\n# the step fits as it is: keep your training loop unchanged\n"
         k = self.step.micro_batches
@@ -177,6 +191,7 @@ class Recipe:
         scaler = self.step.grad_scaler
         lines = [
             head,
+            *([self._environment_line()] if "expandable_segments" in self.levers else []),
             f'recipe = memfit.Recipe.from_json(open("{path}").read())',
             "run = recipe.apply(model, optimizer)  # in place" + self._apply_comment(),
             "optimizer = run.optimizer" + self._optimizer_comment(),
@@ -227,6 +242,14 @@ class Recipe:
             lines.append("    optimizer.step()")
         lines.append(f"    optimizer.zero_grad(set_to_none={self.step.set_to_none})")
         return "\n".join(lines) + "\n"
+
+    def _environment_line(self) -> str:
+        """The allocator setting the recipe's peak assumes: an environment variable, read when
+        CUDA's allocator starts, so it is set before the training script runs."""
+        return (
+            f"# run the training script with the environment line PYTORCH_CUDA_ALLOC_CONF={self.allocator_conf} "
+            "(the allocator reads it when CUDA starts)"
+        )
 
     def _optimizer_comment(self) -> str:
         if "8bit" in self.levers:
@@ -309,6 +332,8 @@ def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, o
             words.append("activations offloaded to host memory")
         elif lever == "set_to_none":
             words.append("zero_grad(set_to_none=True)")
+        elif lever == "expandable_segments":
+            words.append("expandable_segments:True")
         elif lever == "recompute":
             n = len(plan.checkpointed) if plan is not None else 0
             words.append(f"recompute ({n} module{'s' if n != 1 else ''})")

@@ -116,6 +116,14 @@ class Plan:
     objective: str = "time"
     """What the plan minimised: estimated recompute ``"time"`` or recomputed ``"flops"``."""
     planning_time_s: float = 0.0
+    allocated_peak_bytes: int | None = None
+    """On CUDA (real or fake): the planned step's ``max_memory_allocated`` (its tensors in
+    512 B blocks), beside :attr:`predicted_peak_bytes`, which is then its
+    ``max_memory_reserved`` (what runs out). ``None`` elsewhere."""
+    peak_basis: str = "peak_bytes"
+    """What the budget, the predicted peak, ``P_none`` and ``P_min`` count: ``"peak_bytes"``
+    (live tensor bytes) or on CUDA ``"reserved_peak_bytes"`` (the caching allocator's
+    segments, from memfit's model of it replaying the planned step's allocations)."""
     timing_note: str = ""
     """Why the measured times were set aside, when they were (too noisy to rank options):
     ``extra_compute_s`` is then the cost model's estimate."""

@@ -396,10 +396,17 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             f"of {format_bytes(ledger.cublas_workspace_bytes)} ({ledger.cublas_workspace_bytes:,} B: one per thread that "
             "runs matmuls, the forward's and autograd's; torch keeps them, so they are alive from the start)"
         )
+    if ledger.attention_estimates:
+        console.print(
+            f"kernel_workspace includes the temporaries of {ledger.attention_estimates} attention backward call"
+            f"{'s' if ledger.attention_estimates > 1 else ''} (flash / memory-efficient SDPA: float32 dQ accumulator, "
+            "softmax or delta sums, a copy of a non-contiguous output gradient): an estimate from torch's sources, "
+            "not a measurement"
+        )
     if profile.device.startswith("fake:cuda"):
         console.print(
-            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, attention backward "
-            "temporaries) is not counted, and blocks are rounded to 512 B but not placed in the caching allocator's segments"
+            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, kernels' own "
+            "temporaries) is not counted, attention backward's aside (estimated)"
         )
     elif profile.ledger.unmeasured_ops:
         console.print(
@@ -652,6 +659,11 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
         + ("[green]fits[/]" if fits else "[red]over[/]")
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
     )
+    if plan.allocated_peak_bytes is not None:
+        console.print(
+            f"on CUDA these are reserved bytes (the caching allocator's segments, memfit's model of it: what runs out); "
+            f"the plan's step allocates {format_bytes(plan.allocated_peak_bytes)} at its peak"
+        )
     if plan.extra_compute_s is not None and plan.step_time_s:
         cost = (
             f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
@@ -837,8 +849,14 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
     if recipe.measured_step_time_s is not None:
         predicted = f"predicted {recipe.predicted_step_time_s:.3f} s, " if recipe.predicted_step_time_s is not None else ""
         measured.append(f"step {predicted}measured {recipe.measured_step_time_s:.3f} s (median of 3 after warm-up)")
+    elif recipe.times_predicted and recipe.predicted_step_time_s is not None:
+        measured.append(f"step {recipe.predicted_step_time_s:.4f} s predicted by the cost model (not measured)")
+    allocated = ""
+    if recipe.allocated_peak_bytes is not None:
+        allocated = f" reserved (allocated {format_bytes(recipe.allocated_peak_bytes)})"
     console.print(
         f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/]"
+        + allocated
         + (f"; {'; '.join(measured)}" if measured else ""),
         highlight=False,
     )
