@@ -1,0 +1,221 @@
+"""Per-rank memory of distributed steps (FSDP2, DDP) on the fake process group, checked
+against a real two-process gloo run; and the torch.distributed internals it relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+torch_dist = pytest.importorskip("torch.distributed")
+if not torch_dist.is_available():
+    pytest.skip("torch built without distributed", allow_module_level=True)
+
+from memfit import Workload  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.measure import _distributed  # noqa: E402
+from memfit.measure.distributed import (  # noqa: E402
+    CURRENT_GROUP,
+    FakeGroup,
+    ddp,
+    fsdp2,
+    profile_rank,
+    profile_ranks,
+    without_backend_buffers,
+)
+from memfit.measure.ledger import START_TICK, Category, Ledger  # noqa: E402
+from memfit.workload import Parallel  # noqa: E402
+
+WIDTH, DEPTH, BATCH = 64, 3, 8
+
+
+class Blocks(nn.Module):
+    """A stack of blocks, each a module FSDP2 shards on its own; no data-dependent branch,
+    so fake and real steps run the same ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+def _workload(parallel: str, world_size: int | None = None) -> Workload:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Blocks()
+    scheme = (
+        Parallel(fsdp2(lambda m: m.blocks, param_dtype=None, reduce_dtype=None), world_size=world_size, name="fsdp2")
+        if parallel == "fsdp2"
+        else Parallel(ddp, world_size=world_size, name="ddp")
+    )
+    return Workload(model, torch.randn(BATCH, WIDTH), parallel=scheme)
+
+
+PARAM_BYTES = (DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH + 1) * 4
+
+
+# -- the adapter's torch internals --------------------------------------------------------------
+
+
+def test_fake_process_group_and_dtensor_shard():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with _distributed.fake_process_group(rank=1, world_size=4):
+        assert torch_dist.get_world_size() == 4 and torch_dist.get_rank() == 1
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])
+        local = _distributed.local_tensor(d)
+        assert local.shape == (16, 8)  # what rank 1 holds
+        assert d.shape == (64, 8)
+    assert not torch_dist.is_initialized()
+    plain = torch.zeros(3)
+    assert _distributed.local_tensor(plain) is plain
+
+
+def test_resize_is_tracked_and_restored():
+    seen = []
+    original = torch.UntypedStorage.resize_
+    t = torch.zeros(100)
+    with _distributed.tracking_resize(lambda s: seen.append(s.nbytes())):
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(400)
+    assert seen == [0, 400]
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_ddp_private_checks_exist():
+    # fake_ddp skips these two by name; a torch that renames them must fail here
+    from torch.nn.parallel import distributed as ddp_mod
+
+    assert callable(ddp_mod._verify_param_shape_across_processes)
+    assert callable(ddp_mod._sync_module_states)
+    with _distributed.fake_ddp():
+        assert ddp_mod._sync_module_states(None) is None
+    assert ddp_mod._sync_module_states.__name__ == "_sync_module_states"
+
+
+# -- per-rank ledgers on the fake group ----------------------------------------------------------
+
+
+def test_fsdp2_counts_local_shards_and_resize_frees():
+    prof = profile_ranks(_workload("fsdp2"), world_size=4).profiles[0]
+    ledger = prof.ledger
+    params = sum(b.nbytes for b in ledger.blocks if b.born == START_TICK and b.category is Category.PARAMETER)
+    # each rank holds a quarter of every parameter (padded to a multiple of 4 rows: head's
+    # 1-row weight and bias are padded to one row per rank), never the DTensor's global size
+    assert params < PARAM_BYTES / 4 + 2 * 4 * WIDTH
+    assert params >= PARAM_BYTES / 4
+    unsharded = [b for b in ledger.blocks if b.category is Category.UNSHARDED]
+    # each block's full parameters are all-gathered in forward and again in backward, and
+    # freed (resize_(0)) after each: every one dies within the step
+    assert len(unsharded) >= 2 * 2 * DEPTH
+    assert all(b.died is not None for b in unsharded)
+    cats = {b.category for b in ledger.blocks}
+    assert {Category.ALL_GATHER, Category.REDUCE_SCATTER, Category.GRADIENT, Category.OPTIMIZER} <= cats
+    assert prof.meta["world_size"] == 4 and prof.meta["rank"] == 0
+
+
+def test_ddp_buckets_visible():
+    prof = profile_ranks(_workload("ddp"), world_size=2).profiles[0]
+    buckets = sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.DDP_BUCKET)
+    assert buckets == PARAM_BYTES  # one fp32 bucket slot per gradient element
+    assert prof.breakdown["ddp_buckets"] == PARAM_BYTES
+
+
+def test_worst_rank_and_spread():
+    res = profile_ranks(_workload("fsdp2"), world_size=2, ranks=(0, 1))
+    assert set(res.profiles) == {0, 1}
+    assert res.peak_bytes == max(p.peak_bytes for p in res.profiles.values())
+    assert res.spread_bytes == abs(res.profiles[0].peak_bytes - res.profiles[1].peak_bytes)
+    d = res.to_dict(ledger=False)
+    assert [r["rank"] for r in d["ranks"]] == [0, 1] and all("peak_bytes" in r for r in d["ranks"])
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: Parallel(ddp, world_size=6, mesh_shape=(4, 2)), "8 ranks but the world size is 6"),
+        (lambda: Parallel(ddp, world_size=0), "positive integer"),
+        (lambda: profile_ranks(_workload("ddp")), "no world size"),
+        (lambda: FakeGroup(2, rank=2), "not a rank of a world of 2"),
+        (lambda: profile_ranks(Workload(nn.Linear(2, 2), torch.zeros(1, 2)), world_size=2), "says nothing about how"),
+        (
+            lambda: profile_ranks(Workload(nn.Linear(2, 2), torch.zeros(1, 2), parallel=Parallel(_raises)), world_size=2),
+            "parallelize(model, mesh) raised ValueError: no",
+        ),
+    ],
+)
+def test_bad_distributed_input(call, words):
+    with pytest.raises(MemfitError) as info:
+        call()
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert not torch_dist.is_initialized()
+
+
+def _raises(model, mesh):
+    raise ValueError("no")
+
+
+def test_profile_leaves_the_users_model():
+    work = _workload("fsdp2")
+    before = type(work.model)
+    profile_ranks(work, world_size=2)
+    assert type(work.model) is before and next(work.model.parameters()).device.type == "meta"
+
+
+# -- against a real two-process gloo run ---------------------------------------------------------
+
+
+def _real_rank(rank: int, world_size: int, parallel: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        prof = profile_rank(_workload(parallel), CURRENT_GROUP)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(json.dumps(prof.ledger.to_dict()))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _tensors(ledger: Ledger) -> Ledger:
+    """The ledger without kernel workspaces (a fresh process's fake step has none measured
+    yet; a real step measures them, with ticks of their own: blocks are compared in order)."""
+    return Ledger([b for b in ledger.blocks if b.category is not Category.WORKSPACE], ledger.ticks)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_fake_group_ledger_equals_real_gloo_run(parallel):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        # fork: the workload is this test module's, which a spawned child could not import
+        mp.start_processes(_real_rank, args=(2, parallel, port, out), nprocs=2, join=True, start_method="fork")
+        real = []
+        for r in range(2):
+            with open(f"{out}.{r}") as f:
+                real.append(without_backend_buffers(Ledger.from_dict(json.load(f))))
+    fake = profile_ranks(_workload(parallel), world_size=2, ranks=(0, 1))
+    for r in range(2):
+        predicted, measured = _tensors(fake.profiles[r].ledger), _tensors(real[r])
+        assert [(b.category, b.nbytes) for b in predicted.blocks] == [(b.category, b.nbytes) for b in measured.blocks]
+        assert predicted.peak_bytes == measured.peak_bytes
+        assert predicted.breakdown() == measured.breakdown()
