@@ -219,3 +219,66 @@ def test_fake_group_ledger_equals_real_gloo_run(parallel):
         assert [(b.category, b.nbytes) for b in predicted.blocks] == [(b.category, b.nbytes) for b in measured.blocks]
         assert predicted.peak_bytes == measured.peak_bytes
         assert predicted.breakdown() == measured.breakdown()
+
+
+# -- the zoo and the command line ----------------------------------------------------------------
+
+TINY_LLAMA = ["--size", "num_hidden_layers=1", "--size", "hidden_size=64", "--size", "intermediate_size=128"]
+TINY_LLAMA += ["--size", "num_attention_heads=4", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2"]
+
+
+def test_llama_presets_are_built_on_meta():
+    from memfit import zoo
+
+    pytest.importorskip("transformers")
+    work = zoo.build("llama", preset="8b")
+    params = list(work.model.parameters())
+    assert all(p.device.type == "meta" for p in params)
+    assert 8.0e9 < sum(p.numel() for p in params) < 8.1e9  # Llama-3-8B: 8.03 B parameters
+    assert work.inputs["input_ids"].shape == (1, 4096)
+    assert work.parallel is not None and work.parallel.name == "fsdp2"
+    from memfit.zoo.hf import _llama_parallel
+
+    assert _llama_parallel("ddp").name == "ddp" and _llama_parallel("none") is None
+    with pytest.raises(MemfitError, match="no preset '9b'"):
+        zoo.build("llama", preset="9b")
+
+
+def test_cli_profile_world_size(tmp_path, capsys):
+    from memfit.cli import main
+
+    pytest.importorskip("transformers")
+    out = tmp_path / "p.json"
+    argv = ["profile", "llama", *TINY_LLAMA, "--world-size", "2", "--ranks", "all", "--device", "fake", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rank 0 of 2 (fsdp2)" in text and "Per-rank peak" in text
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert all(r["peak_bytes"] > 0 and r["meta"]["world_size"] == 2 for r in data["ranks"])
+    assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["ranks"])
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--world-size", "2"], "give --device fake"),
+        (["--world-size", "2", "--device", "fake", "--ranks", "2"], "2 is not a rank of a world of 2"),
+        (["--ranks", "0"], "give --world-size N too"),
+    ],
+)
+def test_cli_world_size_bad_input(extra, words, capsys):
+    from memfit.cli import main
+
+    pytest.importorskip("transformers")
+    assert main(["profile", "llama", *TINY_LLAMA, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
+def test_cli_big_preset_without_world_size(capsys):
+    from memfit.cli import main
+
+    pytest.importorskip("transformers")
+    assert main(["profile", "llama", "--size", "preset=8b", "--device", "fake"]) == 2
+    assert "--world-size N --device fake" in capsys.readouterr().err
