@@ -282,3 +282,31 @@ def test_cli_big_preset_without_world_size(capsys):
     pytest.importorskip("transformers")
     assert main(["profile", "llama", "--size", "preset=8b", "--device", "fake"]) == 2
     assert "--world-size N --device fake" in capsys.readouterr().err
+
+
+def test_uneven_shards_profiled_per_rank():
+    # 64 rows over 3 ranks: FSDP2 gives ranks 0 and 1 22 rows each and rank 2 the last 20,
+    # so rank 2 holds less parameter and optimizer memory than rank 0
+    res = profile_ranks(_workload("fsdp2"), world_size=3, ranks=(0, 2))
+    start = {r: p.ledger.start_bytes for r, p in res.profiles.items()}
+    assert start[2] < start[0]
+    assert res.worst_rank == 0 and res.spread_bytes > 0
+
+
+def test_file_target_returns_a_distributed_workload(tmp_path, capsys):
+    from memfit.cli import main
+
+    target = tmp_path / "train_setup.py"
+    target.write_text(
+        "import torch, memfit\n"
+        "from memfit.measure.distributed import fsdp2\n"
+        "def workload():\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))\n"
+        "    par = memfit.Parallel(fsdp2(lambda m: [m[0]], param_dtype=None, reduce_dtype=None), name='fsdp2')\n"
+        "    return memfit.Workload(model, torch.randn(4, 32), parallel=par)\n"
+    )
+    out = tmp_path / "p.json"
+    assert main(["profile", f"{target}:workload", "--world-size", "2", "--device", "fake", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ranks"][0]["breakdown"]["parameters"] > 0 and data["parallel"] == "fsdp2"
