@@ -180,12 +180,19 @@ def test_profile_leaves_the_users_model():
 # -- against a real two-process gloo run ---------------------------------------------------------
 
 
+def _llama() -> Workload:
+    from memfit import zoo
+
+    sizes = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    return zoo.build("llama", vocab_size=256, seq_len=16, batch_size=2, **sizes)
+
+
 def _real_rank(rank: int, world_size: int, parallel: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch_dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        prof = profile_rank(_workload(parallel), CURRENT_GROUP)
+        prof = profile_rank(_llama() if parallel == "llama" else _workload(parallel), CURRENT_GROUP)
         with open(f"{out}.{rank}", "w") as f:
             f.write(json.dumps(prof.ledger.to_dict()))
     finally:
@@ -198,8 +205,8 @@ def _tensors(ledger: Ledger) -> Ledger:
     return Ledger([b for b in ledger.blocks if b.category is not Category.WORKSPACE], ledger.ticks)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-def test_fake_group_ledger_equals_real_gloo_run(parallel):
+def _gloo_run(parallel: str) -> list[Ledger]:
+    """Each rank's ledger from a real two-process gloo run, gloo's own copies left out."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -213,12 +220,37 @@ def test_fake_group_ledger_equals_real_gloo_run(parallel):
         for r in range(2):
             with open(f"{out}.{r}") as f:
                 real.append(without_backend_buffers(Ledger.from_dict(json.load(f))))
+    return real
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_fake_group_ledger_equals_real_gloo_run(parallel):
+    real = _gloo_run(parallel)
     fake = profile_ranks(_workload(parallel), world_size=2, ranks=(0, 1))
     for r in range(2):
         predicted, measured = _tensors(fake.profiles[r].ledger), _tensors(real[r])
         assert [(b.category, b.nbytes) for b in predicted.blocks] == [(b.category, b.nbytes) for b in measured.blocks]
         assert predicted.peak_bytes == measured.peak_bytes
         assert predicted.breakdown() == measured.breakdown()
+
+
+def test_fake_group_llama_peak_equals_real_gloo_run():
+    # transformers' Llama (GQA, SDPA): the fake step must not build the attention mask a real
+    # step skips (measure/_hf_fake.py); the real step's only extra tensors are a few bytes of flags
+    # of transformers' data-dependent checks (padding, packed sequences)
+    pytest.importorskip("transformers")
+    real = _gloo_run("llama")
+    predicted = _tensors(profile_ranks(_llama(), world_size=2).profiles[0].ledger)
+    measured = _tensors(real[0])
+    from collections import Counter
+
+    assert 0 <= measured.peak_bytes - predicted.peak_bytes <= 8
+    mine, theirs = (
+        Counter((b.category, b.nbytes) for b in predicted.blocks),
+        Counter((b.category, b.nbytes) for b in measured.blocks),
+    )
+    assert not mine - theirs
+    assert all(cat is Category.TEMPORARY and n <= 8 for cat, n in theirs - mine)
 
 
 # -- the zoo and the command line ----------------------------------------------------------------
@@ -310,3 +342,21 @@ def test_file_target_returns_a_distributed_workload(tmp_path, capsys):
     assert main(["profile", f"{target}:workload", "--world-size", "2", "--device", "fake", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["ranks"][0]["breakdown"]["parameters"] > 0 and data["parallel"] == "fsdp2"
+
+
+def test_transformers_still_finds_fake_positions_packed():
+    # Why measure/_hf_fake.py exists: on fake tensors transformers cannot read the positions
+    # and answers "packed" (builds a mask per layer). If this fails, transformers decides
+    # otherwise now and the adapter may go.
+    mu = pytest.importorskip("transformers.masking_utils")
+    from memfit.measure import _hf_fake, _torch_compat
+
+    mode = _torch_compat.new_fake_mode()
+    with mode:
+        positions = torch.arange(16).unsqueeze(0)
+        assert mu.find_packed_sequence_indices(positions) is not None
+        with _hf_fake.unpacked_positions({"input_ids": None}):
+            assert mu.find_packed_sequence_indices(positions) is None
+        with _hf_fake.unpacked_positions({"position_ids": positions}):  # the user's own positions: theirs
+            assert mu.find_packed_sequence_indices(positions) is not None
+    assert mu.find_packed_sequence_indices(torch.arange(16).unsqueeze(0)) is None  # real: read, not packed
