@@ -63,6 +63,52 @@ def _rank(rank: int, world_size: int, parallel: str, sizes: dict | None, port: i
         dist.destroy_process_group()
 
 
+def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None, port: int, out: str) -> None:
+    """The RSS protocol of memfit.bench.child on one real rank, without the recorder: after two
+    warm-up steps, heap trimmed and the high-water mark reset, the step's RSS rise."""
+    import gc
+
+    import torch.distributed as dist
+
+    from memfit.bench.child import _status_bytes, _trim_heap
+    from memfit.measure.distributed import _mesh, _parallel_sandbox
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        work = workload(parallel, sizes)
+        box = _parallel_sandbox(work, work.parallel, _mesh(work.parallel, world_size), None)
+        for _ in range(2):
+            box.step(work.loss_fn)
+        gc.collect()
+        dist.barrier()
+        _trim_heap()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_bytes("VmRSS")
+        box.step(work.loss_fn)
+        rise = _status_bytes("VmHWM") - before
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"rss_rise_bytes": rise}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def real_rss(world_size: int, parallel: str, sizes: dict | None = None) -> list[int]:
+    """Every rank's RSS rise over its step in a real gloo run (every tensor of 64 KiB or more its
+    own mapping, as the bench's children measure)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each child starts
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_rank_rss, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
+        rises = []
+        for r in range(world_size):
+            with open(f"{out}.{r}") as f:
+                rises.append(json.load(f)["rss_rise_bytes"])
+        return rises
+
+
 def real_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> list[dict]:
     """Every rank's profile from a real gloo run of ``world_size`` processes."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,12 +147,14 @@ def main() -> int:
             fake = fake_ranks(n, parallel)
             t_fake = time.perf_counter() - t
             real = real_ranks(n, parallel)
+            rss = real_rss(n, parallel)
             Ledger, without_backend_buffers = _ledger_tools()
             for r in range(n):
                 pred, meas = fake["ranks"][r], real[r]
                 raw = Ledger.from_dict(meas["ledger"])
                 tensors = without_backend_buffers(raw)
                 err = (pred["peak_bytes"] - tensors.peak_bytes) / tensors.peak_bytes
+                recorded_rise = raw.peak_bytes - raw.start_bytes  # gloo's copies included: RSS sees them
                 rows.append(
                     dict(
                         parallel=parallel,
@@ -116,6 +164,9 @@ def main() -> int:
                         measured_peak_bytes=tensors.peak_bytes,
                         measured_with_gloo_copies_bytes=raw.peak_bytes,
                         error=err,
+                        predicted_step_rise_bytes=pred["step_peak_bytes"],
+                        recorded_rise_with_gloo_copies_bytes=recorded_rise,
+                        rss_rise_bytes=rss[r],
                         fake_seconds=t_fake,
                         breakdown_predicted=pred["breakdown"],
                         breakdown_measured=meas["breakdown"],
@@ -124,7 +175,8 @@ def main() -> int:
                 print(
                     f"{parallel:6s} world {n} rank {r}: predicted {pred['peak_bytes']:,} B, measured (recorder, real gloo) "
                     f"{tensors.peak_bytes:,} B (with gloo's own copies {raw.peak_bytes:,} B), error {err:+.3%}; "
-                    f"fake profile of all ranks {t_fake:.1f} s",
+                    f"fake profile of all ranks {t_fake:.1f} s; step rise: predicted {pred['step_peak_bytes']:,} B, "
+                    f"recorded with gloo's copies {recorded_rise:,} B, RSS {rss[r]:,} B",
                     flush=True,
                 )
     if ns.json:

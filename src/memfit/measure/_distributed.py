@@ -10,6 +10,7 @@ there first.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,8 +20,7 @@ import torch
 from memfit.measure.ledger import Category
 
 __all__ = [
-    "available",
-    "DTENSOR_TYPES",
+    "dtensor_types",
     "local_tensor",
     "COLLECTIVE_ROLES",
     "fake_process_group",
@@ -31,27 +31,22 @@ __all__ = [
 ]
 
 
-def available() -> bool:
-    return torch.distributed.is_available()
-
-
-def _dtensor_types() -> tuple[type, ...]:
-    if not available():
-        return ()
-    from torch.distributed.tensor import DTensor
-
-    return (DTensor,)
-
-
-DTENSOR_TYPES = _dtensor_types()
-"""Tensor subclasses whose memory is their local shard (empty without torch.distributed)."""
+def dtensor_types() -> tuple[type, ...]:
+    """Tensor subclasses whose memory is their local shard: DTensor once torch.distributed.tensor
+    is imported (no DTensor exists before; importing it costs a second, which memfit does not
+    spend on steps that have none)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return (dtensor,) if dtensor is not None else ()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s memory on this rank: a DTensor's local shard (its wrapper's
     storage reports the global size: world-size times too much under FSDP), else ``t``."""
-    if DTENSOR_TYPES and isinstance(t, DTENSOR_TYPES):
-        return t._local_tensor  # type: ignore[attr-defined]
+    if type(t) is not torch.Tensor:
+        types = dtensor_types()
+        if types and isinstance(t, types):
+            return t._local_tensor  # type: ignore[attr-defined]
     return t
 
 

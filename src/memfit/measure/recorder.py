@@ -62,7 +62,6 @@ __all__ = ["Recorder", "storage_bytes"]
 # kernel's own allocations would be invisible; these run under the recorder instead.
 _RECORD_INSIDE_ON_CPU = _optim8bit.PYTHON_CPU_KERNELS
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-_DTENSORS = _distributed.DTENSOR_TYPES
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
@@ -357,7 +356,8 @@ class Recorder(TorchDispatchMode):
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSORS and any(t in _DTENSORS for t in types):
+        dtensors = _distributed.dtensor_types()
+        if dtensors and any(t in dtensors for t in types):
             # Let DTensor run first: it comes back here as ops on its local shards, the
             # memory this rank holds (as torch's MemTracker does).
             return NotImplemented

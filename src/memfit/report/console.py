@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.cells import cell_len
@@ -23,7 +24,6 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from memfit.measure.distributed import RankProfiles
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
 from memfit.measure.snapshot import SnapshotSummary
@@ -31,6 +31,9 @@ from memfit.plan.max_batch import MaxBatch
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.measure.distributed import RankProfiles
 
 __all__ = [
     "render_profile",
