@@ -95,30 +95,28 @@ def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None, por
         dist.destroy_process_group()
 
 
-def real_rss(world_size: int, parallel: str, sizes: dict | None = None) -> list[int]:
-    """Every rank's RSS rise over its step in a real gloo run (every tensor of 64 KiB or more its
-    own mapping, as the bench's children measure)."""
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each child starts
+def _spawn(fn, world_size: int, parallel: str, sizes: dict | None) -> list[dict]:
+    """What ``fn`` wrote for each rank of a real gloo run of ``world_size`` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_rank_rss, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
-        rises = []
-        for r in range(world_size):
-            with open(f"{out}.{r}") as f:
-                rises.append(json.load(f)["rss_rise_bytes"])
-        return rises
-
-
-def real_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> list[dict]:
-    """Every rank's profile from a real gloo run of ``world_size`` processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        mp.spawn(_rank, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
+        mp.spawn(fn, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
         ranks = []
         for r in range(world_size):
             with open(f"{out}.{r}") as f:
                 ranks.append(json.load(f))
         return ranks
+
+
+def real_rss(world_size: int, parallel: str, sizes: dict | None = None) -> list[int]:
+    """Every rank's RSS rise over its step in a real gloo run (every tensor of 64 KiB or more its
+    own mapping, as the bench's children measure)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each child starts
+    return [r["rss_rise_bytes"] for r in _spawn(_rank_rss, world_size, parallel, sizes)]
+
+
+def real_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> list[dict]:
+    """Every rank's profile from a real gloo run of ``world_size`` processes."""
+    return _spawn(_rank, world_size, parallel, sizes)
 
 
 def _ledger_tools():
