@@ -308,12 +308,14 @@ def test_cli_world_size_bad_input(extra, words, capsys):
     assert words in err and "\n" not in err
 
 
-def test_cli_big_preset_without_world_size(capsys):
+@pytest.mark.parametrize("command", [["profile"], ["plan", "--budget", "40GiB"]])
+def test_cli_big_preset_without_world_size(command, capsys):
     from memfit.cli import main
 
     pytest.importorskip("transformers")
-    assert main(["profile", "llama", "--size", "preset=8b", "--device", "fake"]) == 2
-    assert "--world-size N --device fake" in capsys.readouterr().err
+    assert main([*command, "llama", "--size", "preset=8b", "--device", "fake"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--world-size N --device fake" in err and "\n" not in err
 
 
 def test_uneven_shards_profiled_per_rank():

@@ -49,8 +49,17 @@ def parse_sizes(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _workload(ns: argparse.Namespace) -> memfit.Workload:
-    return memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workload:
+    """The target's workload; unless measured per rank, refused in one line when it is built on
+    meta to be parallelized (Llama-3-8B: too big to build in this process)."""
+    work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+    if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
+        raise TargetError(
+            f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
+            "measure it per rank with `memfit profile ... --world-size N --device fake` (plan, fit and max-batch "
+            "per rank are not built yet)"
+        )
+    return work
 
 
 FAKE = {"fake": True, "fake-cuda": "cuda"}
@@ -200,7 +209,7 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
     if ns.eval or ns.gpu or ns.capacity or ns.plot or ns.html:
         raise TargetError("--world-size does not take --eval, --gpu, --capacity, --plot or --html yet; drop them")
     ranks = _ranks(ns.ranks, ns.world_size)
-    work = _workload(ns)
+    work = _workload(ns, per_rank=True)
     with progress_bar(console, f"profiling {work.name} per rank") as progress:
         result = profile_ranks(work, world_size=ns.world_size, ranks=ranks, progress=progress)
     for prof in result.profiles.values():
@@ -237,11 +246,6 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     gpu, capacity = _gpu_args(ns)
     _require_device(ns.device)  # before building the model
     work = _workload(ns)
-    if work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
-        raise TargetError(
-            f"{ns.target} is built on the meta device (too big to build in this process): measure it per rank with "
-            "--world-size N --device fake"
-        )
     prof = _profile(work, ns.device, console, inference=ns.eval, gpu=gpu, capacity=capacity)
     prof.meta.update({"target": ns.target, **work.meta})
     title = f"{work.name} (evaluation)" if ns.eval else work.name
