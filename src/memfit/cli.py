@@ -56,8 +56,8 @@ def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workl
     if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
         raise TargetError(
             f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
-            "measure it per rank with `memfit profile ... --world-size N --device fake` (plan, fit and max-batch "
-            "per rank are not built yet)"
+            "measure or plan it per rank with `memfit profile|plan ... --world-size N --device fake` (fit and "
+            "max-batch per rank are not built yet)"
         )
     return work
 

@@ -41,6 +41,7 @@ __all__ = [
     "RankProfiles",
     "profile_ranks",
     "profile_rank",
+    "world_size_of",
     "rank_sandbox",
     "record_rank",
     "fsdp2",
@@ -123,15 +124,23 @@ def profile_ranks(
 
     ``world_size`` overrides the workload's :attr:`Parallel.world_size`."""
     parallel = _parallel_of(workload)
-    n = parallel.world_size if world_size is None else world_size
-    parallel.mesh(n)
-    assert n is not None
+    n = world_size_of(workload, world_size)
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to measure, e.g. (0,)")
     out = RankProfiles(n, parallel.name)
     for r in dict.fromkeys(ranks):
         out.profiles[r] = profile_rank(workload, FakeGroup(n, r), progress=progress)
     return out
+
+
+def world_size_of(workload: Workload, world_size: int | None = None) -> int:
+    """The world size a distributed workload runs at: ``world_size``, else its own; checked
+    against its mesh."""
+    parallel = _parallel_of(workload)
+    n = parallel.world_size if world_size is None else world_size
+    parallel.mesh(n)
+    assert n is not None
+    return n
 
 
 def _parallel_of(workload: Workload) -> Parallel:

@@ -26,7 +26,14 @@ from typing import Any
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.distributed import FakeGroup, profile_rank, profile_ranks, rank_sandbox, record_rank
+from memfit.measure.distributed import (
+    FakeGroup,
+    profile_rank,
+    profile_ranks,
+    rank_sandbox,
+    record_rank,
+    world_size_of,
+)
 from memfit.measure.profile import Progress
 from memfit.measure.scope import Scope
 from memfit.plan.budget import parse_budget
@@ -36,20 +43,6 @@ from memfit.units import format_bytes
 from memfit.workload import Workload
 
 __all__ = ["plan_ranks", "min_world_size", "WorldSizeFit"]
-
-
-def _world(workload: Workload, world_size: int | None) -> int:
-    if not isinstance(workload, Workload):
-        raise WorkloadError(f"expected a memfit.Workload, got {type(workload).__name__}")
-    if workload.parallel is None:
-        raise WorkloadError(
-            f"workload {workload.name!r} says nothing about how it is parallelized: give it "
-            "parallel=memfit.Parallel(parallelize=...) (a zoo model: --size parallel=fsdp2)"
-        )
-    n = workload.parallel.world_size if world_size is None else world_size
-    workload.parallel.mesh(n)
-    assert n is not None
-    return n
 
 
 def plan_ranks(
@@ -74,7 +67,7 @@ def plan_ranks(
     spec = parse_budget(budget)
     if objective not in _OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
-    n = _world(workload, world_size)
+    n = world_size_of(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
     ranks = list(dict.fromkeys(ranks))
