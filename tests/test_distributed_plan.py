@@ -19,6 +19,7 @@ if not torch_dist.is_available():
     pytest.skip("torch built without distributed", allow_module_level=True)
 
 import memfit  # noqa: E402
+from memfit.apply.checkpoint import applied_choices  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.measure.distributed import CURRENT_GROUP, ddp, fsdp2, profile_rank, profile_ranks, without_backend_buffers  # noqa: E402
 from memfit.plan.distributed import min_world_size, plan_ranks  # noqa: E402
@@ -135,6 +136,9 @@ def test_min_world_size_with_and_without_recompute():
     assert found.without_recompute == 4
     assert found.with_recompute is not None and found.with_recompute < 4
     assert found.plan is not None and max(found.plan.rank_peak_bytes.values()) <= budget
+    # the workload's model is left as it was: unplanned, on meta, unsharded
+    assert applied_choices(work.model) is None
+    assert type(work.model) is Net and next(work.model.parameters()).device.type == "meta"
     # a budget nothing reaches up to 2 ranks: no answer, said as None
     none = min_world_size(work, 1000, max_world_size=1)
     assert none.without_recompute is None and none.with_recompute is None
@@ -167,3 +171,7 @@ def test_cli_plan_world_size(tmp_path, capsys):
     assert "per rank of 2" in capsys.readouterr().out
     assert main([*argv, "--world-size", "2", "--budget", "50%"]) == 2  # not on the fake group
     assert "--device fake" in capsys.readouterr().err
+    assert main([*argv, "--max-world-size", "8", "--device", "fake", "--budget", "1GiB"]) == 2
+    assert "--min-world-size" in capsys.readouterr().err
+    assert main([*argv, "--min-world-size", "--device", "fake", "--budget", "50%"]) == 2
+    assert "fraction" in capsys.readouterr().err
