@@ -97,21 +97,21 @@ def plan_ranks(
             prof = record_rank(workload, verifier.box, scope)
         chosen, run, min_peak, target, cands = _search(prof, verifier, workload.model, spec, objective, excluded, 0.0, "", report)
         plan = _make_plan(
-            prof,
-            workload.model,
-            chosen,
-            run,
-            verifier,
-            cands,
-            excluded,
-            prof.peak_bytes,
-            min_peak,
-            target,
-            use_cache_off,
-            budget,
-            objective,
-            "",
-            started,
+            prof=prof,
+            model=workload.model,
+            chosen=chosen,
+            run=run,
+            verifier=verifier,
+            cands=cands,
+            excluded=excluded,
+            none_peak=prof.peak_bytes,
+            min_peak=min_peak,
+            target=target,
+            use_cache_off=use_cache_off,
+            budget=budget,
+            objective=objective,
+            timing_note="",
+            started=started,
         )
     # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
     peaks = {}

@@ -342,21 +342,21 @@ def plan(
     report("done", 2, 2)
 
     return _make_plan(
-        prof,
-        model,
-        chosen,
-        run,
-        verifier,
-        cands,
-        excluded,
-        none_peak,
-        min_peak,
-        target,
-        use_cache_off,
-        budget,
-        objective,
-        timing_note,
-        started,
+        prof=prof,
+        model=model,
+        chosen=chosen,
+        run=run,
+        verifier=verifier,
+        cands=cands,
+        excluded=excluded,
+        none_peak=none_peak,
+        min_peak=min_peak,
+        target=target,
+        use_cache_off=use_cache_off,
+        budget=budget,
+        objective=objective,
+        timing_note=timing_note,
+        started=started,
     )
 
 
@@ -419,6 +419,7 @@ def _search(
 
 
 def _make_plan(
+    *,
     prof: Profile,
     model: nn.Module,
     chosen: list[Option],
@@ -435,6 +436,7 @@ def _make_plan(
     timing_note: str,
     started: float,
 ) -> Plan:
+    """The :class:`Plan` of a finished search (:func:`_search`) on ``prof``'s step."""
     timed = prof.time_source == "measured"
     excluded.update({k: v for k, v in cands.excluded.items() if k not in excluded})
     return Plan(
