@@ -28,16 +28,13 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main(budget: str = "50%", accelerator: Accelerator | None = None):
-    accelerator = accelerator or Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False))
 
-    fitted = fit_accelerator(accelerator, model, optimizer, loader, budget)  # <- memfit: the one line
 
+def train(accelerator: Accelerator, model, optimizer, loader) -> list[float]:
+    """The user's own accelerate loop: memfit changes nothing in it."""
     losses = []
     for batch in loader:
         with accelerator.accumulate(model):
@@ -46,7 +43,19 @@ def main(budget: str = "50%", accelerator: Accelerator | None = None):
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
-    return fitted, losses, model
+    return losses
+
+
+def main(budget: str = "50%"):
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    fitted = fit_accelerator(accelerator, model, optimizer, loader, budget)  # <- memfit: the one line
+
+    return fitted, train(accelerator, model, optimizer, loader)
 
 
 if __name__ == "__main__":

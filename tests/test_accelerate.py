@@ -11,6 +11,7 @@ functions) beside memfit's step peak on fake tensors.
 
 from __future__ import annotations
 
+import functools
 import json
 import runpy
 import subprocess
@@ -26,7 +27,6 @@ accelerate = pytest.importorskip("accelerate")
 tf = pytest.importorskip("transformers")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SEQ, VOCAB = 32, 128
 
 
 @pytest.fixture(autouse=True)
@@ -53,25 +53,19 @@ def _reset() -> None:
     GradientState._reset_state()
 
 
+@functools.cache
+def _example() -> dict:
+    """examples/accelerate_loop.py's pieces: its tiny GPT-2, data set and training loop."""
+    return runpy.run_path(str(EXAMPLES / "accelerate_loop.py"))
+
+
 def _gpt2():
     tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, use_cache=False))
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+    return _example()["tiny_gpt2"]()
 
 
 def _run(mixed_precision: str, k: int, *, budget=None, plan=None, said=None):
-    """The user's accelerate loop: memfit's line (budget), the plan by hand (plan), or neither."""
+    """The example's accelerate loop: memfit's line (budget), the plan by hand (plan), or neither."""
     from memfit.integrations.accelerate import fit_accelerator
 
     _reset()
@@ -80,19 +74,12 @@ def _run(mixed_precision: str, k: int, *, budget=None, plan=None, said=None):
     if plan is not None:
         memfit.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=4, shuffle=True)
+    loader = torch.utils.data.DataLoader(_example()["Tokens"](), batch_size=4, shuffle=True)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     fitted = None
     if budget is not None:
         fitted = fit_accelerator(acc, model, optimizer, loader, budget, log=said.append)  # the one line
-    losses = []
-    for batch in loader:
-        with acc.accumulate(model):
-            loss = model(**batch).loss
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _example()["train"](acc, model, optimizer, loader)
     return fitted, losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -121,7 +108,7 @@ def test_the_step_measured_is_accelerates():
 
     acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     model = _gpt2()
-    ids = _Tokens().ids[:4]
+    ids = _example()["Tokens"]().ids[:4]
     batch = {"input_ids": ids, "labels": ids}
     plain = memfit.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters())).peak_bytes
     optimizer = torch.optim.AdamW(model.parameters())
@@ -186,6 +173,9 @@ def test_estimate_command(tmp_path, capsys):
     assert "training" in text and "step" in text and "activa-" in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["float32"] and rows[0]["memfit_peak_bytes"] > rows[0]["accelerate_training_bytes"]
+    t5 = ["--size", "num_layers=2", "--size", "d_model=32", "--size", "d_ff=64", "--size", "num_heads=2", "--size", "d_kv=16"]
+    assert main(["estimate", "t5", *t5, "--dtypes", "float32", "--seq-len", "16"]) == 0  # seq2seq: labels into the decoder
+    assert "T5ForConditionalGeneration" in capsys.readouterr().out
     for bad, says in (("meta-llama/Llama-2-7b-hf", "downloads nothing"), (str(tmp_path / "nothing"), "config.json")):
         assert main(["estimate", bad]) == 2
         err = capsys.readouterr().err
@@ -193,7 +183,7 @@ def test_estimate_command(tmp_path, capsys):
 
 
 def test_example_accelerate_loop(capsys):
-    fitted, losses, _ = runpy.run_path(str(EXAMPLES / "accelerate_loop.py"))["main"]()
+    fitted, losses = runpy.run_path(str(EXAMPLES / "accelerate_loop.py"))["main"]()
     assert len(losses) == 8 and fitted.plan.checkpointed
     err = capsys.readouterr().err
     assert "memfit: budget" in err and "predicted" in err and "measured" in err

@@ -38,7 +38,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +164,12 @@ def fit_accelerator(
         apply(model, found)
     if not fake:
         # measured apart from the planner's verification: the step with the plan on the model
-        measured = profile(model, batch, loss_fn=loss_fn, optimizer=inner, step=step, targets=targets).peak_bytes
+        try:
+            measured = profile(model, batch, loss_fn=loss_fn, optimizer=inner, step=step, targets=targets).peak_bytes
+        except BaseException:
+            if found.checkpointed:
+                remove(model)  # an error leaves the model as it was given
+            raise
     n = len(found.checkpointed)
     k = accelerator.gradient_accumulation_steps
     how = f"mixed_precision={accelerator.mixed_precision!r}" + (f", the last of {k} accumulated micro-batches" if k > 1 else "")
@@ -227,7 +232,7 @@ class Estimate:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "device": self.device,
-            "rows": [row.__dict__ for row in self.rows],
+            "rows": [asdict(row) for row in self.rows],
         }
 
 
@@ -279,8 +284,15 @@ def _offline() -> Iterator[None]:
 def _model_on_meta(config: Any) -> nn.Module:
     tf = _transformers()
     config.use_cache = False  # a training step keeps no KV cache
+    autos = [tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM]
+    if getattr(config, "is_encoder_decoder", False):
+        autos.insert(0, autos.pop(1))
+        if getattr(config, "decoder_start_token_id", None) is None:
+            # the labels are shifted right into the decoder's inputs from this token; which
+            # token it is changes no memory
+            config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     tried = []
-    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM):
+    for auto in autos:
         try:
             with torch.device("meta"):
                 return auto.from_config(config)
@@ -334,6 +346,8 @@ def estimate_memory(
     bad = [d for d in dtypes if d not in ESTIMATE_DTYPES]
     if bad or not dtypes:
         raise TargetError(f"dtypes are among {', '.join(ESTIMATE_DTYPES)}, got {', '.join(bad) or 'none'}")
+    if fake is not True and fake != "cuda":
+        raise TargetError(f"estimate_memory runs on fake tensors: fake is True or 'cuda', got {fake!r}")
     if batch_size < 1 or seq_len < 1:
         raise TargetError(f"batch_size and seq_len are positive, got {batch_size} and {seq_len}")
     tell = progress or (lambda message: None)
