@@ -79,8 +79,23 @@ def _run(mixed_precision: str, k: int, *, budget=None, plan=None, said=None):
     fitted = None
     if budget is not None:
         fitted = fit_accelerator(acc, model, optimizer, loader, budget, log=said.append)  # the one line
+        fitted.loop_peak_bytes = _loop_peak(acc, model, optimizer, loader)
     losses = _example()["train"](acc, model, optimizer, loader)
     return fitted, losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _loop_peak(acc, model, optimizer, loader) -> int:
+    """memfit's ledger of an optimizer step as the loop runs it, apart from the plan's own
+    measurement: the prepared model with the plan applied, all ``k`` micro-batches of
+    loader batches (the loss of each divided by ``k``, as accelerator.backward divides it)
+    and the optimizer inside accelerate's. Every batch has the same shapes: one stands for all."""
+    from memfit.integrations._common import first_batch_of
+
+    k = acc.gradient_accumulation_steps
+    first = first_batch_of(loader)
+    batch = {key: torch.cat([first[key]] * k) for key in first}
+    step = memfit.StepOptions(micro_batches=k)
+    return memfit.profile(model, batch, optimizer=optimizer.optimizer, step=step).peak_bytes
 
 
 @pytest.mark.parametrize(("mixed_precision", "k"), [("no", 1), ("bf16", 2)])
@@ -91,6 +106,7 @@ def test_fit_accelerator_trains_as_by_hand(mixed_precision, k):
     assert plan.checkpointed, "the budget is below the unplanned peak: something is recomputed"
     assert fitted.predicted_peak_bytes <= plan.budget_bytes < plan.none_peak_bytes
     assert fitted.measured_peak_bytes is not None and fitted.measured_peak_bytes <= plan.budget_bytes
+    assert fitted.loop_peak_bytes <= plan.budget_bytes
     assert any("predicted" in line and "measured" in line and mixed_precision in line for line in said), said
     assert fitted.step.set_to_none == (k == 1) and fitted.step.loss_scale == (None if k == 1 else 1 / k)
     _, by_hand, by_hand_params = _run(mixed_precision, k, plan=plan)
