@@ -119,19 +119,21 @@ def test_fit_accelerator_trains_as_by_hand(mixed_precision, k):
 
 def test_the_step_measured_is_accelerates():
     """With bf16, the prepared model's forward runs under autocast: the step memfit plans
-    holds less than the same model's float32 step (its activations are bf16)."""
+    holds less than the same model's float32 step (its activations are bf16). On fake
+    tensors, whose copy of the model keeps accelerate's forward (rebound to the copy)."""
     from memfit.integrations.accelerate import fit_accelerator
 
     acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     model = _gpt2()
     ids = _example()["Tokens"]().ids[:4]
     batch = {"input_ids": ids, "labels": ids}
-    plain = memfit.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters())).peak_bytes
+    plain = memfit.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()), fake=True).peak_bytes
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = acc.prepare(model, optimizer)
     forward = model.forward
-    fitted = fit_accelerator(acc, model, optimizer, batch, "50%", log=lambda _: None)
+    fitted = fit_accelerator(acc, model, optimizer, batch, "50%", fake=True, log=lambda _: None)
     assert fitted.plan.none_peak_bytes < plain
+    assert fitted.measured_peak_bytes is None and fitted.predicted_peak_bytes <= fitted.plan.budget_bytes
     with pytest.raises(memfit.PlanError):
         fit_accelerator(acc, model, optimizer, batch, "50%", log=lambda _: None)
     fitted.remove()
