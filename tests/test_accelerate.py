@@ -179,6 +179,16 @@ def test_estimate_beside_accelerates_rule():
     assert bf16.memfit_breakdown["activations"] < f32.memfit_breakdown["activations"]
 
 
+def test_estimate_keeps_tied_weights():
+    """GPT-2's lm_head is its token embedding: one tensor, one gradient, one Adam state."""
+    from memfit.integrations.accelerate import estimate_memory
+
+    sizes = {"n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 1024}
+    (row,) = estimate_memory("gpt2", sizes=sizes, dtypes=["float32"], seq_len=16).rows
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(**sizes))
+    assert row.memfit_breakdown["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+
+
 def test_estimate_command(tmp_path, capsys):
     from memfit.cli import main
 

@@ -304,6 +304,22 @@ def _model_on_meta(config: Any) -> nn.Module:
     )
 
 
+def _materialize(model: nn.Module) -> None:
+    """CPU tensors for the meta model's, their memory never touched (so never resident):
+    fake tensors are made from real ones, and only shapes, dtypes and strides are read."""
+    meta_count = sum(p.numel() for p in model.parameters())  # tied weights once
+    model.to_empty(device="cpu")
+    # to_empty gives each module its own tensor, untying shared weights (GPT-2's lm_head and
+    # wte): a step with a second copy, its gradient and its Adam state. Tie them again.
+    model.tie_weights()
+    count = sum(p.numel() for p in model.parameters())
+    if count != meta_count:
+        raise TargetError(
+            f"{type(model).__name__}: {count} parameters once built, {meta_count} as configured; memfit cannot tell which "
+            "weights this model shares"
+        )
+
+
 def _accelerate_rows(model: nn.Module, dtypes: tuple[str, ...]) -> dict[str, tuple[int, int, int | None]]:
     """accelerate estimate-memory's numbers for ``model``, with its own functions: the
     meta model stands in for the one it would build from the Hub."""
@@ -356,7 +372,7 @@ def estimate_memory(
     theirs = _accelerate_rows(model, tuple(dtypes))
     # Real CPU tensors whose memory is never touched (so never resident): fake tensors are
     # made from real ones, and only shapes, dtypes and strides are read from these.
-    model.to_empty(device="cpu")
+    _materialize(model)
     vocab = getattr(cfg, "vocab_size", None) or 2
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     inputs = {"input_ids": ids, "labels": ids.clone()}
