@@ -8,6 +8,7 @@
     memfit plan gpt --budget 400MiB --json plan.json
     memfit fit gpt --budget 400MiB --allow amp,bf16   # the fastest memory levers that fit
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
+    memfit estimate llama --size num_hidden_layers=16 --batch-size 4 --seq-len 2048   # accelerate estimate-memory, activations included
     memfit snapshot memory_snapshot.pickle   # a GPU's recorded trace: peaks, and what other allocator settings would reserve
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
@@ -379,6 +380,33 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_estimate(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import status
+    from memfit.report.estimate import render_estimate
+
+    _require_device(ns.device)
+    try:
+        from memfit.integrations.accelerate import estimate_memory
+    except ImportError as exc:
+        raise TargetError(
+            f"memfit estimate needs transformers and accelerate ({exc.name} is missing): pip install 'memfit[hf]'"
+        ) from exc
+    with status(console, f"building {ns.config} from its config and profiling on fake tensors"):
+        est = estimate_memory(
+            ns.config,
+            dtypes=ns.dtypes,
+            batch_size=ns.batch_size,
+            seq_len=ns.seq_len,
+            sizes=parse_sizes(ns.size),
+            fake=FAKE[ns.device],
+        )
+    render_estimate(est, console)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(est.to_dict()))
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
 def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_zoo
 
@@ -599,6 +627,35 @@ def _parser() -> argparse.ArgumentParser:
         help="write the same as one self-contained page (hover: a block's frames; the peak's blocks)",
     )
     p.set_defaults(func=_cmd_snapshot)
+
+    p = sub.add_parser(
+        "estimate",
+        help="accelerate estimate-memory's numbers for a transformers config, beside memfit's step peak with activations",
+    )
+    p.add_argument(
+        "config",
+        help="a transformers model type (llama, gpt2, t5, ...: its config's default sizes) or a local config.json (or its "
+        "folder); nothing is downloaded and no weights are made",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "float16", "int8", "int4"],
+        choices=["float32", "float16", "bfloat16", "int8", "int4"],
+        help="as accelerate estimate-memory's (default: float32 float16 int8 int4); memfit trains float16 / bfloat16 as "
+        "mixed precision, and not int8 / int4",
+    )
+    p.add_argument("--batch-size", type=int, default=1, help="sequences in the step (default 1)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16")
+    p.add_argument(
+        "--device",
+        choices=["fake", "fake-cuda"],
+        default="fake",
+        help="fake: fake CPU tensors; fake-cuda: fake tensors on a simulated CUDA GPU (CUDA's autocast and kernels)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(func=_cmd_estimate)
 
     p = sub.add_parser("zoo", help="list the built-in models")
     p.set_defaults(func=_cmd_zoo)
