@@ -25,6 +25,7 @@ EXPECTED = {
     "BatchLimit",
     "Recipe",
     "Workload",
+    "Parallel",
     "load_target",
     "parse_bytes",
     "format_bytes",

@@ -38,7 +38,7 @@ from memfit.plan.planner import plan
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Choice, Plan
 from memfit.units import format_bytes, parse_bytes
-from memfit.workload import Workload, load_target
+from memfit.workload import Parallel, Workload, load_target
 
 __version__ = "0.1.0"
 
@@ -70,6 +70,7 @@ __all__ = [
     "BatchLimit",
     # workloads
     "Workload",
+    "Parallel",
     "load_target",
     # units
     "parse_bytes",

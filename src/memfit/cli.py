@@ -50,8 +50,17 @@ def parse_sizes(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _workload(ns: argparse.Namespace) -> memfit.Workload:
-    return memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workload:
+    """The target's workload; unless measured per rank, refused in one line when it is built on
+    meta to be parallelized (Llama-3-8B: too big to build in this process)."""
+    work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+    if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
+        raise TargetError(
+            f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
+            "measure it per rank with `memfit profile ... --world-size N --device fake` (plan, fit and max-batch "
+            "per rank are not built yet)"
+        )
+    return work
 
 
 FAKE = {"fake": True, "fake-cuda": "cuda"}
@@ -189,9 +198,52 @@ def _applied_profile(
             memfit.remove(model)
 
 
+def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
+    """``profile --world-size N``: each asked-for rank of the parallelized step on the fake process group."""
+    from memfit.measure.distributed import profile_ranks
+    from memfit.report.console import progress_bar, render_ranks
+
+    if ns.device != "fake":
+        raise TargetError(
+            f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
+        )
+    if ns.eval or ns.gpu or ns.capacity or ns.plot or ns.html:
+        raise TargetError("--world-size does not take --eval, --gpu, --capacity, --plot or --html yet; drop them")
+    ranks = _ranks(ns.ranks, ns.world_size)
+    work = _workload(ns, per_rank=True)
+    with progress_bar(console, f"profiling {work.name} per rank") as progress:
+        result = profile_ranks(work, world_size=ns.world_size, ranks=ranks, progress=progress)
+    for prof in result.profiles.values():
+        prof.meta["target"] = ns.target
+    render_ranks(result, console, title=work.name, top=ns.top)
+    if ns.json:
+        Path(ns.json).write_text(result.to_json())
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
+def _ranks(text: str | None, world_size: int) -> list[int]:
+    if text is None:
+        return [0]
+    if text == "all":
+        return list(range(world_size))
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise TargetError(f"--ranks takes ranks separated by commas (0,3) or 'all', got {text!r}") from None
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise TargetError(f"--ranks: {bad[0]} is not a rank of a world of {world_size}; give 0 to {world_size - 1}")
+    return ranks
+
+
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
+    if ns.world_size is not None:
+        return _cmd_profile_ranks(ns, console)
+    if ns.ranks is not None:
+        raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
     gpu, capacity = _gpu_args(ns)
     _require_device(ns.device)  # before building the model
     work = _workload(ns)
@@ -502,6 +554,16 @@ def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
         p.add_argument("--capacity", metavar="BYTES", help="device memory to judge the step against ('24GiB'); default the GPU's")
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training step in a memory budget.")
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
@@ -535,6 +597,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
     )
+    p.add_argument(
+        "--world-size",
+        type=_positive,
+        metavar="N",
+        help="measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp) as "
+        "one rank of N on torch's fake process group (with --device fake)",
+    )
+    p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to measure (default 0)")
     _gpu_options(p)
     p.set_defaults(func=_cmd_profile)
 

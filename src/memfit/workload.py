@@ -23,6 +23,7 @@ from memfit.errors import LossError, MemfitError, TargetError, WorkloadError
 
 __all__ = [
     "Workload",
+    "Parallel",
     "load_target",
     "split_inputs",
     "join_inputs",
@@ -45,6 +46,56 @@ __all__ = [
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """How a training step is parallelized over ranks, in torchtitan's style: the workload's
+    model (built on the meta device, so that no full-size tensor is ever made) is given to
+    ``parallelize(model, mesh)`` on each rank, which applies ``fully_shard``, DDP, ... and
+    returns the module to train (or None: the model, changed in place). Whatever is still
+    on meta afterwards is materialised on the rank's device with ``to_empty`` (DDP, which
+    needs real parameters for its buckets, materialises first: see
+    :func:`memfit.measure.distributed.ddp`). The workload's inputs are one rank's batch."""
+
+    parallelize: Callable[[nn.Module, Any], nn.Module | None]
+    world_size: int | None = None
+    """Ranks; None: given when measuring (``--world-size``)."""
+    mesh_shape: tuple[int, ...] | None = None
+    """The device mesh's shape (its product is the world size); None: one dimension of all ranks."""
+    mesh_dim_names: tuple[str, ...] | None = None
+    name: str = "parallel"
+    """How reports name the scheme (``fsdp2``, ``ddp``)."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.parallelize):
+            raise WorkloadError(
+                f"Parallel.parallelize must be a function (model, mesh) -> model, got {type(self.parallelize).__name__}"
+            )
+        if self.world_size is not None:
+            self.mesh(self.world_size)
+
+    def mesh(self, world_size: int | None = None) -> tuple[int, ...]:
+        """The mesh shape for ``world_size`` ranks (default this spec's), checked."""
+        n = self.world_size if world_size is None else world_size
+        if n is None:
+            raise WorkloadError(f"{self.name}: no world size: give one (--world-size N, world_size=N)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise WorkloadError(f"the world size must be a positive integer, got {n!r}")
+        shape = self.mesh_shape or (n,)
+        product = 1
+        for d in shape:
+            product *= d
+        if product != n:
+            raise WorkloadError(
+                f"the device mesh {'x'.join(map(str, shape))} holds {product} ranks but the world size is {n}; "
+                f"give a mesh whose dimensions multiply to {n}"
+            )
+        if self.mesh_dim_names is not None and len(self.mesh_dim_names) != len(shape):
+            raise WorkloadError(
+                f"mesh_dim_names {self.mesh_dim_names} name {len(self.mesh_dim_names)} dimensions, the mesh has {len(shape)}"
+            )
+        return tuple(shape)
+
+
 @dataclass
 class Workload:
     """Model + example inputs + loss function + optimizer factory."""
@@ -64,6 +115,9 @@ class Workload:
     targets: Any = None
     """What the loss compares the output with (a tensor, or a tuple or dict of them), never
     given to the model; cut into micro-batches with the inputs (see :func:`split_batch`)."""
+    parallel: Parallel | None = None
+    """How the step is parallelized over ranks (:class:`Parallel`), measured per rank by
+    :func:`memfit.measure.distributed.profile_ranks`; None: one process."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -74,6 +128,8 @@ class Workload:
         check_loss_targets(self.loss_fn, self.targets)
         if self.optimizer is not None and not callable(self.optimizer):
             raise WorkloadError(f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}")
+        if self.parallel is not None and not isinstance(self.parallel, Parallel):
+            raise WorkloadError(f"Workload.parallel must be a memfit.Parallel, got {type(self.parallel).__name__}")
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -63,6 +63,15 @@ class Category(str, Enum):
     tensors (:mod:`memfit.measure.workspace`), alive across the op's outputs."""
     OTHER = "other"
     """Alive before the step but none of the above (a cache a module keeps, say)."""
+    UNSHARDED = "unsharded_parameters"
+    """Distributed steps: FSDP's full parameters, all-gathered for a module's forward or
+    backward and freed after it (the sharded ones are :attr:`PARAMETER`)."""
+    ALL_GATHER = "all_gather_buffers"
+    """Distributed steps: the buffer FSDP copies the local shards into and all-gathers."""
+    REDUCE_SCATTER = "reduce_scatter_buffers"
+    """Distributed steps: FSDP's reduce-scatter input (the full gradients, concatenated) and output."""
+    DDP_BUCKET = "ddp_buckets"
+    """Distributed steps: the gradient buckets DDP all-reduces."""
     GRAPH = "autograd_graph"
     """CPU steps only: autograd's nodes and saved-tensor records in host memory, which are
     not tensor storages. Estimated (counted nodes and saved tensors times a per-item

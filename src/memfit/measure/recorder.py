@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _optim8bit, _torch_compat, gpu, workspace
+from memfit.measure import _distributed, _optim8bit, _torch_compat, gpu, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -140,6 +140,7 @@ def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    t = _distributed.local_tensor(t)  # a DTensor's memory is its shard on this rank
     if t.layout is not torch.strided:
         return None
     try:
@@ -355,6 +356,11 @@ class Recorder(TorchDispatchMode):
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dtensors = _distributed.dtensor_types()
+        if dtensors and any(t in dtensors for t in types):
+            # Let DTensor run first: it comes back here as ops on its local shards, the
+            # memory this rank holds (as torch's MemTracker does).
+            return NotImplemented
         kwargs = kwargs or {}
         self._op = str(func.overloadpacket.__name__)
         first = len(self.ticks)
@@ -378,6 +384,9 @@ class Recorder(TorchDispatchMode):
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
             self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
+        role = _distributed.COLLECTIVE_ROLES.get(func.overloadpacket._qualified_op_name)
+        if role is not None:
+            self._give_role(role[0], in_tensors + out_tensors if role[1] else out_tensors)
         if scratch is not None:
             # Alive from before the op's outputs to after them: at the op's last output the
             # ledger holds what the kernel held at its highest.
@@ -391,6 +400,38 @@ class Recorder(TorchDispatchMode):
             if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
+
+    def _give_role(self, role: Category, tensors: list[torch.Tensor]) -> None:
+        """Blocks a collective allocates or communicates through are its buffers: those born
+        in the step and not yet given a category, and those first seen as parts of
+        something alive before the step (DDP's buckets, made by its C++ reducer when it was
+        built, where no mode sees them)."""
+        for t in tensors:
+            idx = self._block_of(t)
+            if idx is None and role is Category.DDP_BUCKET:
+                s = _storage(t)
+                if s is not None and s.nbytes() and id(s) not in self._elsewhere:
+                    idx = self._add(s, t.device, role, at_start=True)
+            if idx is None:
+                continue
+            r = self.records[idx]
+            if r.category is None and r.born != START_TICK or r.category is Category.OTHER and r.born == START_TICK:
+                r.category = role
+
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        """``storage.resize_(n)``: the block it was dies, and with ``n`` > 0 a new block of
+        its new size is born (FSDP2 frees and re-allocates unsharded parameters this way)."""
+        if self._closed:
+            return
+        key = id(storage)
+        self._op = "resize_"
+        idx = self._live.pop(key, None)
+        if idx is not None:
+            self.records[idx].died = self._tick()
+        if storage.nbytes():
+            # a fake tensor's storage is on meta; the tensor is on the step's device
+            device = storage.device if storage.device.type != "meta" else torch.device(self.device_type or "cpu")
+            self._add(storage, device, Category.UNSHARDED, at_start=False)
 
     def _cublas_workspace(self) -> None:
         key = (threading.get_ident(), _cuda_stream())
@@ -412,6 +453,7 @@ class Recorder(TorchDispatchMode):
             or func.is_view  # allocates nothing (and a select's index would make each call a kind of its own)
             or self._op in BOOKKEEPING_OPS
             or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU
+            or func.namespace == "c10d"  # a communication backend's own buffers (gloo's copies, NCCL's): not the step's
         ):
             return None, None
         sig = workspace.signature(func, args, kwargs)
@@ -475,12 +517,15 @@ class Recorder(TorchDispatchMode):
         self._hooks_pack = self._pack  # one bound method object, to recognise it on the hooks' stack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._hooks_pack, self._unpack)
         self._hooks.__enter__()
+        self._resizes = _distributed.tracking_resize(self._on_resize)
+        self._resizes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._resizes.__exit__(*exc)
             self._hooks.__exit__(*exc)
             if self._trace is not None:
                 self._trace.__exit__(*exc)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.cells import cell_len
@@ -30,6 +31,9 @@ from memfit.plan.max_batch import MaxBatch
 from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.measure.distributed import RankProfiles
 
 __all__ = [
     "render_profile",
@@ -447,6 +451,23 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     else:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
     render_device_fit(profile, console)
+
+
+def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int = 12) -> None:
+    """A distributed step: the worst measured rank's profile, then every measured rank's peak."""
+    worst = ranks.worst_rank
+    render_profile(
+        ranks.profiles[worst], console, title=f"{title} rank {worst} of {ranks.world_size} ({ranks.parallel})", top=top
+    )
+    if len(ranks.profiles) > 1:
+        table = Table(title="Per-rank peak", title_justify="left", box=box.SIMPLE_HEAD)
+        for col, justify in (("rank", "right"), ("peak", "right"), ("at start", "right")):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for r, p in sorted(ranks.profiles.items()):
+            table.add_row(str(r), format_bytes(p.peak_bytes), format_bytes(p.start_bytes))
+        console.print(table)
+        console.print(f"worst rank {worst}: {format_bytes(ranks.peak_bytes)}; spread {format_bytes(ranks.spread_bytes)}")
+    console.print("per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it")
 
 
 def _step_time_line(profile: Profile, console: Console) -> None:

@@ -57,9 +57,13 @@ _ORDER = (
     Category.PARAMETER,
     Category.BUFFER,
     Category.OPTIMIZER,
+    Category.DDP_BUCKET,
     Category.GRADIENT,
     Category.INPUT,
     Category.OTHER,
+    Category.UNSHARDED,
+    Category.ALL_GATHER,
+    Category.REDUCE_SCATTER,
     Category.ACTIVATION,
     Category.GRAPH,
     Category.TEMPORARY,
@@ -76,6 +80,10 @@ COLORS = {
     Category.GRAPH: "#ff9da7",
     Category.TEMPORARY: "#b07aa1",
     Category.WORKSPACE: "#9d7660",
+    Category.UNSHARDED: "#76b7b2",
+    Category.ALL_GATHER: "#59a14f",
+    Category.REDUCE_SCATTER: "#edc948",
+    Category.DDP_BUCKET: "#d4a6c8",
 }
 _LINE_STYLES = {"allocated": ("#222222", (0, ())), "reserved": ("#6a3d9a", (0, (5, 2)))}
 """Colour and dash of the CUDA lines, by the first word of their name."""

@@ -47,7 +47,11 @@ _ZOO: dict[str, _Entry] = {
     "convmixer": _Entry(cnn.convmixer, "depthwise 9x9 + pointwise with GELU and BatchNorm, 96px, batch 8"),
     "bert-base": _Entry(hf.build_bert, "transformers BertForMaskedLM, 128 tokens, batch 8", "hf"),
     "gpt2": _Entry(hf.build_gpt2, "transformers GPT2LMHeadModel, 256 tokens, batch 4", "hf"),
-    "llama": _Entry(hf.build_llama, "transformers LlamaForCausalLM, 8 x 512, 256 tokens, batch 4", "hf"),
+    "llama": _Entry(
+        hf.build_llama,
+        "transformers LlamaForCausalLM, 8 x 512, 256 tokens, batch 4 (preset=8b|70b: Llama-3 dims, 4096 tokens, on meta; parallel=fsdp2|ddp for --world-size)",
+        "hf",
+    ),
     "vit": _Entry(hf.build_vit, "transformers ViT-S/16, 224px, batch 8", "hf"),
     "resnet152": _Entry(hf.build_resnet152, "transformers ResNet-152, 224px, batch 8", "hf"),
 }

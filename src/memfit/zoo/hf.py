@@ -6,12 +6,13 @@ Nothing is downloaded: each model is constructed from its config class. Needs th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from memfit.errors import TargetError
-from memfit.workload import Workload
+from memfit.workload import Parallel, Workload
 
 
 def _transformers() -> Any:
@@ -44,18 +45,82 @@ def build_gpt2(batch_size: int = 4, seq_len: int = 256, **config: Any) -> Worklo
     return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="gpt2", meta=meta)
 
 
-def build_llama(batch_size: int = 4, seq_len: int = 256, **config: Any) -> Workload:
-    tf = _transformers()
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     # A small Llama (RMSNorm, rotary, SwiGLU, SDPA): 8 x 512, a 8k vocabulary so that the
     # blocks' activations, not the logits, dominate, as in the larger models of the family.
-    defaults = dict(
-        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=8192, use_cache=False
-    )
-    cfg = tf.LlamaConfig(**{**defaults, **config})
-    model = tf.LlamaForCausalLM(cfg)
+    "tiny": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=8192),
+    # Llama-3-8B and -70B's dimensions (their config.json), at 4096 tokens, batch 1.
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    "70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+}
+_LLAMA_SEQ = {"tiny": (4, 256), "8b": (1, 4096), "70b": (1, 4096)}
+LLAMA_PARALLEL = ("fsdp2", "ddp", "none")
+
+
+def build_llama(
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    preset: str = "tiny",
+    parallel: str = "fsdp2",
+    gradient_checkpointing: bool = False,
+    **config: Any,
+) -> Workload:
+    """Llama from transformers. ``preset``: ``tiny`` (8 x 512, built on the CPU), ``8b`` or
+    ``70b`` (Llama-3's dimensions, 4096 tokens, built on the meta device: measure them per
+    rank, ``--world-size N``). ``parallel``: how ``--world-size`` runs the step: ``fsdp2``
+    (``fully_shard`` per decoder layer and the root, bf16 parameters, fp32 reduction, as
+    torchtitan), ``ddp``, or ``none``."""
+    tf = _transformers()
+    if preset not in LLAMA_PRESETS:
+        raise TargetError(f"llama has no preset {preset!r}; choose one of {', '.join(LLAMA_PRESETS)}")
+    if parallel not in LLAMA_PARALLEL:
+        raise TargetError(f"llama has no parallel={parallel!r}; choose one of {', '.join(LLAMA_PARALLEL)}")
+    batch, seq = _LLAMA_SEQ[preset]
+    batch_size = batch if batch_size is None else batch_size
+    seq_len = seq if seq_len is None else seq_len
+    cfg = tf.LlamaConfig(**{**LLAMA_PRESETS[preset], "use_cache": False, **config})
+    with torch.device("meta") if preset != "tiny" else contextlib.nullcontext():
+        # too big to build for real (8B is 32 GB of float32): on meta, materialised per rank
+        model = tf.LlamaForCausalLM(cfg)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
-    meta = {"batch_size": batch_size, "seq_len": seq_len, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}
-    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta)
+    meta = {
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+        "preset": preset,
+    }
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=_llama_parallel(parallel))
+
+
+def _llama_parallel(parallel: str) -> Parallel | None:
+    from memfit.measure import distributed
+
+    if parallel == "fsdp2":
+        return Parallel(distributed.fsdp2(lambda m: m.model.layers), name="fsdp2")
+    if parallel == "ddp":
+        return Parallel(distributed.ddp, name="ddp")
+    return None
 
 
 def build_vit(batch_size: int = 8, image_size: int = 224, **config: Any) -> Workload:

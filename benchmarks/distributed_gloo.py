@@ -1,0 +1,187 @@
+"""Per-rank memory of FSDP2 and DDP steps: memfit's fake-process-group prediction against
+real multi-process gloo runs on this CPU.
+
+Each real rank runs in its own process (torch.multiprocessing spawn, gloo backend) and is
+measured with memfit's recorder on real tensors (the same step: warm-up, then a recorded
+step), and its RSS rise over the recorded step is taken as a second, recorder-free check.
+The prediction is memfit's profile of that rank on the fake process group, fake tensors,
+one process. Usage:
+
+    python benchmarks/distributed_gloo.py [--world-sizes 2,4] [--parallel fsdp2,ddp] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+# A zoo-like Llama small enough for 4 real ranks on 2 cores, big enough that tensors dominate.
+SIZES = dict(
+    num_hidden_layers=4,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_attention_heads=8,
+    vocab_size=8192,
+    seq_len=256,
+    batch_size=2,
+)
+
+
+def workload(parallel: str, sizes: dict | None = None):
+    from memfit import zoo
+
+    return zoo.build("llama", parallel=parallel, **(SIZES if sizes is None else sizes))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world_size: int, parallel: str, sizes: dict | None, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from memfit.measure.distributed import CURRENT_GROUP, profile_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        prof = profile_rank(workload(parallel, sizes), CURRENT_GROUP)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(prof.to_json())
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None, port: int, out: str) -> None:
+    """The RSS protocol of memfit.bench.child on one real rank, without the recorder: after two
+    warm-up steps, heap trimmed and the high-water mark reset, the step's RSS rise."""
+    import gc
+
+    import torch.distributed as dist
+
+    from memfit.bench.child import _status_bytes, _trim_heap
+    from memfit.measure.distributed import _mesh, _parallel_sandbox
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        work = workload(parallel, sizes)
+        box = _parallel_sandbox(work, work.parallel, _mesh(work.parallel, world_size), None)
+        for _ in range(2):
+            box.step(work.loss_fn)
+        gc.collect()
+        dist.barrier()
+        _trim_heap()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_bytes("VmRSS")
+        box.step(work.loss_fn)
+        rise = _status_bytes("VmHWM") - before
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"rss_rise_bytes": rise}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world_size: int, parallel: str, sizes: dict | None) -> list[dict]:
+    """What ``fn`` wrote for each rank of a real gloo run of ``world_size`` processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(fn, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
+        ranks = []
+        for r in range(world_size):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+        return ranks
+
+
+def real_rss(world_size: int, parallel: str, sizes: dict | None = None) -> list[int]:
+    """Every rank's RSS rise over its step in a real gloo run (every tensor of 64 KiB or more its
+    own mapping, as the bench's children measure)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each child starts
+    return [r["rss_rise_bytes"] for r in _spawn(_rank_rss, world_size, parallel, sizes)]
+
+
+def real_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> list[dict]:
+    """Every rank's profile from a real gloo run of ``world_size`` processes."""
+    return _spawn(_rank, world_size, parallel, sizes)
+
+
+def _ledger_tools():
+    from memfit.measure.distributed import without_backend_buffers
+    from memfit.measure.ledger import Ledger
+
+    return Ledger, without_backend_buffers
+
+
+def fake_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> dict:
+    from memfit.measure.distributed import profile_ranks
+
+    return profile_ranks(workload(parallel, sizes), world_size=world_size, ranks=range(world_size)).to_dict()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--parallel", default="fsdp2,ddp")
+    ap.add_argument("--json")
+    ns = ap.parse_args()
+    rows = []
+    for parallel in ns.parallel.split(","):
+        for n in map(int, ns.world_sizes.split(",")):
+            t = time.perf_counter()
+            fake = fake_ranks(n, parallel)
+            t_fake = time.perf_counter() - t
+            real = real_ranks(n, parallel)
+            rss = real_rss(n, parallel)
+            Ledger, without_backend_buffers = _ledger_tools()
+            for r in range(n):
+                pred, meas = fake["ranks"][r], real[r]
+                raw = Ledger.from_dict(meas["ledger"])
+                tensors = without_backend_buffers(raw)
+                err = (pred["peak_bytes"] - tensors.peak_bytes) / tensors.peak_bytes
+                recorded_rise = raw.peak_bytes - raw.start_bytes  # gloo's copies included: RSS sees them
+                rows.append(
+                    dict(
+                        parallel=parallel,
+                        world_size=n,
+                        rank=r,
+                        predicted_peak_bytes=pred["peak_bytes"],
+                        measured_peak_bytes=tensors.peak_bytes,
+                        measured_with_gloo_copies_bytes=raw.peak_bytes,
+                        error=err,
+                        predicted_step_rise_bytes=pred["step_peak_bytes"],
+                        recorded_rise_with_gloo_copies_bytes=recorded_rise,
+                        rss_rise_bytes=rss[r],
+                        fake_seconds=t_fake,
+                        breakdown_predicted=pred["breakdown"],
+                        breakdown_measured=meas["breakdown"],
+                    )
+                )
+                print(
+                    f"{parallel:6s} world {n} rank {r}: predicted {pred['peak_bytes']:,} B, measured (recorder, real gloo) "
+                    f"{tensors.peak_bytes:,} B (with gloo's own copies {raw.peak_bytes:,} B), error {err:+.3%}; "
+                    f"fake profile of all ranks {t_fake:.1f} s; step rise: predicted {pred['step_peak_bytes']:,} B, "
+                    f"recorded with gloo's copies {recorded_rise:,} B, RSS {rss[r]:,} B",
+                    flush=True,
+                )
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(abs(r["error"]) <= 0.03 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The corners of ``torch.distributed`` that memfit's per-rank measurement leans on, in one place.
+
+Private or fragile pieces only live here: the fake process group (from
+``torch.testing._internal``), DTensor's local shard, the monkey-patch of
+``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters with it,
+which no dispatch mode sees) and DDP's private construction checks.
+``tests/test_distributed.py`` exercises each, so a torch release that moves them fails
+there first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from memfit.measure.ledger import Category
+
+__all__ = [
+    "dtensor_types",
+    "local_tensor",
+    "COLLECTIVE_ROLES",
+    "fake_process_group",
+    "tracking_resize",
+    "fake_ddp",
+    "ddp_comm_hook",
+    "keep_ddp_buckets",
+]
+
+
+def dtensor_types() -> tuple[type, ...]:
+    """Tensor subclasses whose memory is their local shard: DTensor once torch.distributed.tensor
+    is imported (no DTensor exists before; importing it costs a second, which memfit does not
+    spend on steps that have none)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return (dtensor,) if dtensor is not None else ()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s memory on this rank: a DTensor's local shard (its wrapper's
+    storage reports the global size: world-size times too much under FSDP), else ``t``."""
+    if type(t) is not torch.Tensor:
+        types = dtensor_types()
+        if types and isinstance(t, types):
+            return t._local_tensor  # type: ignore[attr-defined]
+    return t
+
+
+# What a block is on a distributed step, told by the op that makes it (FSDP2's custom ops:
+# their outputs) or communicates through it (c10d's collectives as a dispatch mode sees
+# them, which write into their arguments: all of them). Blocks the step made and nothing
+# else claimed get the category; FSDP's unsharded gradients, the inputs of chunk_cat,
+# stay temporaries.
+COLLECTIVE_ROLES: dict[str, tuple[Category, bool]] = {
+    "fsdp::all_gather_copy_in": (Category.ALL_GATHER, False),
+    "c10d::_allgather_base_": (Category.ALL_GATHER, True),
+    "c10d::allgather_into_tensor_coalesced_": (Category.ALL_GATHER, True),
+    "fsdp::chunk_cat": (Category.REDUCE_SCATTER, False),
+    "c10d::_reduce_scatter_base_": (Category.REDUCE_SCATTER, True),
+    "c10d::reduce_scatter_tensor_coalesced_": (Category.REDUCE_SCATTER, True),
+    "c10d::allreduce_": (Category.DDP_BUCKET, True),
+}
+"""Op -> (category, whether its arguments too, not only its outputs)."""
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
+    """The default process group as rank ``rank`` of ``world_size`` on torch's fake backend:
+    collectives return at once and move no data, so one process runs one rank's step.
+    Refuses to replace a process group already initialised."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def tracking_resize(on_resize: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``on_resize(storage)`` after every ``UntypedStorage.resize_`` inside (FSDP2
+    frees its unsharded parameters and all-gather outputs with ``resize_(0)`` and brings
+    them back with ``resize_(n)``: the Python storage object, which owns nothing a
+    dispatch mode sees, lives on). torch's MemTracker patches it the same way."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = original(storage, size)
+        on_resize(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def fake_ddp() -> Iterator[None]:
+    """DistributedDataParallel constructible and runnable on the fake process group under
+    FakeTensorMode: its construction broadcasts and compares parameter shapes through
+    private helpers that read tensor values (skipped: one process has nothing to compare).
+    The reducer's default all-reduce returns the fake group's empty future; a comm hook
+    that all-reduces the bucket and returns it is registered by :func:`ddp_comm_hook`."""
+    from torch.nn.parallel import distributed as ddp_mod
+
+    saved = {name: getattr(ddp_mod, name) for name in ("_verify_param_shape_across_processes", "_sync_module_states")}
+    ddp_mod._verify_param_shape_across_processes = lambda *a, **k: None  # type: ignore[attr-defined]
+    ddp_mod._sync_module_states = lambda *a, **k: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ddp_mod, name, fn)
+
+
+class _KeptBuckets:
+    """DDP's reducer with its one bucket rebuild (second step) turned down: the rebuild
+    agrees bucket indices across ranks by reading a tensor the fake group never filled.
+    The buckets stay in construction order (the same bytes in all, grouped otherwise)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def keep_ddp_buckets(ddp: Any) -> None:
+    ddp.reducer = _KeptBuckets(ddp.reducer)
+
+
+def ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses any annotation but its own
+    """A DDP comm hook that all-reduces the bucket's buffer (in place, as the default one
+    does) and returns a completed future holding it: the fake group's own future holds None,
+    which the reducer cannot read."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())  # the default hook's average, in place
+    dist.all_reduce(buf)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut

@@ -1,0 +1,295 @@
+"""Per-rank memory of a distributed training step, measured from one CPU process.
+
+A :class:`~memfit.workload.Workload` with a :class:`~memfit.workload.Parallel` says how its
+step is parallelized. :func:`profile_ranks` runs that step as each asked-for rank on torch's
+fake process group (collectives move no data) and fake tensors (no memory used): the device
+mesh is built outside FakeTensorMode, the model (on meta) is parallelized and materialised
+inside it, and the usual recorder measures the step. What a rank holds is counted by its
+local shards (a DTensor's wrapper reports the global size), FSDP2's ``resize_`` frees and
+re-allocations are seen, and collective buffers get their own categories (unsharded
+parameters, all-gather and reduce-scatter buffers, DDP buckets).
+
+The process group is given (:class:`FakeGroup`, or :data:`CURRENT_GROUP`: one already
+initialised, e.g. gloo in a real multi-process run, which is how the fake figures are
+checked against real ones); nothing elsewhere in memfit branches on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from memfit.errors import WorkloadError
+from memfit.measure import _distributed, _hf_fake, _torch_compat
+from memfit.measure.ledger import START_TICK, Category, Ledger
+from memfit.measure.profile import Profile, Progress, _module_stats, _run, record_step
+from memfit.measure.sandbox import Sandbox
+from memfit.measure.scope import Scope
+from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
+
+__all__ = [
+    "FakeGroup",
+    "CURRENT_GROUP",
+    "RankProfiles",
+    "profile_ranks",
+    "profile_rank",
+    "fsdp2",
+    "ddp",
+    "DISTRIBUTED_FORMAT",
+    "without_backend_buffers",
+]
+
+DISTRIBUTED_FORMAT = "memfit.distributed_profile/1"
+
+
+@dataclass(frozen=True)
+class FakeGroup:
+    """Run as ``rank`` of ``world_size`` on torch's fake process group (one process)."""
+
+    world_size: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise WorkloadError(f"the world size must be a positive integer, got {self.world_size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise WorkloadError(
+                f"rank {self.rank!r} is not a rank of a world of {self.world_size}: give 0 to {self.world_size - 1}"
+            )
+
+
+CURRENT_GROUP = "current"
+"""Measure on the default process group already initialised in this process (real ranks)."""
+
+
+@dataclass
+class RankProfiles:
+    """One profile per measured rank of a distributed step."""
+
+    world_size: int
+    parallel: str
+    profiles: dict[int, Profile] = field(default_factory=dict)
+
+    @property
+    def worst_rank(self) -> int:
+        return max(self.profiles, key=lambda r: (self.profiles[r].peak_bytes, -r))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest per-rank peak among the measured ranks: what each GPU must hold."""
+        return self.profiles[self.worst_rank].peak_bytes
+
+    @property
+    def spread_bytes(self) -> int:
+        """Highest minus lowest per-rank peak among the measured ranks."""
+        peaks = [p.peak_bytes for p in self.profiles.values()]
+        return max(peaks) - min(peaks)
+
+    def to_dict(self, *, ledger: bool = True) -> dict[str, Any]:
+        return {
+            "format": DISTRIBUTED_FORMAT,
+            "world_size": self.world_size,
+            "parallel": self.parallel,
+            "peak_bytes": self.peak_bytes,
+            "worst_rank": self.worst_rank,
+            "spread_bytes": self.spread_bytes,
+            "ranks": [{"rank": r, **p.to_dict(ledger=ledger)} for r, p in sorted(self.profiles.items())],
+        }
+
+    def to_json(self, *, ledger: bool = True) -> str:
+        return json.dumps(self.to_dict(ledger=ledger))
+
+
+def profile_ranks(
+    workload: Workload,
+    *,
+    world_size: int | None = None,
+    ranks: Sequence[int] = (0,),
+    progress: Progress | None = None,
+) -> RankProfiles:
+    """Measure the distributed step of ``workload`` as each rank in ``ranks`` (default rank 0:
+    FSDP2 and DDP ranks hold the same memory when the shards are even) on the fake process
+    group, each rank on fake tensors in this one process.
+
+    ``world_size`` overrides the workload's :attr:`Parallel.world_size`."""
+    parallel = _parallel_of(workload)
+    n = parallel.world_size if world_size is None else world_size
+    parallel.mesh(n)
+    assert n is not None
+    if not ranks:
+        raise WorkloadError("ranks is empty: give the ranks to measure, e.g. (0,)")
+    out = RankProfiles(n, parallel.name)
+    for r in dict.fromkeys(ranks):
+        out.profiles[r] = profile_rank(workload, FakeGroup(n, r), progress=progress)
+    return out
+
+
+def _parallel_of(workload: Workload) -> Parallel:
+    if not isinstance(workload, Workload):
+        raise WorkloadError(f"expected a memfit.Workload, got {type(workload).__name__}")
+    if workload.parallel is None:
+        raise WorkloadError(
+            f"workload {workload.name!r} says nothing about how it is parallelized: give it "
+            "parallel=memfit.Parallel(parallelize=...) (a zoo model: --size parallel=fsdp2 or ddp)"
+        )
+    return workload.parallel
+
+
+def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progress | None = None) -> Profile:
+    """One rank's profile of the distributed step: on the fake process group given by a
+    :class:`FakeGroup` (fake tensors), or with :data:`CURRENT_GROUP` on the process group this
+    process has initialised (real tensors: a real multi-process run's rank)."""
+    parallel = _parallel_of(workload)
+    report = progress or (lambda desc, done, total: None)
+    fake = group != CURRENT_GROUP
+    with ExitStack() as stack:
+        if fake:
+            if not isinstance(group, FakeGroup):
+                raise WorkloadError(f"group must be a FakeGroup or {CURRENT_GROUP!r}, got {group!r}")
+            world_size, rank = group.world_size, group.rank
+            stack.enter_context(_distributed.fake_process_group(rank, world_size))
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise WorkloadError("group='current' measures on this process's process group, but none is initialised")
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        report(f"rank {rank} of {world_size}: parallelizing", 0, 3)
+        mesh = _mesh(parallel, world_size)  # outside FakeTensorMode: its setup runs collectives on real tensors
+        mode = _torch_compat.new_fake_mode() if fake else None
+        box = _parallel_sandbox(workload, parallel, mesh, mode)
+        if fake:
+            stack.enter_context(_hf_fake.unpacked_positions(box.kwargs))
+        scope = stack.enter_context(Scope(box.model))
+        report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
+        # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
+        # forward (in gradient-ready order), once; the fake group keeps the first buckets.
+        for _ in range(1 if fake else 2):
+            _run(box, scope, workload.loss_fn)
+        report(f"rank {rank} of {world_size}: recorded step", 2, 3)
+        ledger, flops = record_step(box, scope, workload.loss_fn)
+        modules = _module_stats(box.model, scope, ledger, flops, None)
+        report("done", 3, 3)
+    meta = {**workload.meta, "world_size": world_size, "rank": rank, "parallel": parallel.name}
+    return Profile(
+        ledger=ledger,
+        modules=modules,
+        device="fake:cpu" if fake else "cpu",
+        fake=fake,
+        time_source="omitted",
+        step_time_s=None,
+        model_type=type(workload.model).__name__,
+        step_flops=sum(flops.values()),
+        meta=meta,
+    )
+
+
+def without_backend_buffers(ledger: Ledger) -> Ledger:
+    """A real rank's ledger without the communication backend's own copies: on gloo (CPU)
+    a reduce-scatter or all-reduce works on a copy of its input that gloo allocates on its
+    own thread, where no mode sees it being made; the recorder first meets it mid-step
+    (split and copied out) and takes it for something alive before the step. NCCL keeps
+    such buffers outside any tensor too; memfit's prediction leaves them out, like
+    kernel workspaces of collectives. These are the blocks of :attr:`Category.OTHER`
+    alive at the start that die within the step."""
+    kept = [b for b in ledger.blocks if not (b.category is Category.OTHER and b.born == START_TICK and b.died is not None)]
+    return Ledger(kept, ledger.ticks, ledger.spans, ledger.ops, ledger.host_peak_bytes, ledger.unmeasured_ops)
+
+
+def _mesh(parallel: Parallel, world_size: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = parallel.mesh(world_size)
+    return init_device_mesh("cpu", shape, mesh_dim_names=parallel.mesh_dim_names)
+
+
+def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: Any) -> Sandbox:
+    """This rank's model (parallelized, materialised), optimizer and inputs; fake under ``mode``."""
+    # A copy: the user's model is left as it was (parallelizing changes modules' classes).
+    # Every rank starts from meta, as a model too big to build does.
+    model = copy.deepcopy(workload.model).to(device="meta")
+    with mode if mode is not None else nullcontext():
+        try:
+            out = parallel.parallelize(model, mesh)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise WorkloadError(f"{parallel.name}: parallelize(model, mesh) raised {type(exc).__name__}: {first}") from exc
+        model = model if out is None else out
+        if not isinstance(model, nn.Module):
+            raise WorkloadError(f"{parallel.name}: parallelize returned {type(model).__name__}; expected the nn.Module to train")
+        if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+            model.to_empty(device="cpu")
+            if mode is None:
+                _initialise(model)
+        args, kwargs = split_inputs(workload.inputs)
+        on_rank = (lambda t: mode.from_tensor(t)) if mode is not None else (lambda t: t)
+        args, kwargs, targets = tree_map(
+            lambda t: on_rank(t) if isinstance(t, torch.Tensor) else t, (args, kwargs, workload.targets)
+        )
+        optimizer = (workload.optimizer or default_optimizer)([p for p in model.parameters() if p.requires_grad])
+    return Sandbox(model, args, kwargs, optimizer, mode, targets=targets)
+
+
+def _initialise(model: nn.Module) -> None:
+    """Finite values for a real rank's parameters materialised from meta (``to_empty`` leaves
+    whatever was in memory): memory does not depend on them, NaNs in a loss would only confuse."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            local = _distributed.local_tensor(t)
+            if local.is_floating_point():
+                local.copy_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * 0.02)
+
+
+# -- parallelize functions for common schemes -------------------------------------------------
+
+
+def fsdp2(
+    blocks: Callable[[nn.Module], Sequence[nn.Module]],
+    *,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Callable[[nn.Module, Any], nn.Module]:
+    """A ``parallelize`` applying FSDP2 as torchtitan does: ``fully_shard`` on each of
+    ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for block in blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        return model
+
+    return parallelize
+
+
+def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
+    """A ``parallelize`` wrapping the model in DistributedDataParallel, materialised first
+    (its buckets are made from the parameters it is built over). On the fake process group
+    its construction's cross-rank checks are skipped and a comm hook that all-reduces each
+    bucket in place is registered (the fake group's futures carry nothing)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device="cpu")
+        if not _torch_compat.is_fake(next(model.parameters(), torch.empty(0))):
+            _initialise(model)
+    pg = mesh.get_group()
+    fake = dist.get_backend(pg) == "fake"
+    with _distributed.fake_ddp() if fake else nullcontext():
+        wrapped = DistributedDataParallel(model, process_group=pg, **kwargs)
+    if fake:
+        wrapped.register_comm_hook(None, _distributed.ddp_comm_hook)
+        _distributed.keep_ddp_buckets(wrapped)
+    return wrapped
