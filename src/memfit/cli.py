@@ -207,8 +207,8 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
         raise TargetError(
             f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
         )
-    if ns.eval or ns.gpu or ns.capacity or ns.plot or ns.html:
-        raise TargetError("--world-size does not take --eval, --gpu, --capacity, --plot or --html yet; drop them")
+    if ns.eval or ns.gpu or ns.capacity:
+        raise TargetError("--world-size does not take --eval, --gpu or --capacity yet; drop them")
     ranks = _ranks(ns.ranks, ns.world_size)
     work = _workload(ns, per_rank=True)
     with progress_bar(console, f"profiling {work.name} per rank") as progress:
@@ -219,6 +219,12 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(result.to_json())
         console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import profile_timeline
+
+        worst = result.profiles[result.worst_rank]
+        title = f"memfit profile {ns.target}: {work.name}, rank {result.worst_rank} of {ns.world_size} on {worst.device}"
+        _write_pictures(ns, console, profile_timeline(worst, title))
     return 0
 
 
