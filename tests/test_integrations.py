@@ -362,7 +362,8 @@ class _EmulatedLimit:
     """Raises CUDA's out-of-memory error (the message Lightning's finder catches) before a
     training batch whose real step, measured by memfit's recorder, peaks over ``limit``."""
 
-    peaks: dict[int, int] = {}  # batch size -> measured peak, shared by the runs (same model, same shapes)
+    peaks: dict[tuple[str, int], int] = {}
+    """(model class, batch size) -> measured peak, shared by the runs (same model, same shapes)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -372,53 +373,130 @@ class _EmulatedLimit:
         self.measuring_s = 0.0
         """Time spent measuring (not part of what Lightning's finder would take on a GPU)."""
 
+    @classmethod
+    def peak(cls, module, batch, optimizer) -> int:
+        key = (type(module).__name__, batch[0].shape[0])
+        if key not in cls.peaks:
+            cls.peaks[key] = _step_peak(module, batch, optimizer)
+        return cls.peaks[key]
+
     def __call__(self, module, batch) -> None:
         size = batch[0].shape[0]
         self.tried.append(size)
-        if size not in self.peaks:
-            started = time.perf_counter()
-            self.peaks[size] = _step_peak(module, batch, module.trainer.optimizers[0])
-            self.measuring_s += time.perf_counter() - started
-        if self.peaks[size] > self.limit:
+        started = time.perf_counter()
+        peak = self.peak(module, batch, module.trainer.optimizers[0])
+        self.measuring_s += time.perf_counter() - started
+        if peak > self.limit:
             self.refused.append(size)
             raise RuntimeError(f"CUDA out of memory. (emulated on CPU: the step of batch {size} peaks over the limit)")
         self.ran.append(size)
 
 
-@pytest.mark.parametrize("mode", ["power", "binsearch"])
-def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode):
+def _lm(batch_size: int = 16, limit: int | None = None):
+    """The finder's second model: a small GPT-2 LightningModule from a config (random
+    weights, dropout on), trained on random token ids as its own labels."""
+    pl = _lightning()
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = batch_size
+            self.emulated = _EmulatedLimit(limit) if limit is not None else None
+            config = tf.GPT2Config(
+                n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False
+            )
+            self.model = tf.GPT2LMHeadModel(config)
+            ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(4))
+            self.data = torch.utils.data.TensorDataset(ids)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.emulated is not None:
+                self.emulated(self, batch)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    torch.manual_seed(0)
+    return LM()
+
+
+FINDER_MODELS = {"mlp": (_net, 45), "gpt2": (_lm, 11)}
+"""model -> (its LightningModule, the largest batch under the emulated limit: not a power of two)."""
+
+
+def compare_finders(root: Path, model: str, mode: str) -> dict:
+    """Lightning's BatchSizeFinder and memfit's on ``model`` under the emulated limit (the
+    real step's measured peak at the largest batch in FINDER_MODELS): what each chose, the
+    trial steps and out-of-memory errors, and the time of each. benchmarks/batch_size_finder.py
+    tabulates this."""
     from lightning.pytorch.callbacks import BatchSizeFinder
 
     from memfit.integrations.lightning import MemfitBatchSizeFinder
 
     warnings.filterwarnings("ignore", module="lightning")
-    net = _net()
-    x, y = net.data.tensors
-    # a limit whose largest batch is not a power of two: the step at 45 (measured) fits, 46 does not
-    if 45 not in _EmulatedLimit.peaks:
-        _EmulatedLimit.peaks[45] = _step_peak(net, (x[:45].clone(), y[:45].clone()), torch.optim.AdamW(net.parameters(), lr=1e-3))
-    limit = _EmulatedLimit.peaks[45]
+    make, largest = FINDER_MODELS[model]
+    probe = make()
+    rows = probe.data.tensors
+    limit = _EmulatedLimit.peak(probe, [t[:largest].clone() for t in rows], torch.optim.AdamW(probe.parameters(), lr=1e-3))
 
-    lightnings = _net(batch_size=2, limit=limit)
+    lightnings = make(batch_size=2, limit=limit)
     emulated = lightnings.emulated
     finder = BatchSizeFinder(mode=mode, steps_per_trial=1, init_val=2, margin=0.0)
     started = time.perf_counter()
-    _pl_trainer(tmp_path / "lightning", [finder], max_steps=1).fit(lightnings)
+    _pl_trainer(root / "lightning", [finder], max_steps=1).fit(lightnings)
     lightning_s = time.perf_counter() - started
-    assert emulated.refused  # the limit bit: Lightning's answer came from running out of memory
 
-    ours = _net(batch_size=2, limit=limit)
-    watch = ours.emulated
+    ours = make(batch_size=2, limit=limit)
     memfit_finder = MemfitBatchSizeFinder(limit, mode=mode, init_val=2, margin=0.0, log=lambda s: None)
-    _pl_trainer(tmp_path / "memfit", [memfit_finder], max_steps=1).fit(ours)
-    assert memfit_finder.limit.max_batch == 45
-    assert memfit_finder.optimal_batch_size == finder.optimal_batch_size == lightnings.batch_size == ours.batch_size
-    assert watch.refused == [] and watch.ran == [ours.batch_size]  # memfit ran no step that does not fit
+    started = time.perf_counter()
+    _pl_trainer(root / "memfit", [memfit_finder], max_steps=1).fit(ours)
+    memfit_s = time.perf_counter() - started
+    return {
+        "model": model,
+        "mode": mode,
+        "limit": limit,
+        "largest": largest,
+        "lightning": finder.optimal_batch_size,
+        "lightning_module": lightnings.batch_size,
+        "lightning_emulation": emulated,
+        # the trial steps (the last batch tried is the fit's own first step, once the search is over)
+        "lightning_trials": len(emulated.tried) - 1,
+        "lightning_s": lightning_s - emulated.measuring_s,
+        "memfit": memfit_finder.optimal_batch_size,
+        "memfit_module": ours.batch_size,
+        "memfit_largest": memfit_finder.limit.max_batch,
+        "memfit_emulation": ours.emulated,
+        "memfit_profiles": memfit_finder.limit.measurements,
+        "memfit_search_s": memfit_finder.search_time_s,
+        "memfit_s": memfit_s - ours.emulated.measuring_s,
+    }
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode, model):
+    got = compare_finders(tmp_path, model, mode)
+    emulated, watch = got["lightning_emulation"], got["memfit_emulation"]
+    assert emulated.refused  # the limit bit: Lightning's answer came from running out of memory
+    assert got["memfit_largest"] == got["largest"]
+    assert got["memfit"] == got["lightning"] == got["lightning_module"] == got["memfit_module"]
+    assert watch.refused == [] and watch.ran == [got["memfit_module"]]  # memfit ran no step that does not fit
     print(
-        f"{mode}: batch {ours.batch_size}; Lightning's finder: {len(emulated.tried) - 1} trial steps at "
-        f"{len(set(emulated.tried[:-1]))} batch sizes, {len(emulated.refused)} out of memory (emulated), {lightning_s - emulated.measuring_s:.2f} s less the "
-        f"emulation's measuring; memfit's: {memfit_finder.limit.measurements} fake-tensor profiles, "
-        f"{memfit_finder.search_time_s:.2f} s, no trial step"
+        f"{model} {mode}: batch {got['memfit']}; Lightning's finder: {got['lightning_trials']} trial steps at "
+        f"{len(set(emulated.tried[:-1]))} batch sizes, {len(emulated.refused)} out of memory (emulated), "
+        f"{got['lightning_s']:.2f} s less the emulation's measuring; memfit's: {got['memfit_profiles']} fake-tensor "
+        f"profiles, {got['memfit_search_s']:.2f} s, no trial step"
     )
 
 
