@@ -128,6 +128,85 @@ def _losses(trainer) -> list[float]:
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
 
+class _RecordedSteps:
+    """memfit's recorder on every training step as the framework runs it (its loop, its
+    clipping, its zero_grad, not memfit's own step), from before the step's first forward to
+    after its optimizer step, the phases set from the framework's hooks: each step's peak.
+    The step's batch is alive before the recording starts and no hook hands it over: its
+    bytes (a few KiB here) are left out."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._rec = None
+
+    def begin(self, model: nn.Module, optimizer) -> None:
+        from memfit.integrations.transformers import _plain_optimizer
+        from memfit.measure.ledger import Category
+        from memfit.measure.recorder import CHECKPOINTED, Recorder
+        from memfit.measure.scope import Phase, Scope
+
+        self._model = model
+        self._scope = Scope(model).__enter__()
+        self._scope.set_phase(Phase.FORWARD)
+        rec = Recorder(self._scope, device=torch.device("cpu"), checkpointed=model.__dict__.get(CHECKPOINTED) or {})
+        state = _plain_optimizer(optimizer).state.values()
+        for tensors, category in (
+            (model.parameters(), Category.PARAMETER),
+            (model.buffers(), Category.BUFFER),
+            ((p.grad for p in model.parameters() if p.grad is not None), Category.GRADIENT),
+            ([v for st in state for v in st.values() if isinstance(v, torch.Tensor)], Category.OPTIMIZER),
+        ):
+            rec.register_start(tensors, category)
+        self._rec = rec.__enter__()
+
+    def phase(self, name: str) -> None:
+        from memfit.measure.ledger import Category
+        from memfit.measure.scope import Phase
+
+        if self._rec is None:
+            return
+        if name == "after backward":  # the graph went with backward; the next micro-batch's forward
+            self._rec.free_graph()
+            name = "forward"
+        elif name == "optimizer":
+            self._rec.mark((p.grad for p in self._model.parameters() if p.grad is not None), Category.GRADIENT)
+        self._scope.set_phase(Phase[name.upper()])
+
+    def end(self) -> None:
+        rec, self._rec = self._rec, None
+        rec.__exit__(None, None, None)
+        self.peaks.append(rec.ledger().peak_bytes)
+        rec.close()
+        self._scope.__exit__(None, None, None)
+
+
+def _recorded_trainer_steps(trainer) -> _RecordedSteps:
+    """Records each of the transformers Trainer's steps (test code beside the run; the user's run has only memfit's line)."""
+    tf = pytest.importorskip("transformers")
+    steps = _RecordedSteps()
+
+    class Hooks(tf.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            steps.begin(model, optimizer)
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            steps.phase("optimizer")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.end()
+
+    backward = trainer.accelerator.backward
+
+    def recorded_backward(loss, **kwargs):  # no callback between a micro-batch's forward and its backward
+        steps.phase("backward")
+        backward(loss, **kwargs)
+        steps.phase("after backward")
+
+    trainer.accelerator.backward = recorded_backward
+    trainer.add_callback(Hooks())
+    return steps
+
+
 @functools.cache
 def _hf_budget(arch: str = "gpt2") -> tuple[int, int]:
     """60% of the way from the step's start to its unplanned peak: recompute or micro-batches needed."""
@@ -171,8 +250,10 @@ def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
     else:
         callback = MemfitCallback(budget, log=said.append)
         trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), callbacks=[callback], gradient_checkpointing=True, arch=arch)
+    steps = _recorded_trainer_steps(trainer)
     trainer.train()
     assert callback.predicted_peak_bytes <= budget < none_peak
+    assert len(steps.peaks) == 3 and max(steps.peaks) <= budget, (steps.peaks, budget)  # every step the Trainer ran
     assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= budget
     assert any("predicted" in line and "measured" in line for line in said), said
     batch, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
