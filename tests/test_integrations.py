@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,10 +140,13 @@ class _RecordedSteps:
         self.peaks: list[int] = []
         self._rec = None
 
-    def begin(self, model: nn.Module, optimizer) -> None:
+    def begin(self, model: nn.Module, optimizer, inputs=(), dataset=()) -> None:
+        """``inputs``: the step's batch, alive before it. ``dataset``: tensors the loader
+        indexes for a later micro-batch inside the step: alive before and after, and no part
+        of the step's memory (registered so that their views are known, then subtracted)."""
         from memfit.integrations.transformers import _plain_optimizer
         from memfit.measure.ledger import Category
-        from memfit.measure.recorder import CHECKPOINTED, Recorder
+        from memfit.measure.recorder import CHECKPOINTED, Recorder, storage_bytes
         from memfit.measure.scope import Phase, Scope
 
         self._model = model
@@ -155,8 +159,12 @@ class _RecordedSteps:
             (model.buffers(), Category.BUFFER),
             ((p.grad for p in model.parameters() if p.grad is not None), Category.GRADIENT),
             ([v for st in state for v in st.values() if isinstance(v, torch.Tensor)], Category.OPTIMIZER),
+            (inputs, Category.INPUT),
+            (dataset, Category.OTHER),
         ):
             rec.register_start(tensors, category)
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in dataset}
+        self._outside = sum(storage_bytes(s.nbytes(), s.device) for s in storages.values())
         self._rec = rec.__enter__()
 
     def phase(self, name: str) -> None:
@@ -175,7 +183,7 @@ class _RecordedSteps:
     def end(self) -> None:
         rec, self._rec = self._rec, None
         rec.__exit__(None, None, None)
-        self.peaks.append(rec.ledger().peak_bytes)
+        self.peaks.append(rec.ledger().peak_bytes - self._outside)
         rec.close()
         self._scope.__exit__(None, None, None)
 
@@ -375,35 +383,77 @@ def _losses_callback():
 
 
 def _step_peak(module, batch, optimizer) -> int:
-    from memfit.integrations.lightning import TrainingStep, training_loss
+    """Lightning's steady step at ``batch`` (the last step's gradients alive through the forward), measured for real."""
+    from memfit.integrations.lightning import LIGHTNING_STEP, TrainingStep, training_loss
 
-    return memfit.profile(TrainingStep(module), (batch,), loss_fn=training_loss, optimizer=optimizer).peak_bytes
+    return memfit.profile(
+        TrainingStep(module), (batch,), loss_fn=training_loss, optimizer=optimizer, step=LIGHTNING_STEP
+    ).peak_bytes
+
+
+def _pl_model(kind: str = "mlp", **kwargs):
+    """A LightningModule: ``mlp`` (_net), ``gpt2`` (a causal LM) or ``t5`` (a seq2seq model), as _lm."""
+    return _net(**kwargs) if kind == "mlp" else _lm(arch=kind, **kwargs)
 
 
 @functools.cache
-def _pl_budget() -> tuple[int, int]:
-    net = _net()
-    x, y = net.data.tensors
+def _pl_budget(kind: str = "mlp") -> tuple[int, int]:
+    net = _pl_model(kind)
     opt = torch.optim.AdamW(net.parameters())
-    from memfit.integrations.lightning import TrainingStep, training_loss
+    from memfit.integrations.lightning import LIGHTNING_STEP, TrainingStep, training_loss
 
-    prof = memfit.profile(TrainingStep(net), ((x[:16].clone(), y[:16].clone()),), loss_fn=training_loss, optimizer=opt)
+    batch = [t[:16].clone() for t in net.data.tensors]
+    prof = memfit.profile(TrainingStep(net), (batch,), loss_fn=training_loss, optimizer=opt, step=LIGHTNING_STEP)
     return prof.start_bytes + (prof.peak_bytes - prof.start_bytes) * 6 // 10, prof.peak_bytes
 
 
-@pytest.mark.parametrize("mode", ["plan", pytest.param("fit", marks=pytest.mark.slow)])
-def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode):
+def _recorded_lightning_steps(callback) -> tuple[_RecordedSteps, object]:
+    """Records each of Lightning's steps (a test callback beside the run), on the module as
+    memfit's callback applied the plan (to its TrainingStep wrapper, whose names the plan uses)."""
+    pl = _lightning()
+    from memfit.integrations.lightning import TrainingStep
+
+    steps = _RecordedSteps()
+
+    class Hooks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % trainer.accumulate_grad_batches == 0:
+                module = callback._wrapper or TrainingStep(pl_module)
+                steps.begin(module, trainer.optimizers[0], batch, pl_module.data.tensors)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            steps.phase("backward")
+
+        def on_after_backward(self, trainer, pl_module):
+            steps.phase("after backward")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            steps.phase("optimizer")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                steps.end()
+
+    return steps, Hooks()
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("plan", "mlp"), ("plan", "gpt2"), ("plan", "t5"), pytest.param("fit", "mlp", marks=pytest.mark.slow)]
+)
+def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode, kind):
     from memfit.integrations.lightning import MemfitCallback, TrainingStep
 
     warnings.filterwarnings("ignore", module="lightning")
-    budget, none_peak = _pl_budget()
+    budget, none_peak = _pl_budget(kind)
     said: list[str] = []
     callback, losses = MemfitCallback(budget, mode=mode, log=said.append), _losses_callback()
-    net = _net()
+    steps, recording = _recorded_lightning_steps(callback)
+    net = _pl_model(kind)
     torch.manual_seed(5)
-    trainer = _pl_trainer(tmp_path / "a", [callback, losses])
+    trainer = _pl_trainer(tmp_path / "a", [callback, losses, recording])
     trainer.fit(net)
     assert callback.predicted_peak_bytes <= budget < none_peak
+    assert len(steps.peaks) == 3 and max(steps.peaks) <= budget, (steps.peaks, budget)  # every step Lightning ran
     assert callback.measured_peak_bytes <= budget
     assert any("predicted" in line and "measured" in line for line in said), said
     k = callback.recipe.step.micro_batches if callback.recipe is not None else 1
@@ -416,16 +466,15 @@ def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode):
     wrapper = TrainingStep(net)
     if plan is not None and plan.checkpointed:
         memfit.apply(wrapper, plan)
-    x, y = net.data.tensors
-    batch = (x[:16].clone(), y[:16].clone())
-    from memfit.integrations.lightning import training_loss
+    batch = [t[:16].clone() for t in net.data.tensors]
+    from memfit.integrations.lightning import LIGHTNING_STEP, training_loss
 
     peak = memfit.profile(
-        wrapper, (batch,), loss_fn=training_loss, optimizer=trainer.optimizers[0], step=StepOptions(micro_batches=k)
+        wrapper, (batch,), loss_fn=training_loss, optimizer=trainer.optimizers[0], step=replace(LIGHTNING_STEP, micro_batches=k)
     ).peak_bytes
     assert peak <= budget
 
-    by_hand = _net()
+    by_hand = _pl_model(kind)
     hand = TrainingStep(by_hand)
     if plan is not None and plan.checkpointed:
         memfit.apply(hand, plan)
@@ -473,9 +522,10 @@ class _EmulatedLimit:
         self.ran.append(size)
 
 
-def _lm(batch_size: int = 16, limit: int | None = None):
+def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
     """The finder's second model: a small GPT-2 LightningModule from a config (random
-    weights, dropout on), trained on random token ids as its own labels."""
+    weights, dropout on), trained on random token ids as its own labels; ``arch="t5"``: a
+    small T5 (seq2seq), its target the first half of its source."""
     pl = _lightning()
     tf = pytest.importorskip("transformers")
     tf.logging.set_verbosity_error()
@@ -485,16 +535,29 @@ def _lm(batch_size: int = 16, limit: int | None = None):
             super().__init__()
             self.batch_size = batch_size
             self.emulated = _EmulatedLimit(limit) if limit is not None else None
-            config = tf.GPT2Config(
-                n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False
-            )
-            self.model = tf.GPT2LMHeadModel(config)
+            if arch == "t5":
+                config = tf.T5Config(
+                    vocab_size=64,
+                    d_model=32,
+                    d_kv=8,
+                    d_ff=64,
+                    num_layers=2,
+                    num_heads=4,
+                    decoder_start_token_id=0,
+                    use_cache=False,
+                )
+                self.model = tf.T5ForConditionalGeneration(config)
+            else:
+                config = tf.GPT2Config(
+                    n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False
+                )
+                self.model = tf.GPT2LMHeadModel(config)
             ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(4))
             self.data = torch.utils.data.TensorDataset(ids)
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch
-            loss = self.model(input_ids=ids, labels=ids).loss
+            loss = self.model(input_ids=ids, labels=ids[:, :8].contiguous() if arch == "t5" else ids).loss
             self.log("train_loss", loss)
             return loss
 
