@@ -575,7 +575,7 @@ def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
     return LM()
 
 
-FINDER_MODELS = {"mlp": (_net, 45), "gpt2": (_lm, 11)}
+FINDER_MODELS = {"mlp": (_net, 45), "gpt2": (_lm, 7)}
 """model -> (its LightningModule, the largest batch under the emulated limit: not a power of two)."""
 
 
