@@ -4,7 +4,7 @@
 
 Runs ``compare_finders`` of tests/test_integrations.py (the test that asserts the same
 answer) for each model (a 4-block MLP; a 2-layer GPT-2 from a config, random weights) and
-each mode (power, binsearch): Lightning's finder under an out-of-memory limit EMULATED on
+each mode (power, binsearch), at the test's limits and GPT-2 at a higher one: Lightning's finder under an out-of-memory limit EMULATED on
 the CPU (a step whose real peak, measured by memfit's recorder, is over the limit raises
 CUDA's out-of-memory error), and memfit's finder, which predicts on fake tensors. Times are
 the whole ``Trainer.fit`` (the search and one training step) less the emulation's own
@@ -40,11 +40,13 @@ def main() -> None:
         "| memfit: time | memfit: steps over the limit run |",
         "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    # the test's cases, and GPT-2 under a higher limit (more trials for Lightning; the same 4 profiles for memfit)
+    cases = [(model, largest) for model, (_, largest) in finders.FINDER_MODELS.items()] + [("gpt2", 45)]
     for run in range(1, ns.passes + 1):
-        for model in finders.FINDER_MODELS:
+        for model, largest in cases:
             for mode in ("power", "binsearch"):
                 with tempfile.TemporaryDirectory() as root:
-                    got = finders.compare_finders(Path(root), model, mode)
+                    got = finders.compare_finders(Path(root), model, mode, largest)
                 tried = got["lightning_emulation"].tried[:-1]  # the last is the fit's own step
                 line = (
                     f"| {run} | {model} | {mode} | {got['largest']} | {got['lightning']} | {got['memfit']} "

@@ -552,7 +552,7 @@ def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
                     n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False
                 )
                 self.model = tf.GPT2LMHeadModel(config)
-            ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(4))
+            ids = torch.randint(0, 64, (ROWS, 16), generator=torch.Generator().manual_seed(4))
             self.data = torch.utils.data.TensorDataset(ids)
 
         def training_step(self, batch, batch_idx):
@@ -579,17 +579,18 @@ FINDER_MODELS = {"mlp": (_net, 45), "gpt2": (_lm, 7)}
 """model -> (its LightningModule, the largest batch under the emulated limit: not a power of two)."""
 
 
-def compare_finders(root: Path, model: str, mode: str) -> dict:
+def compare_finders(root: Path, model: str, mode: str, largest: int | None = None) -> dict:
     """Lightning's BatchSizeFinder and memfit's on ``model`` under the emulated limit (the
     real step's measured peak at the largest batch in FINDER_MODELS): what each chose, the
     trial steps and out-of-memory errors, and the time of each. benchmarks/batch_size_finder.py
-    tabulates this."""
+    tabulates this (``largest``: another batch for the limit than FINDER_MODELS')."""
     from lightning.pytorch.callbacks import BatchSizeFinder
 
     from memfit.integrations.lightning import MemfitBatchSizeFinder
 
     warnings.filterwarnings("ignore", module="lightning")
-    make, largest = FINDER_MODELS[model]
+    make, default = FINDER_MODELS[model]
+    largest = largest or default
     probe = make()
     rows = probe.data.tensors
     limit = _EmulatedLimit.peak(probe, [t[:largest].clone() for t in rows], torch.optim.AdamW(probe.parameters(), lr=1e-3))
