@@ -314,14 +314,35 @@ def _lightning():
     return pytest.importorskip("lightning.pytorch", reason="lightning is not installed: pip install 'memfit[lightning]'")
 
 
-def _net(batch_size: int = 16, limit: int | None = None):
+def _module_base(batch_size: int, limit: int | None):
+    """What the test's LightningModules share: ``batch_size`` (the finders' batch_arg_name),
+    AdamW, a shuffled loader of ``self.data``, and the emulated memory limit's hook."""
     pl = _lightning()
 
-    class Net(pl.LightningModule):
+    class Base(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.batch_size = batch_size
             self.emulated = _EmulatedLimit(limit) if limit is not None else None
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            # a module hook, not a callback: Lightning's finder runs its trials without callbacks
+            if self.emulated is not None:
+                self.emulated(self, batch)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    return Base
+
+
+def _net(batch_size: int = 16, limit: int | None = None):
+    class Net(_module_base(batch_size, limit)):
+        def __init__(self) -> None:
+            super().__init__()
             blocks = [
                 nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * WIDTH, WIDTH))
                 for _ in range(4)
@@ -338,17 +359,6 @@ def _net(batch_size: int = 16, limit: int | None = None):
             loss = nn.functional.cross_entropy(self.head(self.layers(x).mean(1)), y)
             self.log("train_loss", loss)
             return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def on_train_batch_start(self, batch, batch_idx):
-            # a module hook, not a callback: Lightning's finder runs its trials without callbacks
-            if self.emulated is not None:
-                self.emulated(self, batch)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
 
     torch.manual_seed(0)
     return Net()
@@ -526,15 +536,12 @@ def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
     """The finder's second model: a small GPT-2 LightningModule from a config (random
     weights, dropout on), trained on random token ids as its own labels; ``arch="t5"``: a
     small T5 (seq2seq), its target the first half of its source."""
-    pl = _lightning()
     tf = pytest.importorskip("transformers")
     tf.logging.set_verbosity_error()
 
-    class LM(pl.LightningModule):
+    class LM(_module_base(batch_size, limit)):
         def __init__(self) -> None:
             super().__init__()
-            self.batch_size = batch_size
-            self.emulated = _EmulatedLimit(limit) if limit is not None else None
             if arch == "t5":
                 config = tf.T5Config(
                     vocab_size=64,
@@ -560,16 +567,6 @@ def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
             loss = self.model(input_ids=ids, labels=ids[:, :8].contiguous() if arch == "t5" else ids).loss
             self.log("train_loss", loss)
             return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def on_train_batch_start(self, batch, batch_idx):
-            if self.emulated is not None:
-                self.emulated(self, batch)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
 
     torch.manual_seed(0)
     return LM()
