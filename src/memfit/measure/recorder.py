@@ -524,5 +524,12 @@ class Recorder(TorchDispatchMode):
         )
         ops = [OpCall(o.module, o.op, o.flops, at(o.first), at(o.end)) for o in self.ops]
         return Ledger(
-            blocks, ticks, spans, ops, self.elsewhere_peak, self.unmeasured_ops, self.cublas_workspaces, self._cublas_bytes
+            blocks,
+            ticks,
+            spans,
+            ops,
+            host_peak_bytes=self.elsewhere_peak,
+            unmeasured_ops=self.unmeasured_ops,
+            cublas_workspaces=self.cublas_workspaces,
+            cublas_workspace_bytes=self._cublas_bytes,
         )
