@@ -468,3 +468,15 @@ def test_fit_refused_budget_says_why_micro_batching_was_left_out(tmp_path, capsy
     *progress, err = capsys.readouterr().err.strip().splitlines()  # found after seconds of work: progress before it
     assert all(re.match(r"memfit: fitting \w+: ", line) for line in progress) and err.startswith("memfit: error: ")
     assert "below the lowest peak" in err and "micro-batching left out: the model normalises with batch statistics" in err
+
+
+def test_gpu_flag_leaves_the_simulated_gpu_as_it_was(capsys):
+    # main() runs in-process (tests, a notebook): --gpu is that command's GPU, even when the
+    # command then fails (here on --budget given with --gpu, after --gpu was read).
+    from memfit.measure import _fake_cuda
+
+    before = _fake_cuda.gpu()
+    assert before.key != "A100-40GB"
+    assert main(["plan", "gpt", "--device", "fake-cuda", "--gpu", "A100-40GB", "--budget", "1GiB"]) == 2
+    assert "not both" in _error_line(capsys)
+    assert _fake_cuda.gpu() is before

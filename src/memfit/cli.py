@@ -604,9 +604,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memfit.measure import _fake_cuda
+
     ns = _parser().parse_args(argv)
     console = Console()
     err = Console(stderr=True)
+    simulated = _fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
     try:
         return ns.func(ns, console)
     except MemfitError as exc:
@@ -617,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
             err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True, end="")
         err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_ERROR
+    finally:
+        _fake_cuda.set_gpu(simulated)
 
 
 if __name__ == "__main__":
