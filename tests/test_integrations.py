@@ -675,6 +675,8 @@ def test_lightning_answer_follows_lightnings_rules():
     assert lightning_answer(10_000, "power", max_val=8192) == 8192
     with pytest.raises(memfit.PlanError):
         lightning_answer(4, "exhaustive")
+    with pytest.raises(memfit.PlanError, match="not even a batch of 1 fits"):
+        lightning_answer(0, "power")
 
 
 # -- the examples -----------------------------------------------------------------------

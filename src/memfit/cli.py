@@ -406,7 +406,7 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.measure.allocator import AllocatorSettings
+    from memfit.measure.allocator import MiB
     from memfit.measure.snapshot import summarize
     from memfit.report.console import render_snapshot
 
@@ -414,13 +414,11 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
         raise MemfitError(f"--max-split-size-mb must be >= 20 (torch refuses smaller), got {ns.max_split_size_mb}")
     if ns.top < 0:
         raise MemfitError(f"--top takes a count >= 0, got {ns.top}")
-    what_if = None
-    if ns.expandable_segments or ns.max_split_size_mb is not None:
-        conf = ",".join(
-            ["expandable_segments:True"] * ns.expandable_segments
-            + ([f"max_split_size_mb:{ns.max_split_size_mb}"] if ns.max_split_size_mb is not None else [])
-        )
-        what_if = [AllocatorSettings.parse(conf)]
+    # Over the trace's recorded settings (its rounding, the other option): only what is asked changes.
+    changes = {"expandable_segments": True} if ns.expandable_segments else {}
+    if ns.max_split_size_mb is not None:
+        changes["max_split_size"] = ns.max_split_size_mb * MiB
+    what_if = [changes] if changes else None
     capacity = memfit.parse_bytes(ns.capacity) if ns.capacity is not None else None
     if ns.device_index is not None and ns.device_index < 0:
         raise MemfitError(f"--device-index takes a GPU index >= 0, got {ns.device_index}")
@@ -748,9 +746,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memfit.measure import _fake_cuda
+
     ns = _parser().parse_args(argv)
     console = Console()
     err = Console(stderr=True)
+    simulated = _fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
     try:
         return ns.func(ns, console)
     except MemfitError as exc:
@@ -761,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
             err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True, end="")
         err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_ERROR
+    finally:
+        _fake_cuda.set_gpu(simulated)
 
 
 if __name__ == "__main__":

@@ -251,9 +251,11 @@ def lightning_answer(largest: int, mode: str, init_val: int = 2, max_val: int = 
     the dataset's length, which this does not model."""
     if mode not in ("power", "binsearch"):
         raise PlanError(f"mode is 'power' or 'binsearch' (as Lightning's BatchSizeFinder), got {mode!r}")
+    if largest < 1:  # no batch size to settle on: 1 would not fit either
+        raise PlanError(f"largest is the largest batch whose step fits, at least 1; got {largest} (not even a batch of 1 fits)")
     if init_val > largest:
-        size = init_val if mode == "power" else max(1, largest)
-        while mode == "power" and size > max(largest, 1):  # Lightning halves after each failure
+        size = init_val if mode == "power" else largest
+        while mode == "power" and size > largest:  # Lightning halves after each failure
             size //= 2
     elif mode == "power":
         size = init_val
