@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -401,3 +402,26 @@ def test_cli_snapshot_bad_flags_are_one_line(flags, needle, tmp_path, capsys):
     assert main(["snapshot", str(path), *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+def test_cli_what_if_keeps_the_recorded_settings_it_does_not_change(tmp_path):
+    # --max-split-size-mb over a trace recorded with expandable segments and power-of-two
+    # rounding changes the split limit only: the rest is what the trace ran with, not torch's defaults.
+    snap = _snapshot()
+    snap["allocator_settings"] = {
+        "max_split_size": -1,
+        "expandable_segments": True,
+        "roundup_power2_divisions": {str(1 << (20 + i)): 4 for i in range(16)},
+        "garbage_collection_threshold": 0.5,
+    }
+    path, out = tmp_path / "snap.pickle", tmp_path / "out.json"
+    path.write_bytes(pickle.dumps(snap))
+    recorded = AllocatorSettings.from_snapshot(snap["allocator_settings"])
+    assert recorded.expandable_segments and any(recorded.roundup_power2_divisions)
+    assert main(["snapshot", str(path), "--max-split-size-mb", "20", "--json", str(out)]) == 0
+    (what_if,) = json.loads(out.read_text())["what_if"]
+    asked = dataclasses.replace(recorded, max_split_size=20 * MiB)
+    assert what_if["allocator_settings"] == asked.to_dict()
+    assert what_if["reserved_peak_bytes"] == replay_trace(snap, asked).stats.reserved_peak_bytes
+    assert main(["snapshot", str(path), "--expandable-segments", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["what_if"][0]["allocator_settings"] == recorded.to_dict()

@@ -281,11 +281,15 @@ def test_cli_profile_world_size(tmp_path, capsys):
 
     pytest.importorskip("transformers")
     out = tmp_path / "p.json"
+    page = tmp_path / "p.html"
     argv = ["profile", "llama", *TINY_LLAMA, "--world-size", "2", "--ranks", "all", "--device", "fake", "--json", str(out)]
-    assert main(argv) == 0
+    assert main([*argv, "--html", str(page)]) == 0
     text = capsys.readouterr().out
     assert "rank 0 of 2 (fsdp2)" in text and "Per-rank peak" in text
+    # the worst rank's timeline, its collective buffers among the categories
     data = json.loads(out.read_text())
+    html = page.read_text()
+    assert f"rank {data['worst_rank']} of 2" in html and "unsharded_parameters" in html
     assert data["world_size"] == 2 and [r["rank"] for r in data["ranks"]] == [0, 1]
     assert all(r["peak_bytes"] > 0 and r["meta"]["world_size"] == 2 for r in data["ranks"])
     assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["ranks"])

@@ -61,3 +61,12 @@ def test_attention_backward_temporaries_follow_torchs_allocations():
     assert gpu.attention_backward_bytes(eff, **wide) == 2 * 8 * 1000 * 4 + 3 * 2 * 8 * 1024 * 192 * 4
     with pytest.raises(ValueError, match="not an attention backward op"):
         gpu.attention_backward_bytes("mm", **kw)
+
+
+def test_nccl_estimate_per_communicator_and_none_for_one_process():
+    assert gpu.nccl_estimate().bytes == 0
+    two, eight = gpu.nccl_estimate(2), gpu.nccl_estimate(8, communicators=2)
+    assert two.bytes == 544 * 2**20 and eight.bytes == 2 * 688 * 2**20
+    assert "estimate" in eight.source and "#964" in eight.source
+    with pytest.raises(ValueError, match="communicators"):
+        gpu.nccl_estimate(4, communicators=0)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,92 @@ def _losses(trainer) -> list[float]:
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
 
+class _RecordedSteps:
+    """memfit's recorder on every training step as the framework runs it (its loop, its
+    clipping, its zero_grad, not memfit's own step), from before the step's first forward to
+    after its optimizer step, the phases set from the framework's hooks: each step's peak.
+    The step's batch is alive before the recording starts and no hook hands it over: its
+    bytes (a few KiB here) are left out."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._rec = None
+
+    def begin(self, model: nn.Module, optimizer, inputs=(), dataset=()) -> None:
+        """``inputs``: the step's batch, alive before it. ``dataset``: tensors the loader
+        indexes for a later micro-batch inside the step: alive before and after, and no part
+        of the step's memory (registered so that their views are known, then subtracted)."""
+        from memfit.integrations.transformers import _plain_optimizer
+        from memfit.measure.ledger import Category
+        from memfit.measure.recorder import CHECKPOINTED, Recorder, storage_bytes
+        from memfit.measure.scope import Phase, Scope
+
+        self._model = model
+        self._scope = Scope(model).__enter__()
+        self._scope.set_phase(Phase.FORWARD)
+        rec = Recorder(self._scope, device=torch.device("cpu"), checkpointed=model.__dict__.get(CHECKPOINTED) or {})
+        state = _plain_optimizer(optimizer).state.values()
+        for tensors, category in (
+            (model.parameters(), Category.PARAMETER),
+            (model.buffers(), Category.BUFFER),
+            ((p.grad for p in model.parameters() if p.grad is not None), Category.GRADIENT),
+            ([v for st in state for v in st.values() if isinstance(v, torch.Tensor)], Category.OPTIMIZER),
+            (inputs, Category.INPUT),
+            (dataset, Category.OTHER),
+        ):
+            rec.register_start(tensors, category)
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in dataset}
+        self._outside = sum(storage_bytes(s.nbytes(), s.device) for s in storages.values())
+        self._rec = rec.__enter__()
+
+    def phase(self, name: str) -> None:
+        from memfit.measure.ledger import Category
+        from memfit.measure.scope import Phase
+
+        if self._rec is None:
+            return
+        if name == "after backward":  # the graph went with backward; the next micro-batch's forward
+            self._rec.free_graph()
+            name = "forward"
+        elif name == "optimizer":
+            self._rec.mark((p.grad for p in self._model.parameters() if p.grad is not None), Category.GRADIENT)
+        self._scope.set_phase(Phase[name.upper()])
+
+    def end(self) -> None:
+        rec, self._rec = self._rec, None
+        rec.__exit__(None, None, None)
+        self.peaks.append(rec.ledger().peak_bytes - self._outside)
+        rec.close()
+        self._scope.__exit__(None, None, None)
+
+
+def _recorded_trainer_steps(trainer) -> _RecordedSteps:
+    """Records each of the transformers Trainer's steps (test code beside the run; the user's run has only memfit's line)."""
+    tf = pytest.importorskip("transformers")
+    steps = _RecordedSteps()
+
+    class Hooks(tf.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            steps.begin(model, optimizer)
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            steps.phase("optimizer")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.end()
+
+    backward = trainer.accelerator.backward
+
+    def recorded_backward(loss, **kwargs):  # no callback between a micro-batch's forward and its backward
+        steps.phase("backward")
+        backward(loss, **kwargs)
+        steps.phase("after backward")
+
+    trainer.accelerator.backward = recorded_backward
+    trainer.add_callback(Hooks())
+    return steps
+
+
 @functools.cache
 def _hf_budget(arch: str = "gpt2") -> tuple[int, int]:
     """60% of the way from the step's start to its unplanned peak: recompute or micro-batches needed."""
@@ -171,8 +258,10 @@ def test_trainer_fits_and_trains_as_by_hand(tmp_path, mode, arch):
     else:
         callback = MemfitCallback(budget, log=said.append)
         trainer = _hf_trainer(tmp_path / "a", _gpt2(arch), callbacks=[callback], gradient_checkpointing=True, arch=arch)
+    steps = _recorded_trainer_steps(trainer)
     trainer.train()
     assert callback.predicted_peak_bytes <= budget < none_peak
+    assert len(steps.peaks) == 3 and max(steps.peaks) <= budget, (steps.peaks, budget)  # every step the Trainer ran
     assert callback.measured_peak_bytes is not None and callback.measured_peak_bytes <= budget
     assert any("predicted" in line and "measured" in line for line in said), said
     batch, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
@@ -225,14 +314,35 @@ def _lightning():
     return pytest.importorskip("lightning.pytorch", reason="lightning is not installed: pip install 'memfit[lightning]'")
 
 
-def _net(batch_size: int = 16, limit: int | None = None):
+def _module_base(batch_size: int, limit: int | None):
+    """What the test's LightningModules share: ``batch_size`` (the finders' batch_arg_name),
+    AdamW, a shuffled loader of ``self.data``, and the emulated memory limit's hook."""
     pl = _lightning()
 
-    class Net(pl.LightningModule):
+    class Base(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.batch_size = batch_size
             self.emulated = _EmulatedLimit(limit) if limit is not None else None
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            # a module hook, not a callback: Lightning's finder runs its trials without callbacks
+            if self.emulated is not None:
+                self.emulated(self, batch)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    return Base
+
+
+def _net(batch_size: int = 16, limit: int | None = None):
+    class Net(_module_base(batch_size, limit)):
+        def __init__(self) -> None:
+            super().__init__()
             blocks = [
                 nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * WIDTH, WIDTH))
                 for _ in range(4)
@@ -249,17 +359,6 @@ def _net(batch_size: int = 16, limit: int | None = None):
             loss = nn.functional.cross_entropy(self.head(self.layers(x).mean(1)), y)
             self.log("train_loss", loss)
             return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def on_train_batch_start(self, batch, batch_idx):
-            # a module hook, not a callback: Lightning's finder runs its trials without callbacks
-            if self.emulated is not None:
-                self.emulated(self, batch)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
 
     torch.manual_seed(0)
     return Net()
@@ -294,35 +393,77 @@ def _losses_callback():
 
 
 def _step_peak(module, batch, optimizer) -> int:
-    from memfit.integrations.lightning import TrainingStep, training_loss
+    """Lightning's steady step at ``batch`` (the last step's gradients alive through the forward), measured for real."""
+    from memfit.integrations.lightning import LIGHTNING_STEP, TrainingStep, training_loss
 
-    return memfit.profile(TrainingStep(module), (batch,), loss_fn=training_loss, optimizer=optimizer).peak_bytes
+    return memfit.profile(
+        TrainingStep(module), (batch,), loss_fn=training_loss, optimizer=optimizer, step=LIGHTNING_STEP
+    ).peak_bytes
+
+
+def _pl_model(kind: str = "mlp", **kwargs):
+    """A LightningModule: ``mlp`` (_net), ``gpt2`` (a causal LM) or ``t5`` (a seq2seq model), as _lm."""
+    return _net(**kwargs) if kind == "mlp" else _lm(arch=kind, **kwargs)
 
 
 @functools.cache
-def _pl_budget() -> tuple[int, int]:
-    net = _net()
-    x, y = net.data.tensors
+def _pl_budget(kind: str = "mlp") -> tuple[int, int]:
+    net = _pl_model(kind)
     opt = torch.optim.AdamW(net.parameters())
-    from memfit.integrations.lightning import TrainingStep, training_loss
+    from memfit.integrations.lightning import LIGHTNING_STEP, TrainingStep, training_loss
 
-    prof = memfit.profile(TrainingStep(net), ((x[:16].clone(), y[:16].clone()),), loss_fn=training_loss, optimizer=opt)
+    batch = [t[:16].clone() for t in net.data.tensors]
+    prof = memfit.profile(TrainingStep(net), (batch,), loss_fn=training_loss, optimizer=opt, step=LIGHTNING_STEP)
     return prof.start_bytes + (prof.peak_bytes - prof.start_bytes) * 6 // 10, prof.peak_bytes
 
 
-@pytest.mark.parametrize("mode", ["plan", pytest.param("fit", marks=pytest.mark.slow)])
-def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode):
+def _recorded_lightning_steps(callback) -> tuple[_RecordedSteps, object]:
+    """Records each of Lightning's steps (a test callback beside the run), on the module as
+    memfit's callback applied the plan (to its TrainingStep wrapper, whose names the plan uses)."""
+    pl = _lightning()
+    from memfit.integrations.lightning import TrainingStep
+
+    steps = _RecordedSteps()
+
+    class Hooks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % trainer.accumulate_grad_batches == 0:
+                module = callback._wrapper or TrainingStep(pl_module)
+                steps.begin(module, trainer.optimizers[0], batch, pl_module.data.tensors)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            steps.phase("backward")
+
+        def on_after_backward(self, trainer, pl_module):
+            steps.phase("after backward")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            steps.phase("optimizer")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                steps.end()
+
+    return steps, Hooks()
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("plan", "mlp"), ("plan", "gpt2"), ("plan", "t5"), pytest.param("fit", "mlp", marks=pytest.mark.slow)]
+)
+def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode, kind):
     from memfit.integrations.lightning import MemfitCallback, TrainingStep
 
     warnings.filterwarnings("ignore", module="lightning")
-    budget, none_peak = _pl_budget()
+    budget, none_peak = _pl_budget(kind)
     said: list[str] = []
     callback, losses = MemfitCallback(budget, mode=mode, log=said.append), _losses_callback()
-    net = _net()
+    steps, recording = _recorded_lightning_steps(callback)
+    net = _pl_model(kind)
     torch.manual_seed(5)
-    trainer = _pl_trainer(tmp_path / "a", [callback, losses])
+    trainer = _pl_trainer(tmp_path / "a", [callback, losses, recording])
     trainer.fit(net)
     assert callback.predicted_peak_bytes <= budget < none_peak
+    assert len(steps.peaks) == 3 and max(steps.peaks) <= budget, (steps.peaks, budget)  # every step Lightning ran
     assert callback.measured_peak_bytes <= budget
     assert any("predicted" in line and "measured" in line for line in said), said
     k = callback.recipe.step.micro_batches if callback.recipe is not None else 1
@@ -335,16 +476,15 @@ def test_lightning_callback_fits_and_trains_as_by_hand(tmp_path, mode):
     wrapper = TrainingStep(net)
     if plan is not None and plan.checkpointed:
         memfit.apply(wrapper, plan)
-    x, y = net.data.tensors
-    batch = (x[:16].clone(), y[:16].clone())
-    from memfit.integrations.lightning import training_loss
+    batch = [t[:16].clone() for t in net.data.tensors]
+    from memfit.integrations.lightning import LIGHTNING_STEP, training_loss
 
     peak = memfit.profile(
-        wrapper, (batch,), loss_fn=training_loss, optimizer=trainer.optimizers[0], step=StepOptions(micro_batches=k)
+        wrapper, (batch,), loss_fn=training_loss, optimizer=trainer.optimizers[0], step=replace(LIGHTNING_STEP, micro_batches=k)
     ).peak_bytes
     assert peak <= budget
 
-    by_hand = _net()
+    by_hand = _pl_model(kind)
     hand = TrainingStep(by_hand)
     if plan is not None and plan.checkpointed:
         memfit.apply(hand, plan)
@@ -362,7 +502,8 @@ class _EmulatedLimit:
     """Raises CUDA's out-of-memory error (the message Lightning's finder catches) before a
     training batch whose real step, measured by memfit's recorder, peaks over ``limit``."""
 
-    peaks: dict[int, int] = {}  # batch size -> measured peak, shared by the runs (same model, same shapes)
+    peaks: dict[tuple[str, int], int] = {}
+    """(model class, batch size) -> measured peak, shared by the runs (same model, same shapes)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -372,53 +513,132 @@ class _EmulatedLimit:
         self.measuring_s = 0.0
         """Time spent measuring (not part of what Lightning's finder would take on a GPU)."""
 
+    @classmethod
+    def peak(cls, module, batch, optimizer) -> int:
+        key = (type(module).__name__, batch[0].shape[0])
+        if key not in cls.peaks:
+            cls.peaks[key] = _step_peak(module, batch, optimizer)
+        return cls.peaks[key]
+
     def __call__(self, module, batch) -> None:
         size = batch[0].shape[0]
         self.tried.append(size)
-        if size not in self.peaks:
-            started = time.perf_counter()
-            self.peaks[size] = _step_peak(module, batch, module.trainer.optimizers[0])
-            self.measuring_s += time.perf_counter() - started
-        if self.peaks[size] > self.limit:
+        started = time.perf_counter()
+        peak = self.peak(module, batch, module.trainer.optimizers[0])
+        self.measuring_s += time.perf_counter() - started
+        if peak > self.limit:
             self.refused.append(size)
             raise RuntimeError(f"CUDA out of memory. (emulated on CPU: the step of batch {size} peaks over the limit)")
         self.ran.append(size)
 
 
-@pytest.mark.parametrize("mode", ["power", "binsearch"])
-def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode):
+def _lm(batch_size: int = 16, limit: int | None = None, arch: str = "gpt2"):
+    """The finder's second model: a small GPT-2 LightningModule from a config (random
+    weights, dropout on), trained on random token ids as its own labels; ``arch="t5"``: a
+    small T5 (seq2seq), its target the first half of its source."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+
+    class LM(_module_base(batch_size, limit)):
+        def __init__(self) -> None:
+            super().__init__()
+            if arch == "t5":
+                config = tf.T5Config(
+                    vocab_size=64,
+                    d_model=32,
+                    d_kv=8,
+                    d_ff=64,
+                    num_layers=2,
+                    num_heads=4,
+                    decoder_start_token_id=0,
+                    use_cache=False,
+                )
+                self.model = tf.T5ForConditionalGeneration(config)
+            else:
+                config = tf.GPT2Config(
+                    n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False
+                )
+                self.model = tf.GPT2LMHeadModel(config)
+            ids = torch.randint(0, 64, (ROWS, 16), generator=torch.Generator().manual_seed(4))
+            self.data = torch.utils.data.TensorDataset(ids)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids[:, :8].contiguous() if arch == "t5" else ids).loss
+            self.log("train_loss", loss)
+            return loss
+
+    torch.manual_seed(0)
+    return LM()
+
+
+FINDER_MODELS = {"mlp": (_net, 45), "gpt2": (_lm, 7)}
+"""model -> (its LightningModule, the largest batch under the emulated limit: not a power of two)."""
+
+
+def compare_finders(root: Path, model: str, mode: str, largest: int | None = None) -> dict:
+    """Lightning's BatchSizeFinder and memfit's on ``model`` under the emulated limit (the
+    real step's measured peak at the largest batch in FINDER_MODELS): what each chose, the
+    trial steps and out-of-memory errors, and the time of each. benchmarks/batch_size_finder.py
+    tabulates this (``largest``: another batch for the limit than FINDER_MODELS')."""
     from lightning.pytorch.callbacks import BatchSizeFinder
 
     from memfit.integrations.lightning import MemfitBatchSizeFinder
 
     warnings.filterwarnings("ignore", module="lightning")
-    net = _net()
-    x, y = net.data.tensors
-    # a limit whose largest batch is not a power of two: the step at 45 (measured) fits, 46 does not
-    if 45 not in _EmulatedLimit.peaks:
-        _EmulatedLimit.peaks[45] = _step_peak(net, (x[:45].clone(), y[:45].clone()), torch.optim.AdamW(net.parameters(), lr=1e-3))
-    limit = _EmulatedLimit.peaks[45]
+    make, default = FINDER_MODELS[model]
+    largest = largest or default
+    probe = make()
+    rows = probe.data.tensors
+    limit = _EmulatedLimit.peak(probe, [t[:largest].clone() for t in rows], torch.optim.AdamW(probe.parameters(), lr=1e-3))
 
-    lightnings = _net(batch_size=2, limit=limit)
+    lightnings = make(batch_size=2, limit=limit)
     emulated = lightnings.emulated
     finder = BatchSizeFinder(mode=mode, steps_per_trial=1, init_val=2, margin=0.0)
     started = time.perf_counter()
-    _pl_trainer(tmp_path / "lightning", [finder], max_steps=1).fit(lightnings)
+    _pl_trainer(root / "lightning", [finder], max_steps=1).fit(lightnings)
     lightning_s = time.perf_counter() - started
-    assert emulated.refused  # the limit bit: Lightning's answer came from running out of memory
 
-    ours = _net(batch_size=2, limit=limit)
-    watch = ours.emulated
+    ours = make(batch_size=2, limit=limit)
     memfit_finder = MemfitBatchSizeFinder(limit, mode=mode, init_val=2, margin=0.0, log=lambda s: None)
-    _pl_trainer(tmp_path / "memfit", [memfit_finder], max_steps=1).fit(ours)
-    assert memfit_finder.limit.max_batch == 45
-    assert memfit_finder.optimal_batch_size == finder.optimal_batch_size == lightnings.batch_size == ours.batch_size
-    assert watch.refused == [] and watch.ran == [ours.batch_size]  # memfit ran no step that does not fit
+    started = time.perf_counter()
+    _pl_trainer(root / "memfit", [memfit_finder], max_steps=1).fit(ours)
+    memfit_s = time.perf_counter() - started
+    return {
+        "model": model,
+        "mode": mode,
+        "limit": limit,
+        "largest": largest,
+        "lightning": finder.optimal_batch_size,
+        "lightning_module": lightnings.batch_size,
+        "lightning_emulation": emulated,
+        # the trial steps (the last batch tried is the fit's own first step, once the search is over)
+        "lightning_trials": len(emulated.tried) - 1,
+        "lightning_s": lightning_s - emulated.measuring_s,
+        "memfit": memfit_finder.optimal_batch_size,
+        "memfit_module": ours.batch_size,
+        "memfit_largest": memfit_finder.limit.max_batch,
+        "memfit_emulation": ours.emulated,
+        "memfit_profiles": memfit_finder.limit.measurements,
+        "memfit_search_s": memfit_finder.search_time_s,
+        "memfit_s": memfit_s - ours.emulated.measuring_s,
+    }
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode, model):
+    got = compare_finders(tmp_path, model, mode)
+    emulated, watch = got["lightning_emulation"], got["memfit_emulation"]
+    assert emulated.refused  # the limit bit: Lightning's answer came from running out of memory
+    assert got["memfit_largest"] == got["largest"]
+    assert got["memfit"] == got["lightning"] == got["lightning_module"] == got["memfit_module"]
+    assert watch.refused == [] and watch.ran == [got["memfit_module"]]  # memfit ran no step that does not fit
     print(
-        f"{mode}: batch {ours.batch_size}; Lightning's finder: {len(emulated.tried) - 1} trial steps at "
-        f"{len(set(emulated.tried[:-1]))} batch sizes, {len(emulated.refused)} out of memory (emulated), {lightning_s - emulated.measuring_s:.2f} s less the "
-        f"emulation's measuring; memfit's: {memfit_finder.limit.measurements} fake-tensor profiles, "
-        f"{memfit_finder.search_time_s:.2f} s, no trial step"
+        f"{model} {mode}: batch {got['memfit']}; Lightning's finder: {got['lightning_trials']} trial steps at "
+        f"{len(set(emulated.tried[:-1]))} batch sizes, {len(emulated.refused)} out of memory (emulated), "
+        f"{got['lightning_s']:.2f} s less the emulation's measuring; memfit's: {got['memfit_profiles']} fake-tensor "
+        f"profiles, {got['memfit_search_s']:.2f} s, no trial step"
     )
 
 
@@ -455,6 +675,8 @@ def test_lightning_answer_follows_lightnings_rules():
     assert lightning_answer(10_000, "power", max_val=8192) == 8192
     with pytest.raises(memfit.PlanError):
         lightning_answer(4, "exhaustive")
+    with pytest.raises(memfit.PlanError, match="not even a batch of 1 fits"):
+        lightning_answer(0, "power")
 
 
 # -- the examples -----------------------------------------------------------------------

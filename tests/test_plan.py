@@ -211,3 +211,49 @@ def test_full_recompute_costs_the_measured_forward_time():
             # keeps some outputs: frees less than full, and pays the per-op overhead twice
             assert o.freed_bytes < full[o.module].freed_bytes
             assert o.cost_s >= 2e-3
+
+
+def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
+    """A real CPU profile's plans may be verified on fake copies of the step (faster when ops
+    are large): the same plan, P_min and verified peak as on the real step, kernel workspaces
+    included (a ConvNeXt's oneDNN scratch, taken from what the profile measured). With no
+    measurement of them in this process (a profile from a file), the real step verifies."""
+    from memfit.measure import workspace
+    from memfit.plan import planner
+
+    work = zoo.build("convnext", batch_size=2, pixels=64, dims=(16, 32, 64, 128), depths=(1, 1, 2, 1))
+    opt = work.make_optimizer()
+    prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
+    assert any(b.category.value == "kernel_workspace" for b in prof.ledger.blocks)  # the case this is about
+    swapped: list[bool] = []
+    instead_of = planner._Verifier.instead_of
+
+    def spy(self, real, off):
+        swapped.append(True)
+        return instead_of(self, real, off)
+
+    monkeypatch.setattr(planner._Verifier, "instead_of", spy)
+    monkeypatch.setattr(planner, "_FAKE_S_PER_OP", float("inf"))
+    real = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
+    assert not swapped
+    monkeypatch.setattr(planner, "_FAKE_S_PER_OP", 0.0)
+    fake = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
+    assert swapped
+    assert fake.checkpointed == real.checkpointed and fake.checkpointed
+    assert (fake.min_peak_bytes, fake.predicted_peak_bytes, fake.extra_flops) == (
+        real.min_peak_bytes,
+        real.predicted_peak_bytes,
+        real.extra_flops,
+    )
+    runs = {"real": 0}
+    run = planner._Verifier.run
+
+    def count(self, chosen):
+        if self._real is None and self.box.fake_mode is None:
+            runs["real"] += 1
+        return run(self, chosen)
+
+    monkeypatch.setattr(planner._Verifier, "run", count)
+    monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())  # as in a process that loaded the profile
+    again = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
+    assert runs["real"] > 0 and again.predicted_peak_bytes == real.predicted_peak_bytes

@@ -8,6 +8,7 @@
     memfit plan gpt --budget 400MiB --json plan.json
     memfit fit gpt --budget 400MiB --allow amp,bf16   # the fastest memory levers that fit
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
+    memfit estimate llama --size num_hidden_layers=16 --batch-size 4 --seq-len 2048   # accelerate estimate-memory, activations included
     memfit snapshot memory_snapshot.pickle   # a GPU's recorded trace: peaks, and what other allocator settings would reserve
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
@@ -206,8 +207,8 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
         raise TargetError(
             f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
         )
-    if ns.eval or ns.gpu or ns.capacity or ns.plot or ns.html:
-        raise TargetError("--world-size does not take --eval, --gpu, --capacity, --plot or --html yet; drop them")
+    if ns.eval or ns.gpu or ns.capacity:
+        raise TargetError("--world-size does not take --eval, --gpu or --capacity yet; drop them")
     ranks = _ranks(ns.ranks, ns.world_size)
     work = _workload(ns, per_rank=True)
     with progress_bar(console, f"profiling {work.name} per rank") as progress:
@@ -218,6 +219,12 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(result.to_json())
         console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import profile_timeline
+
+        worst = result.profiles[result.worst_rank]
+        title = f"memfit profile {ns.target}: {work.name}, rank {result.worst_rank} of {ns.world_size} on {worst.device}"
+        _write_pictures(ns, console, profile_timeline(worst, title))
     return 0
 
 
@@ -445,7 +452,7 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.measure.allocator import AllocatorSettings
+    from memfit.measure.allocator import MiB
     from memfit.measure.snapshot import summarize
     from memfit.report.console import render_snapshot
 
@@ -453,13 +460,11 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
         raise MemfitError(f"--max-split-size-mb must be >= 20 (torch refuses smaller), got {ns.max_split_size_mb}")
     if ns.top < 0:
         raise MemfitError(f"--top takes a count >= 0, got {ns.top}")
-    what_if = None
-    if ns.expandable_segments or ns.max_split_size_mb is not None:
-        conf = ",".join(
-            ["expandable_segments:True"] * ns.expandable_segments
-            + ([f"max_split_size_mb:{ns.max_split_size_mb}"] if ns.max_split_size_mb is not None else [])
-        )
-        what_if = [AllocatorSettings.parse(conf)]
+    # Over the trace's recorded settings (its rounding, the other option): only what is asked changes.
+    changes = {"expandable_segments": True} if ns.expandable_segments else {}
+    if ns.max_split_size_mb is not None:
+        changes["max_split_size"] = ns.max_split_size_mb * MiB
+    what_if = [changes] if changes else None
     capacity = memfit.parse_bytes(ns.capacity) if ns.capacity is not None else None
     if ns.device_index is not None and ns.device_index < 0:
         raise MemfitError(f"--device-index takes a GPU index >= 0, got {ns.device_index}")
@@ -474,6 +479,33 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
 
         tt = trace_timeline(load_snapshot(ns.path), summary.recorded.device)
         _write_pictures(ns, console, snapshot_timeline(tt, f"memfit snapshot {Path(ns.path).name}", ns.path))
+    return 0
+
+
+def _cmd_estimate(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import status
+    from memfit.report.estimate import render_estimate
+
+    _require_device(ns.device)
+    try:
+        from memfit.integrations.accelerate import estimate_memory
+    except ImportError as exc:
+        raise TargetError(
+            f"memfit estimate needs transformers and accelerate ({exc.name} is missing): pip install 'memfit[hf]'"
+        ) from exc
+    with status(console, f"building {ns.config} from its config and profiling on fake tensors"):
+        est = estimate_memory(
+            ns.config,
+            dtypes=ns.dtypes,
+            batch_size=ns.batch_size,
+            seq_len=ns.seq_len,
+            sizes=parse_sizes(ns.size),
+            fake=FAKE[ns.device],
+        )
+    render_estimate(est, console)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(est.to_dict()))
+        console.print(f"wrote {ns.json}")
     return 0
 
 
@@ -726,6 +758,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_snapshot)
 
+    p = sub.add_parser(
+        "estimate",
+        help="accelerate estimate-memory's numbers for a transformers config, beside memfit's step peak with activations",
+    )
+    p.add_argument(
+        "config",
+        help="a transformers model type (llama, gpt2, t5, ...: its config's default sizes) or a local config.json (or its "
+        "folder); nothing is downloaded and no weights are made",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "float16", "int8", "int4"],
+        choices=["float32", "float16", "bfloat16", "int8", "int4"],
+        help="as accelerate estimate-memory's (default: float32 float16 int8 int4); memfit trains float16 / bfloat16 as "
+        "mixed precision, and not int8 / int4",
+    )
+    p.add_argument("--batch-size", type=int, default=1, help="sequences in the step (default 1)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16")
+    p.add_argument(
+        "--device",
+        choices=["fake", "fake-cuda"],
+        default="fake",
+        help="fake: fake CPU tensors; fake-cuda: fake tensors on a simulated CUDA GPU (CUDA's autocast and kernels)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(func=_cmd_estimate)
+
     p = sub.add_parser("zoo", help="list the built-in models")
     p.set_defaults(func=_cmd_zoo)
 
@@ -741,9 +802,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memfit.measure import _fake_cuda
+
     ns = _parser().parse_args(argv)
     console = Console()
     err = Console(stderr=True)
+    simulated = _fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
     try:
         return ns.func(ns, console)
     except MemfitError as exc:
@@ -754,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
             err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False, soft_wrap=True, end="")
         err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_ERROR
+    finally:
+        _fake_cuda.set_gpu(simulated)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """memfit where training already happens: transformers' Trainer
-(:mod:`memfit.integrations.transformers`) and Lightning (:mod:`memfit.integrations.lightning`).
+(:mod:`memfit.integrations.transformers`), accelerate (:mod:`memfit.integrations.accelerate`)
+and Lightning (:mod:`memfit.integrations.lightning`).
 
-Each submodule imports its framework and nothing else optional; this package imports
-neither, so ``import memfit`` never loads transformers or Lightning.
+Each submodule imports its framework and nothing else optional (accelerate's loads
+transformers only for ``estimate_memory``, when called); this package imports none of
+them, so ``import memfit`` never loads transformers, accelerate or Lightning.
 """

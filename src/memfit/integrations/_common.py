@@ -6,11 +6,12 @@ import contextlib
 import random
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["rng_kept", "say", "generators"]
+__all__ = ["rng_kept", "say", "generators", "first_batch_of"]
 
 
 def say(message: str) -> None:
@@ -48,3 +49,15 @@ def generators(loader: object) -> list[torch.Generator]:
             if isinstance(g, torch.Generator) and all(g is not h for h in found):
                 found.append(g)
     return found
+
+
+def first_batch_of(loader: Any) -> Any:
+    """The first batch of ``loader`` (a DataLoader, or accelerate's wrapper of one), drawn
+    without moving any random generator: the run's data order and dropout stay as they were.
+    None when the loader is empty. From accelerate's wrapper, the plain DataLoader inside it
+    is read (the wrapper registers itself with accelerate's gradient state until it is
+    iterated to the end), so the batch is on the host."""
+    with rng_kept():
+        base = getattr(loader, "base_dataloader", loader)
+        with rng_kept(*generators(base), *generators(loader)):
+            return next(iter(base), None)

@@ -39,6 +39,7 @@ from torch import nn
 from memfit.apply import apply, remove
 from memfit.errors import PlanError, WorkloadError
 from memfit.integrations._common import generators, rng_kept, say
+from memfit.measure.step import StepOptions
 from memfit.plan.fit import fit, fit_budget
 from memfit.plan.max_batch import BatchLimit, largest_batch
 from memfit.plan.planner import plan as make_plan
@@ -46,9 +47,27 @@ from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
-__all__ = ["MemfitCallback", "MemfitBatchSizeFinder", "TrainingStep", "training_loss", "first_batch", "lightning_answer"]
+__all__ = [
+    "MemfitCallback",
+    "MemfitBatchSizeFinder",
+    "TrainingStep",
+    "training_loss",
+    "first_batch",
+    "lightning_answer",
+    "LIGHTNING_STEP",
+]
 
-_NO_SWITCH = {"offload": "Lightning's Trainer has no switch for activation offload (save_on_cpu)"}
+_NO_SWITCH = {
+    "offload": "Lightning's Trainer has no switch for activation offload (save_on_cpu)",
+    "set_to_none": "Lightning zeroes the gradients itself, inside the next step's closure",
+}
+LIGHTNING_STEP = StepOptions(set_to_none=False)
+"""Lightning's step as memfit measures it. Lightning's automatic optimization zeroes the
+gradients inside the next step's closure, after ``training_step`` and before ``backward``:
+the last step's gradients are alive through the forward, as in a loop that calls
+``zero_grad(set_to_none=False)``. (A bound a little high in backward, where Lightning's
+gradients are made as they are computed; without it, steps after the first peaked over the
+budget by up to the gradients' bytes, recorded on Lightning's own steps in the tests.)"""
 
 
 class TrainingStep(nn.Module):
@@ -160,7 +179,9 @@ class MemfitCallback(pl.Callback):
         batch = first_batch(trainer)
         step = TrainingStep(pl_module)
         if self.mode == "plan":
-            found = make_plan(step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, fake=self.fake)
+            found = make_plan(
+                step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, fake=self.fake, step=LIGHTNING_STEP
+            )
             self.plan, self.predicted_peak_bytes = found, found.predicted_peak_bytes
             self.measured_peak_bytes = None if self.fake else found.predicted_peak_bytes  # verified by running it
             chose = f"recompute {len(found.checkpointed)} module{'s' if len(found.checkpointed) != 1 else ''}"
@@ -173,7 +194,9 @@ class MemfitCallback(pl.Callback):
                 size = None
             if not isinstance(size, int):
                 exclude["microbatch"] = f"no {self.batch_arg_name!r} attribute on the module or datamodule to divide"
-            recipe = fit(step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, exclude=exclude)
+            recipe = fit(
+                step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, exclude=exclude, set_to_none=False
+            )
             self.recipe, self.plan = recipe, recipe.plan
             self.predicted_peak_bytes, self.measured_peak_bytes = recipe.predicted_peak_bytes, recipe.measured_peak_bytes
             chose, base = recipe.summary(), recipe.base_peak_bytes
@@ -228,9 +251,11 @@ def lightning_answer(largest: int, mode: str, init_val: int = 2, max_val: int = 
     the dataset's length, which this does not model."""
     if mode not in ("power", "binsearch"):
         raise PlanError(f"mode is 'power' or 'binsearch' (as Lightning's BatchSizeFinder), got {mode!r}")
+    if largest < 1:  # no batch size to settle on: 1 would not fit either
+        raise PlanError(f"largest is the largest batch whose step fits, at least 1; got {largest} (not even a batch of 1 fits)")
     if init_val > largest:
-        size = init_val if mode == "power" else max(1, largest)
-        while mode == "power" and size > max(largest, 1):  # Lightning halves after each failure
+        size = init_val if mode == "power" else largest
+        while mode == "power" and size > largest:  # Lightning halves after each failure
             size //= 2
     elif mode == "power":
         size = init_val
@@ -280,7 +305,13 @@ class MemfitBatchSizeFinder(pl.Callback):
         optimizer = _optimizer(trainer, pl_module)
         batch = first_batch(trainer)
         self.limit = largest_batch(
-            TrainingStep(pl_module), (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, fake=self.fake
+            TrainingStep(pl_module),
+            (batch,),
+            self.budget,
+            loss_fn=training_loss,
+            optimizer=optimizer,
+            fake=self.fake,
+            step=LIGHTNING_STEP,
         )
         self.optimal_batch_size = lightning_answer(self.limit.max_batch, self.mode, self.init_val, self.max_val, self.margin)
         lightning_setattr(pl_module, self.batch_arg_name, self.optimal_batch_size)

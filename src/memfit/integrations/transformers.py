@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from memfit.apply import apply
 from memfit.apply.checkpoint import applied_choices, unwrap
 from memfit.errors import PlanError, WorkloadError
-from memfit.integrations._common import generators, rng_kept, say
+from memfit.integrations._common import first_batch_of, rng_kept, say
 from memfit.plan.fit import fit, parse_allow
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.recipe import Recipe
@@ -59,14 +59,8 @@ _NO_SWITCH = {"offload": "transformers' Trainer has no switch for activation off
 
 
 def _first_batch(trainer: Any, loader: Iterable | None = None) -> dict[str, Any]:
-    with rng_kept():
-        if loader is None:
-            loader = trainer.get_train_dataloader()
-        # accelerate's DataLoaderShard registers itself with the gradient state until it is
-        # iterated to the end: take the batch from the plain DataLoader inside it
-        base = getattr(loader, "base_dataloader", loader)
-        with rng_kept(*generators(base), *generators(loader)):
-            batch = next(iter(base), None)
+    with rng_kept():  # building the dataloader may draw from the generators too
+        batch = first_batch_of(trainer.get_train_dataloader() if loader is None else loader)
     if batch is None:
         raise WorkloadError("the trainer's train dataloader is empty: there is no batch to measure a step on")
     batch = trainer._prepare_inputs(batch)  # to the device, as training_step does

@@ -581,10 +581,7 @@ class CachingAllocator:
             b.splice(prev, None)
             prev, addr = b, addr + size
             if allocated:
-                b.allocated, b.requested = True, requested
-                self.allocated += size
-                self.requested += requested
-                out.append(b)
+                out.append(self._allocated_before(b, requested))
         # free neighbours were merged on the GPU; merge what the caller gave separately
         head = prev
         while head is not None and head.prev is not None:
@@ -603,6 +600,13 @@ class CachingAllocator:
         self.reserved += addr - ptr
         self._peaks()
         return out
+
+    def _allocated_before(self, b: Block, requested: int) -> Block:
+        """``b`` held a tensor when the snapshot was taken (add_segment, add_expandable_segment)."""
+        b.allocated, b.requested = True, requested
+        self.allocated += b.size
+        self.requested += requested
+        return b
 
     def place(self, ptr: int, size: int, stream: int = 0) -> Block:
         """Allocate ``size`` bytes at ``ptr`` (a recorded allocation's address) by the allocator's
@@ -645,10 +649,7 @@ class CachingAllocator:
             for bsize, allocated, requested in blocks:
                 b = Block(ptr, bsize, stream, small, seg)
                 if allocated:
-                    b.allocated, b.requested = True, requested
-                    self.allocated += bsize
-                    self.requested += requested
-                    out.append(b)
+                    out.append(self._allocated_before(b, requested))
                 elif chain and chain[-1].mapped and not chain[-1].allocated:
                     chain[-1].size += bsize  # free neighbours were merged on the GPU
                     ptr += bsize

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
-from memfit.measure import _distributed, _hf_fake, _torch_compat
+from memfit.measure import _distributed, _torch_compat
 from memfit.measure.ledger import START_TICK, Category, Ledger
 from memfit.measure.profile import Profile, Progress, _module_stats, _run, record_step
 from memfit.measure.sandbox import Sandbox
@@ -228,8 +228,6 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
         mesh = _mesh(parallel, world_size)  # outside FakeTensorMode: its setup runs collectives on real tensors
         mode = _torch_compat.new_fake_mode() if fake else None
         box = _parallel_sandbox(workload, parallel, mesh, mode)
-        if fake:
-            stack.enter_context(_hf_fake.unpacked_positions(box.kwargs))
         yield box
 
 

@@ -274,10 +274,10 @@ class Ledger:
             ticks,
             spans,
             ops,
-            int(data.get("host_peak_bytes", 0)),
-            int(data.get("unmeasured_ops", 0)),
-            int(data.get("cublas_workspaces", 0)),
-            int(data.get("cublas_workspace_bytes", 0)),
+            host_peak_bytes=int(data.get("host_peak_bytes", 0)),
+            unmeasured_ops=int(data.get("unmeasured_ops", 0)),
+            cublas_workspaces=int(data.get("cublas_workspaces", 0)),
+            cublas_workspace_bytes=int(data.get("cublas_workspace_bytes", 0)),
             attention_estimates=int(data.get("attention_estimates", 0)),
         )
 

@@ -28,6 +28,7 @@ runs without it (see :class:`memfit.measure.scope.Clock`).
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
 import weakref
 from collections import defaultdict
@@ -76,6 +77,16 @@ bookkeeping instead of saved records."""
 # Ops the recorder or fake tensors run for themselves (the detached alias the saved-tensor
 # hook returns, fake tensors' device queries): not the step's, and they record no node.
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
+
+
+def _metadata_only(func: Any) -> bool:
+    """Whether ``func`` only asks a tensor about itself: prim.device, and the sym_size
+    family. A tensor subclass (a fake tensor) answers those through the dispatcher when
+    C++ code asks, between ops and not always in the same places; a real tensor answers
+    without dispatching. Recorded, they would rename the op the next frees are put under
+    and add calls (and, where one lands between frees, ticks) a real step never has."""
+    return func.namespace == "prim" or func.overloadpacket.__name__.startswith("sym_")
+
 
 # Ops whose CUDA kernel goes through cuBLAS (getCurrentCUDABlasHandle, which gives the
 # handle its workspace on first use: aten/src/ATen/cuda/CublasHandlePool.cpp). linear and
@@ -362,6 +373,8 @@ class Recorder(TorchDispatchMode):
             # memory this rank holds (as torch's MemTracker does).
             return NotImplemented
         kwargs = kwargs or {}
+        if _metadata_only(func):  # allocates nothing, returns no storage: no trace in the ledger
+            return func(*args, **kwargs)
         self._op = str(func.overloadpacket.__name__)
         first = len(self.ticks)
         in_tensors = _tensors((*args, *kwargs.values()))
@@ -514,6 +527,12 @@ class Recorder(TorchDispatchMode):
                 self._trace.__enter__()
             except RuntimeError:  # a profiler already running (the user's): nothing to measure with
                 self._trace = None
+        # No cyclic collection inside the step: a tensor held only by a reference cycle (a
+        # fake step's loss gradient is) would die wherever a collection happens to fall
+        # (Python counts its own allocations, so what ran earlier in the process moves it),
+        # a free in one ledger and not in the same step's next. It dies after the step.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         self._hooks_pack = self._pack  # one bound method object, to recognise it on the hooks' stack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._hooks_pack, self._unpack)
         self._hooks.__enter__()
@@ -526,6 +545,9 @@ class Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._resizes.__exit__(*exc)
+            self._closed = True  # what dies from here on (a collection, say) dies after the step
+            if self._gc_was_enabled:
+                gc.enable()
             self._hooks.__exit__(*exc)
             if self._trace is not None:
                 self._trace.__exit__(*exc)
@@ -575,9 +597,9 @@ class Recorder(TorchDispatchMode):
             ticks,
             spans,
             ops,
-            self.elsewhere_peak,
-            self.unmeasured_ops,
-            self.cublas_workspaces,
-            self._cublas_bytes,
+            host_peak_bytes=self.elsewhere_peak,
+            unmeasured_ops=self.unmeasured_ops,
+            cublas_workspaces=self.cublas_workspaces,
+            cublas_workspace_bytes=self._cublas_bytes,
             attention_estimates=self.attention_estimates,
         )

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
-from memfit.measure import _fake_cuda, _optim8bit, _torch_compat
+from memfit.measure import _fake_cuda, _hf_fake, _optim8bit, _torch_compat
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
@@ -73,11 +73,13 @@ class Sandbox:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Enter the fake mode (if any) so factory calls inside the step make fake tensors."""
+        """Enter the fake mode (if any) so factory calls inside the step make fake tensors, and
+        let transformers find positions it made itself unpacked, as a real step does (it
+        cannot read fake ones: :mod:`memfit.measure._hf_fake`)."""
         if self.fake_mode is None:
             yield
         else:
-            with self.fake_mode:
+            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs):
                 yield
 
 

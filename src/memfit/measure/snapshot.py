@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memfit.errors import MemfitError
@@ -599,14 +599,16 @@ def _replay_dict(t: TraceReplay) -> dict:
 def summarize(
     path: str | Path,
     *,
-    what_if: list[AllocatorSettings] | None = None,
+    what_if: list[AllocatorSettings | dict] | None = None,
     top: int = 10,
     device: int | None = None,
     capacity: int | None = None,
 ) -> SnapshotSummary:
     """Everything ``memfit snapshot`` shows. ``what_if`` defaults to the recorded settings with
-    ``expandable_segments`` turned on (off, if the recording had it on); ``capacity`` bounds what
-    those may reserve (the GPU's memory: without it nothing is ever released to retry)."""
+    ``expandable_segments`` turned on (off, if the recording had it on); a dict in it is the
+    recorded settings with those fields changed (``{"max_split_size": 128 * MiB}`` keeps the
+    recording's rounding and the rest); ``capacity`` bounds what those may reserve (the GPU's
+    memory: without it nothing is ever released to retry)."""
     snap = load_snapshot(path)
     n = max(len(snap.get("device_traces") or []), 1 + max((int(s.get("device", 0)) for s in snap["segments"]), default=0))
     if device is not None and device >= n:
@@ -615,14 +617,10 @@ def summarize(
     rec = relive(snap, device)
     model = replay_trace(snap, device=device) if rec.has_trace else None
     if what_if is None:
-        s = rec.settings
-        what_if = [AllocatorSettings(**{**_fields(s), "expandable_segments": not s.expandable_segments})]
+        what_if = [{"expandable_segments": not rec.settings.expandable_segments}]
+    what_if = [replace(rec.settings, **w) if isinstance(w, dict) else w for w in what_if]
     alts = tuple(replay_trace(snap, w, device, capacity=capacity) for w in what_if) if rec.has_trace else ()
     return SnapshotSummary(str(path), rec, model, alts, tuple(largest_allocations(snap, device, top=top)))
-
-
-def _fields(s: AllocatorSettings) -> dict:
-    return {k: getattr(s, k) for k in AllocatorSettings.__dataclass_fields__}
 
 
 # -- the recorded span event by event (for pictures) ----------------------------------------------

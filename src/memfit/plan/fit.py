@@ -763,8 +763,9 @@ def fit(
             each stage (which levers apply, timing probes, exact peaks and plans, timing
             the candidates) advances.
         exclude: exact levers the caller's training loop has no way to use (``"microbatch"``,
-            ``"offload"``), each with the reason, which ``recipe.left_out`` then gives: a
-            framework's loop (transformers' Trainer) has no switch for activation offload.
+            ``"offload"``, ``"set_to_none"``), each with the reason, which ``recipe.left_out``
+            then gives: a framework's loop (transformers' Trainer) has no switch for
+            activation offload; Lightning's zeroes the gradients where it chooses.
         fake: ``"cuda"``: the step as a CUDA GPU runs it, on fake CUDA (a model on the CPU,
             as for :func:`memfit.profile`): peaks exact on fake tensors (reserved, from the
             allocator model), step times only predicted by the cost model from FLOPs, bytes
@@ -792,9 +793,11 @@ def fit(
     if fake and not fake_cuda:
         raise WorkloadError("fit weighs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
     exclude = dict(exclude or {})
-    unknown = sorted(set(exclude) - {"microbatch", "offload"})
+    unknown = sorted(set(exclude) - {"microbatch", "offload", "set_to_none"})
     if unknown:
-        raise PlanError(f"fit can exclude the levers 'microbatch' and 'offload', not {', '.join(map(repr, unknown))}")
+        raise PlanError(
+            f"fit can exclude the levers 'microbatch', 'offload' and 'set_to_none', not {', '.join(map(repr, unknown))}"
+        )
     check_arguments(model, optimizer, loss_fn, targets)
     model = unwrap(model)
     if applied_choices(model) is not None:
@@ -815,6 +818,8 @@ def fit(
         left_out["microbatch"] = why
     if set_to_none:
         left_out["set_to_none"] = "the loop already calls zero_grad(set_to_none=True): no gradients are kept between steps"
+    elif "set_to_none" in exclude:
+        left_out["set_to_none"] = exclude["set_to_none"]
     precisions = ["fp32"]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     for lever in ("amp", "bf16"):
@@ -855,7 +860,7 @@ def fit(
         )
         ks = [1, *sorted(scales)]
         foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
-        zero = [set_to_none] + ([True] if not set_to_none else [])
+        zero = [set_to_none] + ([True] if "set_to_none" not in left_out else [])
         eight = [False] + ([True] if "8bit" not in left_out else [])
         offload = [False]
         # a setting of the CUDA caching allocator: not a lever (nor named) off CUDA

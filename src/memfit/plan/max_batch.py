@@ -249,18 +249,22 @@ def max_batch(
             min_peak_bytes=lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of,
             budget_bytes=target,
         )
-    if fake_cuda:
+
+    def answer(batch: int, recipe: Recipe | None, device: str) -> MaxBatch:
         return MaxBatch(
             budget_bytes=target,
             batch_size=batch,
             example_batch=example,
             limits=limits,
-            recipe=None,
+            recipe=recipe,
             search_time_s=time.perf_counter() - started,
             multiple_of=multiple_of,
             model_type=type(model).__name__,
-            device="fake:cuda:0",
+            device=device,
         )
+
+    if fake_cuda:
+        return answer(batch, None, "fake:cuda:0")
     # The fastest recipe at that batch, measured (fit runs it for real). fit plans on real
     # tensors, whose figures can differ from the fake ones by a few bytes: a batch that
     # then does not fit steps down.
@@ -290,17 +294,7 @@ def max_batch(
             budget_bytes=target,
         )
     recipe.budget = str(budget)
-    return MaxBatch(
-        budget_bytes=target,
-        batch_size=batch,
-        example_batch=example,
-        limits=limits,
-        recipe=recipe,
-        search_time_s=time.perf_counter() - started,
-        multiple_of=multiple_of,
-        model_type=type(model).__name__,
-        device=str(device),
-    )
+    return answer(batch, recipe, str(device))
 
 
 def largest_batch(

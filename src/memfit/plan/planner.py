@@ -172,9 +172,11 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
     return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 
-# Seconds a fake-tensor verification run costs per op the step dispatches, twice what was
-# measured: zoo gpt's recorded fake step, 2586 ops, took a quarter of its unrecorded real
-# step (6.6 s against 25.2 s on a loaded host; 0.9 s quiet), about 0.1 ms an op quiet.
+# Seconds a fake-tensor verification run costs per forward op of the step (the ledger's
+# ``ops``; backward and optimizer ops scale with them), twice what was measured: zoo gpt's
+# recorded fake step, 2586 forward ops, took a quarter of its unrecorded real step (6.6 s
+# against 25.2 s on a loaded host, whose quiet step is 0.9 s): about 0.1 ms an op quiet. On
+# zoo heavy (~100k tiny ops, a 5 s step) the fake step was slower than the real one.
 _FAKE_S_PER_OP = 2e-4
 
 
