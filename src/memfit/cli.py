@@ -57,8 +57,8 @@ def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workl
     if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
         raise TargetError(
             f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
-            "measure it per rank with `memfit profile ... --world-size N --device fake` (plan, fit and max-batch "
-            "per rank are not built yet)"
+            "measure or plan it per rank with `memfit profile|plan ... --world-size N --device fake` (fit and "
+            "max-batch per rank are not built yet)"
         )
     return work
 
@@ -267,10 +267,56 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
+    """``plan --world-size N`` (one rank's parallelized step, planned on the fake process group)
+    or ``plan --min-world-size`` (the smallest world size fitting the per-rank budget)."""
+    from memfit.plan.distributed import min_world_size, plan_ranks
+    from memfit.report.console import progress_bar, render_plan, render_world_size_fit
+
+    if ns.device != "fake":
+        raise TargetError(f"plans per rank run each rank on torch's fake process group: give --device fake, not {ns.device}")
+    if ns.plot or ns.html:
+        raise TargetError("plans per rank do not take --plot or --html yet; drop them")
+    if ns.min_world_size and ns.world_size is not None:
+        raise TargetError("give --world-size N (plan for N ranks) or --min-world-size (find N), not both")
+    if ns.max_world_size is not None and not ns.min_world_size:
+        raise TargetError("--max-world-size bounds --min-world-size's search: give --min-world-size too")
+    work = _workload(ns, per_rank=True)
+    if ns.min_world_size:
+        if ns.ranks is not None:
+            raise TargetError("--min-world-size measures rank 0 at each world size; drop --ranks")
+        with progress_bar(console, f"world sizes for {work.name}") as progress:
+            found = min_world_size(work, raw, max_world_size=ns.max_world_size or 1024, progress=progress)
+        render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
+        result: Any = found
+    else:
+        with progress_bar(console, f"planning {work.name} per rank") as progress:
+            result = plan_ranks(
+                work,
+                raw,
+                world_size=ns.world_size,
+                ranks=_ranks(ns.ranks, ns.world_size),
+                objective=ns.objective,
+                progress=progress,
+            )
+        result.budget = label
+        console.print(f"[bold]{work.name}[/], rank of {result.world_size} on [bold]{result.device}[/]")
+        render_plan(result, console)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result.to_dict(), indent=1))
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
 def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
     raw, label = _budget(ns)
+    if ns.world_size is not None or ns.min_world_size:
+        memfit.parse_budget(raw)  # bad budgets fail before any work
+        return _cmd_plan_ranks(ns, console, raw, label)
+    if ns.ranks is not None or ns.max_world_size is not None:
+        raise TargetError("--ranks and --max-world-size plan a distributed step: give --world-size N or --min-world-size")
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     _require_device(ns.device)
     work = _workload(ns)
@@ -628,6 +674,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _gpu_options(p)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
+    p.add_argument(
+        "--world-size", type=_positive, metavar="N", help="plan one rank of N of the target's distributed step (--device fake)"
+    )
+    p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to verify the plan on (default 0)")
+    p.add_argument(
+        "--min-world-size",
+        action="store_true",
+        help="the smallest world size (1, 2, 4, ...) at which each rank fits --budget, with and without recompute",
+    )
+    p.add_argument("--max-world-size", type=_positive, metavar="N", help="with --min-world-size: the largest to try (1024)")
     picture_args(p, "the step without and with the plan (profiled again with it applied)")
     p.set_defaults(func=_cmd_plan)
 

@@ -38,6 +38,16 @@ def new_fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def composable_state_keys() -> frozenset[str]:
+    """The attributes torch's composable APIs (FSDP2's ``fully_shard``) keep their state in on
+    a module (``__composable_api_state_key_<uuid>``). Their hooks around the forward, run by
+    ``Module.__call__``, change that state; a recompute runs the forward alone, so it never
+    changes it again. Empty until torch's composable contract is imported (no such state)."""
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    keys = (getattr(contract, "STATE_KEY", None), getattr(contract, "REGISTRY_KEY", None)) if contract is not None else ()
+    return frozenset(k for k in keys if isinstance(k, str))
+
+
 def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,9 @@ __all__ = [
     "RankProfiles",
     "profile_ranks",
     "profile_rank",
+    "world_size_of",
+    "rank_sandbox",
+    "record_rank",
     "fsdp2",
     "ddp",
     "DISTRIBUTED_FORMAT",
@@ -121,15 +124,23 @@ def profile_ranks(
 
     ``world_size`` overrides the workload's :attr:`Parallel.world_size`."""
     parallel = _parallel_of(workload)
-    n = parallel.world_size if world_size is None else world_size
-    parallel.mesh(n)
-    assert n is not None
+    n = world_size_of(workload, world_size)
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to measure, e.g. (0,)")
     out = RankProfiles(n, parallel.name)
     for r in dict.fromkeys(ranks):
         out.profiles[r] = profile_rank(workload, FakeGroup(n, r), progress=progress)
     return out
+
+
+def world_size_of(workload: Workload, world_size: int | None = None) -> int:
+    """The world size a distributed workload runs at: ``world_size``, else its own; checked
+    against its mesh."""
+    parallel = _parallel_of(workload)
+    n = parallel.world_size if world_size is None else world_size
+    parallel.mesh(n)
+    assert n is not None
+    return n
 
 
 def _parallel_of(workload: Workload) -> Parallel:
@@ -147,6 +158,57 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
     """One rank's profile of the distributed step: on the fake process group given by a
     :class:`FakeGroup` (fake tensors), or with :data:`CURRENT_GROUP` on the process group this
     process has initialised (real tensors: a real multi-process run's rank)."""
+    report = progress or (lambda desc, done, total: None)
+    with rank_sandbox(workload, group, progress=report) as box:
+        world_size, rank = box_rank(box)
+        fake = box.fake_mode is not None
+        with Scope(box.model) as scope:
+            report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
+            # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
+            # forward (in gradient-ready order), once; the fake group keeps the first buckets.
+            for _ in range(1 if fake else 2):
+                _run(box, scope, workload.loss_fn)
+            report(f"rank {rank} of {world_size}: recorded step", 2, 3)
+            prof = record_rank(workload, box, scope)
+        report("done", 3, 3)
+    return prof
+
+
+def box_rank(box: Sandbox) -> tuple[int, int]:
+    """(world size, rank) of the process group a :func:`rank_sandbox` runs on."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(), dist.get_rank()
+
+
+def record_rank(workload: Workload, box: Sandbox, scope: Scope) -> Profile:
+    """The profile of one recorded step on an open :func:`rank_sandbox` (warmed up: the
+    optimizer's state exists), its modules named as ``scope`` names them."""
+    world_size, rank = box_rank(box)
+    fake = box.fake_mode is not None
+    ledger, flops = record_step(box, scope, workload.loss_fn)
+    modules = _module_stats(box.model, scope, ledger, flops, None)
+    meta = {**workload.meta, "world_size": world_size, "rank": rank, "parallel": _parallel_of(workload).name}
+    return Profile(
+        ledger=ledger,
+        modules=modules,
+        device="fake:cpu" if fake else "cpu",
+        fake=fake,
+        time_source="omitted",
+        step_time_s=None,
+        model_type=type(workload.model).__name__,
+        step_flops=sum(flops.values()),
+        meta=meta,
+    )
+
+
+@contextmanager
+def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progress | None = None) -> Iterator[Sandbox]:
+    """The parallelized step of one rank, open for as many steps as the caller runs: the
+    process group (the fake one a :class:`FakeGroup` names, set up here and torn down on
+    exit; or :data:`CURRENT_GROUP`), the rank's model (a copy of the workload's, from meta:
+    a plan applied to the workload's model is carried into it), optimizer and inputs. No
+    step has run yet."""
     parallel = _parallel_of(workload)
     report = progress or (lambda desc, done, total: None)
     fake = group != CURRENT_GROUP
@@ -166,28 +228,7 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
         mesh = _mesh(parallel, world_size)  # outside FakeTensorMode: its setup runs collectives on real tensors
         mode = _torch_compat.new_fake_mode() if fake else None
         box = _parallel_sandbox(workload, parallel, mesh, mode)
-        scope = stack.enter_context(Scope(box.model))
-        report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
-        # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
-        # forward (in gradient-ready order), once; the fake group keeps the first buckets.
-        for _ in range(1 if fake else 2):
-            _run(box, scope, workload.loss_fn)
-        report(f"rank {rank} of {world_size}: recorded step", 2, 3)
-        ledger, flops = record_step(box, scope, workload.loss_fn)
-        modules = _module_stats(box.model, scope, ledger, flops, None)
-        report("done", 3, 3)
-    meta = {**workload.meta, "world_size": world_size, "rank": rank, "parallel": parallel.name}
-    return Profile(
-        ledger=ledger,
-        modules=modules,
-        device="fake:cpu" if fake else "cpu",
-        fake=fake,
-        time_source="omitted",
-        step_time_s=None,
-        model_type=type(workload.model).__name__,
-        step_flops=sum(flops.values()),
-        meta=meta,
-    )
+        yield box
 
 
 def without_backend_buffers(ledger: Ledger) -> Ledger:

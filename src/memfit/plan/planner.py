@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
-from memfit.measure.sandbox import fake_device, step_sandbox
+from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
@@ -76,22 +76,12 @@ class _Verifier:
     used) when planning from a fake profile, else on the real model inside a sandbox
     (faster for models of many tiny ops, whose fake dispatch dominates)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        args: tuple,
-        kwargs: dict,
-        loss_fn: Any,
-        optimizer: torch.optim.Optimizer,
-        *,
-        fake: bool | str,
-        step: StepOptions,
-        targets: Any = None,
-    ) -> None:
+    def __init__(self, sandbox: AbstractContextManager[Sandbox], loss_fn: Any) -> None:
+        """``sandbox``: the step to run plans on (:func:`~memfit.measure.sandbox.step_sandbox`,
+        or one rank's parallelized step: :func:`~memfit.measure.distributed.rank_sandbox`),
+        entered here and closed by :meth:`close`."""
         self._stack = ExitStack()
-        self.box = self._stack.enter_context(
-            step_sandbox(fake_device(fake), model, args, kwargs, optimizer, step=step, targets=targets)
-        )
+        self.box = self._stack.enter_context(sandbox)
         self.loss_fn = loss_fn
         self.runs = 0
         self._real: _Verifier | None = None
@@ -291,7 +281,8 @@ def plan(
     with ExitStack() as closing:
 
         def open_verifier(on_fake: bool | str) -> _Verifier:
-            opened = _Verifier(model, args, kwargs, loss_fn, optimizer, fake=on_fake, step=options, targets=targets)
+            box = step_sandbox(fake_device(on_fake), model, args, kwargs, optimizer, step=options, targets=targets)
+            opened = _Verifier(box, loss_fn)
             closing.callback(opened.close)
             return opened
 
@@ -330,16 +321,14 @@ def plan(
             # workspaces taken from what the real profile measured) at a fraction of a real
             # step's time when the step's ops are large.
             verifier = open_verifier(True).instead_of(verifier, use_cache_off)
-        ledger = prof.ledger
         timed = prof.time_source == "measured"
-        forward_time, calls, rates, timing_note = _costing(prof)
+        timing_note = _costing(prof)[3]
         # On CUDA the budget bounds what the caching allocator reserves: every verified run
         # is replayed through the allocator model, and P_none is the same model's figure for
         # the unplanned step (on a real GPU too, where the profile measured it beside: plans
         # and P_none are then judged alike).
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         none_peak = _none_peak(prof)
-        none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
@@ -349,44 +338,108 @@ def plan(
         else:
             overhead = 0.0
 
-        for _ in range(_MAX_EXCLUSIONS):
-            cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
-            # Measured costs move by a few percent from run to run: within 5% of the cheapest,
-            # the simplest plan (see Problem.min_cost).
-            near = _NEAR if timed and not timing_note else 0.0
-            problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective], near=near)
-            try:
-                report("lowest reachable peak", 0, 2)
-                lowest = problem.min_peak()
-                low_run = verifier.run(lowest.chosen) if lowest.chosen else none_run
-                # The model of the step is conservative (it keeps a checkpointed module's
-                # activations alive through its whole forward), so its minimum can miss the
-                # plain recipe of recomputing every repeated block: try that too.
-                recipe = _every_block(model, cands.options)
-                if recipe and {o.module for o in recipe} != {o.module for o in lowest.chosen}:
-                    recipe_run = verifier.run(recipe)
-                    if recipe_run.peak_bytes < low_run.peak_bytes:
-                        lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
-                min_peak = min(low_run.peak_bytes, none_peak)
-                low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
-                target = spec.resolve(min_peak, none_peak)
-                if target < min_peak:
-                    raise BudgetInfeasibleError(
-                        f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
-                        f"P_min = {format_bytes(min_peak)} ({min_peak} bytes); P_none = {format_bytes(none_peak)}",
-                        min_peak_bytes=min_peak,
-                        budget_bytes=target,
-                    )
-                report("cheapest plan within the budget", 1, 2)
-                chosen, run = _fit(problem, verifier, target, none_run, low)
-            except _RecomputeFailed as failed:
-                excluded[failed.module] = failed.reason
-                continue
-            break
-        else:
-            raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
+        chosen, run, min_peak, target, cands = _search(
+            prof, verifier, model, spec, objective, excluded, overhead, timing_note, report
+        )
     report("done", 2, 2)
 
+    return _make_plan(
+        prof=prof,
+        model=model,
+        chosen=chosen,
+        run=run,
+        verifier=verifier,
+        cands=cands,
+        excluded=excluded,
+        none_peak=none_peak,
+        min_peak=min_peak,
+        target=target,
+        use_cache_off=use_cache_off,
+        budget=budget,
+        objective=objective,
+        timing_note=timing_note,
+        started=started,
+    )
+
+
+def _search(
+    prof: Profile,
+    verifier: _Verifier,
+    model: nn.Module,
+    spec: Any,
+    objective: str,
+    excluded: dict[str, str],
+    overhead: float,
+    timing_note: str,
+    report: Progress,
+) -> tuple[list[Option], _Run, int, int, Any]:
+    """The cheapest verified plan within ``spec`` on ``prof``'s step, whose runs ``verifier``
+    makes: ``(chosen, its run, P_min, the budget in bytes, the candidates)``. Modules whose
+    recompute fails while verifying join ``excluded`` (in place) and planning starts over."""
+    ledger = prof.ledger
+    timed = prof.time_source == "measured"
+    forward_time, calls, rates, _ = _costing(prof)
+    none_peak = _none_peak(prof)
+    none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
+    for _ in range(_MAX_EXCLUSIONS):
+        cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
+        # Measured costs move by a few percent from run to run: within 5% of the cheapest,
+        # the simplest plan (see Problem.min_cost).
+        near = _NEAR if timed and not timing_note else 0.0
+        problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective], near=near)
+        try:
+            report("lowest reachable peak", 0, 2)
+            lowest = problem.min_peak()
+            low_run = verifier.run(lowest.chosen) if lowest.chosen else none_run
+            # The model of the step is conservative (it keeps a checkpointed module's
+            # activations alive through its whole forward), so its minimum can miss the
+            # plain recipe of recomputing every repeated block: try that too.
+            recipe = _every_block(model, cands.options)
+            if recipe and {o.module for o in recipe} != {o.module for o in lowest.chosen}:
+                recipe_run = verifier.run(recipe)
+                if recipe_run.peak_bytes < low_run.peak_bytes:
+                    lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
+            min_peak = min(low_run.peak_bytes, none_peak)
+            low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
+            target = spec.resolve(min_peak, none_peak)
+            if target < min_peak:
+                raise BudgetInfeasibleError(
+                    f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
+                    f"P_min = {format_bytes(min_peak)} ({min_peak} bytes); P_none = {format_bytes(none_peak)}",
+                    min_peak_bytes=min_peak,
+                    budget_bytes=target,
+                )
+            report("cheapest plan within the budget", 1, 2)
+            chosen, run = _fit(problem, verifier, target, none_run, low)
+        except _RecomputeFailed as failed:
+            excluded[failed.module] = failed.reason
+            continue
+        break
+    else:
+        raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
+    return chosen, run, min_peak, target, cands
+
+
+def _make_plan(
+    *,
+    prof: Profile,
+    model: nn.Module,
+    chosen: list[Option],
+    run: _Run,
+    verifier: _Verifier,
+    cands: Any,
+    excluded: dict[str, str],
+    none_peak: int,
+    min_peak: int,
+    target: int,
+    use_cache_off: tuple[str, ...],
+    budget: Any,
+    objective: str,
+    timing_note: str,
+    started: float,
+) -> Plan:
+    """The :class:`Plan` of a finished search (:func:`_search`) on ``prof``'s step."""
+    timed = prof.time_source == "measured"
     excluded.update({k: v for k, v in cands.excluded.items() if k not in excluded})
     return Plan(
         budget_bytes=target,

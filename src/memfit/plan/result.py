@@ -127,6 +127,11 @@ class Plan:
     timing_note: str = ""
     """Why the measured times were set aside, when they were (too noisy to rank options):
     ``extra_compute_s`` is then the cost model's estimate."""
+    world_size: int | None = None
+    """A distributed step's ranks (:func:`memfit.plan_ranks`); None: one process."""
+    rank_peak_bytes: dict[int, int] | None = None
+    """Per rank of a distributed step: its peak with the plan applied, each verified on the
+    fake process group (:attr:`predicted_peak_bytes` is the highest)."""
 
     @property
     def extra_compute_fraction(self) -> float | None:
@@ -143,6 +148,11 @@ class Plan:
             # Left out when empty: such a plan stays readable by a memfit from before the
             # field, while one that needs the cache off is refused there, not applied wrongly.
             del data["use_cache_off"]
+        for key in ("world_size", "rank_peak_bytes"):
+            if data[key] is None:
+                del data[key]  # one process's plans read as before
+        if self.rank_peak_bytes is not None:
+            data["rank_peak_bytes"] = {str(r): b for r, b in sorted(self.rank_peak_bytes.items())}
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -164,6 +174,12 @@ class Plan:
         if not isinstance(off, list) or not all(isinstance(n, str) for n in off):
             raise PlanError(f"plan JSON: use_cache_off must be a list of module names, got {off!r}")
         body["use_cache_off"] = tuple(off)
+        ranks = body.get("rank_peak_bytes")
+        if ranks is not None:
+            try:
+                body["rank_peak_bytes"] = {int(r): int(b) for r, b in ranks.items()}
+            except (AttributeError, TypeError, ValueError):
+                raise PlanError(f"plan JSON: rank_peak_bytes must map ranks to bytes, got {ranks!r}") from None
         try:
             body["checkpointed"] = {
                 k: Choice(v["mode"], tuple(v.get("save_ops", ()))) for k, v in body.get("checkpointed", {}).items()

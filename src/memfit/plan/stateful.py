@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.measure import _torch_compat
+
 __all__ = ["stateful_modules", "call_state", "changed"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -58,10 +60,12 @@ def _summary(value: Any, depth: int, keep: list[Any]) -> Any:
 
 
 def _own_state(mod: nn.Module, keep: list[Any]) -> dict[str, Any]:
+    # FSDP2's state changes in its hooks around the forward, which a recompute does not run
+    hooks_state = _torch_compat.composable_state_keys()
     return {
         k: _summary(v, _DEPTH - 1, keep)
         for k, v in vars(mod).items()
-        if k not in _MODULE_INTERNALS and not k.startswith("_memfit")
+        if k not in _MODULE_INTERNALS and not k.startswith("_memfit") and k not in hooks_state
     }
 
 

@@ -34,6 +34,7 @@ from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.measure.distributed import RankProfiles
+    from memfit.plan.distributed import WorldSizeFit
 
 __all__ = [
     "render_profile",
@@ -694,6 +695,12 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
     if plan.timing_note:
         console.print(f"[yellow]note:[/] {plan.timing_note}")
+    if plan.rank_peak_bytes:
+        peaks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(plan.rank_peak_bytes.items()))
+        console.print(
+            f"per rank of {plan.world_size}, each re-profiled on the fake process group with the plan applied before "
+            f"parallelizing: {peaks} (tensors only: NCCL's buffers and the CUDA context are not in it)"
+        )
     if plan.use_cache_off:
         where = ", ".join(n or "(root)" for n in plan.use_cache_off)
         console.print(f"use_cache=False while training in {where}: transformers' KV cache, as its gradient checkpointing does")
@@ -999,3 +1006,19 @@ def _short_frame(frame: str) -> str:
     """``/home/u/proj/model.py:12 forward`` -> ``proj/model.py:12 forward``."""
     path, _, rest = frame.partition(":")
     return "/".join(path.split("/")[-2:]) + ":" + rest
+
+
+def render_world_size_fit(found: WorldSizeFit, console: Console, *, title: str) -> None:
+    """How many ranks: per world size tried, rank 0's peak without and with recompute."""
+    table = Table(title=f"How many ranks: {title}", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("world size", "peak, no recompute", "lowest with recompute", "memfit's plan"):
+        table.add_column(col, justify="right")
+    for row in found.rows:
+        cells = [row["none_peak_bytes"], row["min_peak_bytes"], row["plan_peak_bytes"]]
+        table.add_row(str(row["world_size"]), *("" if c is None else format_bytes(c) for c in cells))
+    console.print(table)
+    for what, n in (("without recompute", found.without_recompute), ("with memfit's plan", found.with_recompute)):
+        answer = f"[bold]{n}[/] ranks" if n is not None else f"no world size tried (up to {found.rows[-1]['world_size']})"
+        console.print(f"fits {format_bytes(found.budget_bytes)} per rank {what}: {answer}")
+    if found.plan is not None and found.plan.checkpointed:
+        console.print(f"the plan at {found.with_recompute} ranks recomputes {len(found.plan.checkpointed)} modules (--json: all)")
