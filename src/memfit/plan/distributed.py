@@ -95,7 +95,7 @@ def plan_ranks(
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
         with Scope(verifier.box.model) as scope:
             prof = record_rank(workload, verifier.box, scope)
-        chosen, run, min_peak, target, cands = _search(prof, verifier, workload.model, spec, objective, excluded, 0.0, "", report)
+        chosen, run, min_peak, target, cands = _search(prof, verifier, workload.model, spec, objective, excluded, 0.0, report)
         plan = _make_plan(
             prof=prof,
             model=workload.model,

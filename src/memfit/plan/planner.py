@@ -322,7 +322,8 @@ def plan(
             # step's time when the step's ops are large.
             verifier = open_verifier(True).instead_of(verifier, use_cache_off)
         timed = prof.time_source == "measured"
-        timing_note = _costing(prof)[3]
+        costing = _costing(prof)
+        timing_note = costing[3]
         # On CUDA the budget bounds what the caching allocator reserves: every verified run
         # is replayed through the allocator model, and P_none is the same model's figure for
         # the unplanned step (on a real GPU too, where the profile measured it beside: plans
@@ -339,7 +340,7 @@ def plan(
             overhead = 0.0
 
         chosen, run, min_peak, target, cands = _search(
-            prof, verifier, model, spec, objective, excluded, overhead, timing_note, report
+            prof, verifier, model, spec, objective, excluded, overhead, report, costing=costing
         )
     report("done", 2, 2)
 
@@ -370,15 +371,17 @@ def _search(
     objective: str,
     excluded: dict[str, str],
     overhead: float,
-    timing_note: str,
     report: Progress,
+    *,
+    costing: tuple[dict[str, float | None], dict[str, int], DeviceRates, str] | None = None,
 ) -> tuple[list[Option], _Run, int, int, Any]:
     """The cheapest verified plan within ``spec`` on ``prof``'s step, whose runs ``verifier``
     makes: ``(chosen, its run, P_min, the budget in bytes, the candidates)``. Modules whose
     recompute fails while verifying join ``excluded`` (in place) and planning starts over."""
     ledger = prof.ledger
     timed = prof.time_source == "measured"
-    forward_time, calls, rates, _ = _costing(prof)
+    # (plan() has costed the profile already for its note; a rank's plan has not)
+    forward_time, calls, rates, timing_note = costing if costing is not None else _costing(prof)
     none_peak = _none_peak(prof)
     none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
     for _ in range(_MAX_EXCLUSIONS):
