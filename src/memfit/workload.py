@@ -60,7 +60,9 @@ class Parallel:
     world_size: int | None = None
     """Ranks; None: given when measuring (``--world-size``)."""
     mesh_shape: tuple[int, ...] | None = None
-    """The device mesh's shape (its product is the world size); None: one dimension of all ranks."""
+    """The device mesh's shape (its product is the world size); None: one dimension of all ranks.
+    One dimension may be -1: whatever the world size leaves for it (``(-1, 2)``: data parallel
+    over the ranks that 2-way tensor parallelism leaves, as torchtitan's ``dp_shard=-1``)."""
     mesh_dim_names: tuple[str, ...] | None = None
     name: str = "parallel"
     """How reports name the scheme (``fsdp2``, ``ddp``)."""
@@ -83,7 +85,15 @@ class Parallel:
         shape = self.mesh_shape or (n,)
         product = 1
         for d in shape:
-            product *= d
+            product *= d if d != -1 else 1
+        if -1 in shape:
+            if shape.count(-1) > 1 or product < 1 or n % product:
+                raise WorkloadError(
+                    f"the device mesh {'x'.join(map(str, shape))} needs one -1 dimension (it takes the ranks the others "
+                    f"leave) and a world size that is a multiple of {product}, got {n}"
+                )
+            shape = tuple(n // product if d == -1 else d for d in shape)
+            product = n
         if product != n:
             raise WorkloadError(
                 f"the device mesh {'x'.join(map(str, shape))} holds {product} ranks but the world size is {n}; "

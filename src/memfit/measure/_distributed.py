@@ -1,7 +1,8 @@
 """The corners of ``torch.distributed`` that memfit's per-rank measurement leans on, in one place.
 
 Private or fragile pieces only live here: the fake process group (from
-``torch.testing._internal``), DTensor's local shard, the monkey-patch of
+``torch.testing._internal``), DTensor's local shard, device meshes made on fake tensors
+(``torch._subclasses``' ``unset_fake_temporarily``), the monkey-patch of
 ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters with it,
 which no dispatch mode sees) and DDP's private construction checks.
 ``tests/test_distributed.py`` exercises each, so a torch release that moves them fails
@@ -24,6 +25,8 @@ __all__ = [
     "local_tensor",
     "COLLECTIVE_ROLES",
     "fake_process_group",
+    "real_device_meshes",
+    "forget_meshes",
     "tracking_resize",
     "fake_ddp",
     "ddp_comm_hook",
@@ -77,11 +80,58 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process")
+    forget_meshes()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribute plans. They are keyed by
+    device meshes, and two meshes of the same shape are equal whatever rank made them, but
+    each holds its rank's process-group names: rank 2 of a (dp, tp) mesh measured after
+    rank 0 in this process would all-gather over rank 0's tp group (gone with its process
+    group). One real rank per process never meets this."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute, debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)  # python and C++ fast-path caches
+    if clear is not None:
+        clear()
+    for name in ("clear_redistribute_planner_cache",):
+        fn = getattr(_redistribute, name, None)
+        if fn is not None:
+            fn()
+    gen = getattr(_redistribute, "_gen_transform_infos", None)
+    if gen is not None and hasattr(gen, "cache_clear"):
+        gen.cache_clear()
+
+
+@contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """DeviceMeshes made inside FakeTensorMode built on real tensors: FSDP2 over a
+    tensor-parallel model joins the dp and tp meshes into one as it shards each parameter,
+    and a new mesh finds this rank's coordinates with ``nonzero`` on its (small) tensor of
+    ranks, which a fake tensor cannot answer. A mesh is bookkeeping of ranks, not the
+    step's memory."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -46,6 +46,8 @@ __all__ = [
     "record_rank",
     "fsdp2",
     "ddp",
+    "tensor_parallel",
+    "compose",
     "DISTRIBUTED_FORMAT",
     "without_backend_buffers",
 ]
@@ -218,6 +220,7 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
                 raise WorkloadError(f"group must be a FakeGroup or {CURRENT_GROUP!r}, got {group!r}")
             world_size, rank = group.world_size, group.rank
             stack.enter_context(_distributed.fake_process_group(rank, world_size))
+            stack.enter_context(_distributed.real_device_meshes())
         else:
             import torch.distributed as dist
 
@@ -291,18 +294,27 @@ def _initialise(model: nn.Module) -> None:
 # -- parallelize functions for common schemes -------------------------------------------------
 
 
+def _submesh(mesh: Any, dims: str | tuple[str, ...] | None) -> Any:
+    """The part of ``mesh`` a scheme runs over: its dimensions named ``dims`` (all: None)."""
+    return mesh if dims is None else mesh[dims]
+
+
 def fsdp2(
     blocks: Callable[[nn.Module], Sequence[nn.Module]],
     *,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    mesh_dims: str | tuple[str, ...] | None = None,
 ) -> Callable[[nn.Module, Any], nn.Module]:
     """A ``parallelize`` applying FSDP2 as torchtitan does: ``fully_shard`` on each of
-    ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy."""
+    ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy.
+    ``mesh_dims``: the mesh dimensions it shards over (FSDP+TP: the data-parallel one); a
+    2-D mesh of (replicate, shard) is HSDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        mesh = _submesh(mesh, mesh_dims)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -332,3 +344,32 @@ def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
         wrapped.register_comm_hook(None, _distributed.ddp_comm_hook)
         _distributed.keep_ddp_buckets(wrapped)
     return wrapped
+
+
+def tensor_parallel(
+    plan: Callable[[nn.Module, int], dict[str, Any]], *, mesh_dims: str | None = None
+) -> Callable[[nn.Module, Any], nn.Module]:
+    """A ``parallelize`` applying tensor parallelism: ``parallelize_module(model, mesh,
+    plan(model, tp))`` with ``plan`` naming each submodule's ColwiseParallel / RowwiseParallel
+    style for a tensor-parallel degree ``tp`` (the size of the mesh, or of its ``mesh_dims``
+    dimension). Parameters become DTensors whose local shards are what a rank holds."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        mesh = _submesh(mesh, mesh_dims)
+        return parallelize_module(model, mesh, plan(model, mesh.size()))
+
+    return parallelize
+
+
+def compose(*parallelizes: Callable[[nn.Module, Any], nn.Module | None]) -> Callable[[nn.Module, Any], nn.Module]:
+    """One ``parallelize`` applying each of ``parallelizes`` in turn on the same mesh (tensor
+    parallel, then FSDP2 over the data-parallel dimension: FSDP+TP, as torchtitan orders them)."""
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        for fn in parallelizes:
+            out = fn(model, mesh)
+            model = model if out is None else out
+        return model
+
+    return parallelize

@@ -49,7 +49,7 @@ _ZOO: dict[str, _Entry] = {
     "gpt2": _Entry(hf.build_gpt2, "transformers GPT2LMHeadModel, 256 tokens, batch 4", "hf"),
     "llama": _Entry(
         hf.build_llama,
-        "transformers LlamaForCausalLM, 8 x 512, 256 tokens, batch 4 (preset=8b|70b: Llama-3 dims, 4096 tokens, on meta; parallel=fsdp2|ddp for --world-size)",
+        "transformers LlamaForCausalLM, 8 x 512, 256 tokens, batch 4 (preset=8b|70b: Llama-3 dims, 4096 tokens, on meta; parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp for --world-size)",
         "hf",
     ),
     "vit": _Entry(hf.build_vit, "transformers ViT-S/16, 224px, batch 8", "hf"),

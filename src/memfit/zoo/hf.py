@@ -72,7 +72,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 _LLAMA_SEQ = {"tiny": (4, 256), "8b": (1, 4096), "70b": (1, 4096)}
-LLAMA_PARALLEL = ("fsdp2", "ddp", "none")
+LLAMA_PARALLEL = ("fsdp2", "ddp", "tp", "fsdp2+tp", "hsdp", "none")
+NOT_MODELED = {"pp": "pipeline", "pipeline": "pipeline", "ep": "expert", "expert": "expert", "moe": "expert"}
+"""Schemes memfit does not measure (issue 15): asked for, they are refused by name."""
 
 
 def build_llama(
@@ -81,18 +83,33 @@ def build_llama(
     preset: str = "tiny",
     parallel: str = "fsdp2",
     gradient_checkpointing: bool = False,
+    tp: int | None = None,
+    replicate: int | None = None,
     **config: Any,
 ) -> Workload:
     """Llama from transformers. ``preset``: ``tiny`` (8 x 512, built on the CPU), ``8b`` or
     ``70b`` (Llama-3's dimensions, 4096 tokens, built on the meta device: measure them per
     rank, ``--world-size N``). ``parallel``: how ``--world-size`` runs the step: ``fsdp2``
     (``fully_shard`` per decoder layer and the root, bf16 parameters, fp32 reduction, as
-    torchtitan), ``ddp``, or ``none``."""
+    torchtitan), ``ddp``, ``tp`` (tensor parallel over all ranks, torchtitan's Llama plan
+    without sequence parallelism), ``fsdp2+tp`` (a (dp, tp) mesh: ``tp``-way tensor parallel,
+    default 2, then FSDP2 over dp), ``hsdp`` (a (replicate, shard) mesh: FSDP2 sharding
+    within groups, ``replicate`` of them, default 2), or ``none``."""
     tf = _transformers()
     if preset not in LLAMA_PRESETS:
         raise TargetError(f"llama has no preset {preset!r}; choose one of {', '.join(LLAMA_PRESETS)}")
+    if parallel in NOT_MODELED:
+        raise TargetError(
+            f"parallel={parallel}: {NOT_MODELED[parallel]} parallelism is not modeled by memfit; "
+            f"choose one of {', '.join(LLAMA_PARALLEL)}"
+        )
     if parallel not in LLAMA_PARALLEL:
         raise TargetError(f"llama has no parallel={parallel!r}; choose one of {', '.join(LLAMA_PARALLEL)}")
+    for key, value, scheme in (("tp", tp, ("tp", "fsdp2+tp")), ("replicate", replicate, ("hsdp",))):
+        if value is not None and parallel not in scheme:
+            raise TargetError(f"{key}={value} is a degree of parallel={' or '.join(scheme)}, not of parallel={parallel}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TargetError(f"{key} must be a positive integer (ranks), got {value!r}")
     batch, seq = _LLAMA_SEQ[preset]
     batch_size = batch if batch_size is None else batch_size
     seq_len = seq if seq_len is None else seq_len
@@ -110,17 +127,60 @@ def build_llama(
         "hidden": cfg.hidden_size,
         "preset": preset,
     }
-    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=_llama_parallel(parallel))
+    scheme = _llama_parallel(parallel, tp=tp, replicate=replicate)
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=scheme)
 
 
-def _llama_parallel(parallel: str) -> Parallel | None:
+def _llama_parallel(parallel: str, *, tp: int | None = None, replicate: int | None = None) -> Parallel | None:
     from memfit.measure import distributed
 
+    layers = lambda m: m.model.layers  # noqa: E731
     if parallel == "fsdp2":
-        return Parallel(distributed.fsdp2(lambda m: m.model.layers), name="fsdp2")
+        return Parallel(distributed.fsdp2(layers), name="fsdp2")
     if parallel == "ddp":
         return Parallel(distributed.ddp, name="ddp")
+    if parallel == "tp":
+        return Parallel(distributed.tensor_parallel(llama_tp_plan), mesh_shape=(tp,) if tp else None, name="tp")
+    if parallel == "fsdp2+tp":
+        scheme = distributed.compose(
+            distributed.tensor_parallel(llama_tp_plan, mesh_dims="tp"), distributed.fsdp2(layers, mesh_dims="dp")
+        )
+        return Parallel(scheme, mesh_shape=(-1, tp or 2), mesh_dim_names=("dp", "tp"), name="fsdp2+tp")
+    if parallel == "hsdp":
+        # fully_shard over the whole 2-D mesh: replicated over its first dimension, sharded over its second
+        shape = (replicate or 2, -1)
+        return Parallel(distributed.fsdp2(layers), mesh_shape=shape, mesh_dim_names=("replicate", "shard"), name="hsdp")
     return None
+
+
+def llama_tp_plan(model: Any, tp: int) -> dict[str, Any]:
+    """torchtitan's tensor-parallel plan for Llama on transformers' module names, without
+    sequence parallelism: q/k/v and gate/up column-wise (each rank computes ``1/tp`` of the
+    heads and of the MLP's width), o and down row-wise (their outputs all-reduced), the
+    embedding sharded over the vocabulary and the head over it too, its logits all-gathered
+    for transformers' loss. Norms and residuals stay replicated. Attention reshapes its
+    projections as (..., -1, head_dim), so each rank runs its ``heads/tp`` local heads, and
+    ``heads/kv_heads`` (GQA's groups) is the same locally: both head counts must divide by ``tp``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    cfg = model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(cfg, key) % tp:
+            raise ValueError(
+                f"{key}={getattr(cfg, key)} does not split over {tp}-way tensor parallelism: give a tp that divides it"
+            )
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        at = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[at + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[at + name] = RowwiseParallel()
+    return plan
 
 
 def build_vit(batch_size: int = 8, image_size: int = 224, **config: Any) -> Workload:
