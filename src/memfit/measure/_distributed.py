@@ -23,6 +23,7 @@ from memfit.measure.ledger import Category
 __all__ = [
     "dtensor_types",
     "local_tensor",
+    "ALIAS_OPS",
     "COLLECTIVE_ROLES",
     "fake_process_group",
     "real_device_meshes",
@@ -35,22 +36,39 @@ __all__ = [
 
 
 def dtensor_types() -> tuple[type, ...]:
-    """Tensor subclasses whose memory is their local shard: DTensor once torch.distributed.tensor
-    is imported (no DTensor exists before; importing it costs a second, which memfit does not
-    spend on steps that have none)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return (dtensor,) if dtensor is not None else ()
+    """Tensor subclasses whose memory is another tensor's: DTensor (its local shard) once
+    torch.distributed.tensor is imported, and the AsyncCollectiveTensor a functional
+    collective returns on real ranks (the collective's output it wraps: tensor parallelism's
+    all-reduces and all-gathers). None exists before its module is imported (importing
+    DTensor costs a second, which memfit does not spend on steps that have none). Their
+    wrappers' own storages report a size but hold nothing."""
+    out = []
+    for module, name in (("torch.distributed.tensor", "DTensor"), (_FUNCOL, "AsyncCollectiveTensor")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            out.append(cls)
+    return tuple(out)
+
+
+_FUNCOL = "torch.distributed._functional_collectives"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s memory on this rank: a DTensor's local shard (its wrapper's
-    storage reports the global size: world-size times too much under FSDP), else ``t``."""
+    storage reports the global size: world-size times too much under FSDP), an
+    AsyncCollectiveTensor's result, else ``t``."""
     if type(t) is not torch.Tensor:
         types = dtensor_types()
         if types and isinstance(t, types):
-            return t._local_tensor  # type: ignore[attr-defined]
+            inner = getattr(t, "_local_tensor", None)
+            return local_tensor(inner if inner is not None else t.elem)  # type: ignore[attr-defined]
     return t
+
+
+ALIAS_OPS = frozenset({"_c10d_functional::wait_tensor"})
+"""Ops whose output is their input on a real rank (waiting on a functional collective hands
+back the tensor it was given) but a new tensor on fake ones (tracing, torch waits at once
+and the fake kernel makes its output afresh): the output is the input's memory."""
 
 
 # What a block is on a distributed step, told by the op that makes it (FSDP2's custom ops:

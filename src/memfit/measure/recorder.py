@@ -217,6 +217,7 @@ class Recorder(TorchDispatchMode):
         self.ticks: list[Tick] = []
         self.flops: dict[tuple[Phase, str | None], int] = defaultdict(int)
         self._live: dict[int, int] = {}  # id(storage object) -> record index
+        self._aliases: dict[int, int] = {}  # record index -> storage objects beyond the first holding it
         self._finalizers: list[weakref.finalize] = []
         self._op = "(start)"
         self._closed = False
@@ -289,8 +290,24 @@ class Recorder(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         idx = self._live.pop(key, None)
+        if idx is not None and self._aliases.get(idx):
+            self._aliases[idx] -= 1  # another storage object still holds this block
+            return
         if idx is not None and not self._closed:
             self.records[idx].died = self._tick()
+
+    def _alias(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """The outputs' storages are the first input's block (see ``_distributed.ALIAS_OPS``):
+        it dies when the last of them does."""
+        idx = self._block_of(inputs[0]) if inputs else None
+        if idx is None:
+            return
+        for t in outputs:
+            s = _storage(t)
+            if s is not None and id(s) not in self._live:
+                self._live[id(s)] = idx
+                self._aliases[idx] = self._aliases.get(idx, 0) + 1
+                self._finalizers.append(weakref.finalize(s, self._free, id(s)))
 
     def _add_graph(self, nbytes: int, saver: str | None = None) -> int:
         self.records.append(_Record(nbytes, Category.GRAPH, self.scope.phase, self.scope.module, self._tick()))
@@ -370,7 +387,16 @@ class Recorder(TorchDispatchMode):
         dtensors = _distributed.dtensor_types()
         if dtensors and any(t in dtensors for t in types):
             # Let DTensor run first: it comes back here as ops on its local shards, the
-            # memory this rank holds (as torch's MemTracker does).
+            # memory this rank holds (as torch's MemTracker does). Autograd records its node
+            # for the op on the wrapper, whose inputs require grad, where the shards handed on
+            # do not: counted here (before the op's outputs rather than after), unless a plain
+            # input that requires grad has it counted when the op comes back.
+            if self.graph and self.scope.phase is Phase.FORWARD and not _metadata_only(func):
+                self._op = str(func.overloadpacket.__name__)
+                ins = _tensors((*args, *(kwargs or {}).values()))
+                plain_grad = any(t.requires_grad and type(t) not in dtensors for t in ins)
+                if not plain_grad and self._records_node(ins, ins):  # a float op on floats makes floats
+                    self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
             return NotImplemented
         kwargs = kwargs or {}
         if _metadata_only(func):  # allocates nothing, returns no storage: no trace in the ledger
@@ -390,6 +416,8 @@ class Recorder(TorchDispatchMode):
             with torch.profiler.record_function(tag):
                 out = self._call(func, args, kwargs)
         out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
+        if func.overloadpacket._qualified_op_name in _distributed.ALIAS_OPS:
+            self._alias(in_tensors, out_tensors)
         for t in out_tensors:
             s = _storage(t)
             if s is None or id(s) in self._live or id(s) in self._elsewhere or not s.nbytes():
@@ -562,6 +590,7 @@ class Recorder(TorchDispatchMode):
             f.detach()
         self._finalizers.clear()
         self._live.clear()
+        self._aliases.clear()
         self._elsewhere.clear()
         self._saved.clear()
 
