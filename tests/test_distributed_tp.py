@@ -110,9 +110,8 @@ def _compare(parallel: str, world_size: int) -> None:
 def test_tp_ledger_equals_real_gloo_run():
     _compare("tp", 2)
 
-
-def test_fsdp2_tp_ledger_equals_real_gloo_run():
-    _compare("fsdp2+tp", 4)
+    # FSDP2+TP and HSDP at 4 real ranks take 20 s here: benchmarks/distributed_gloo.py
+    # compares them (BENCHMARKS.md), and the fake-only tests below profile them.
 
 
 # -- what a rank holds under tensor parallelism ---------------------------------------------------

@@ -651,7 +651,7 @@ def _parser() -> argparse.ArgumentParser:
         "--world-size",
         type=_positive,
         metavar="N",
-        help="measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp) as "
+        help="measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp) as "
         "one rank of N on torch's fake process group (with --device fake)",
     )
     p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to measure (default 0)")

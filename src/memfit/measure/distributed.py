@@ -151,7 +151,7 @@ def _parallel_of(workload: Workload) -> Parallel:
     if workload.parallel is None:
         raise WorkloadError(
             f"workload {workload.name!r} says nothing about how it is parallelized: give it "
-            "parallel=memfit.Parallel(parallelize=...) (a zoo model: --size parallel=fsdp2 or ddp)"
+            "parallel=memfit.Parallel(parallelize=...) (zoo llama: --size parallel=fsdp2, ddp, tp, fsdp2+tp or hsdp)"
         )
     return workload.parallel
 
