@@ -131,21 +131,22 @@ def test_tp_activations_are_local_shards():
         and ledger.ticks[b.born].op == "mm"
     ]
     assert [b.nbytes for b in q] == [2 * 16 * 64 // 2 * 4]
-    params = sum(b.nbytes for b in ledger.blocks if b.category is Category.PARAMETER)
-    total = sum(p.numel() * 4 for p in _llama("none").model.parameters())
-    norms = sum(p.numel() * 4 for n, p in _llama("none").model.named_parameters() if "norm" in n)
-    assert params == (total - norms) // 2 + norms  # norms are replicated, everything else halved
 
 
-def test_fsdp2_tp_ranks_measured_in_one_process():
-    # rank 3 measured after rank 0 in one process: DTensor's caches, keyed by equal meshes,
-    # must not hand rank 3 rank 0's tp group (see _distributed.forget_meshes)
-    res = profile_ranks(_llama("fsdp2+tp"), world_size=4, ranks=(0, 3))
-    assert res.profiles[0].peak_bytes == res.profiles[3].peak_bytes > 0
-    cats = res.profiles[3].breakdown
-    assert cats["unsharded_parameters"] > 0 and cats["parameters"] > 0
-    tp = profile_ranks(_llama("tp"), world_size=2).profiles[0].ledger.start_bytes
-    assert res.profiles[3].ledger.start_bytes < tp  # FSDP over dp=2 shards the TP shards again
+@pytest.mark.parametrize(
+    "parallel, world_size, share",
+    [
+        ("tp", 2, lambda big, norms: big // 2 + norms),  # norms replicated, the rest halved
+        ("fsdp2+tp", 4, lambda big, norms: big // 4 + norms // 2),  # TP's halves sharded again over dp=2
+        ("hsdp", 4, lambda big, norms: (big + norms) // 2),  # sharded within each group of 2
+    ],
+)
+def test_parameters_per_rank(parallel, world_size, share):
+    model = _llama("none").model
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    big = sum(p.numel() * 4 for p in model.parameters()) - norms
+    prof = profile_ranks(_llama(parallel), world_size=world_size, ranks=(world_size - 1,)).profiles[world_size - 1]
+    assert prof.breakdown["parameters"] == share(big, norms)
 
 
 def test_wait_tensor_output_is_its_input():
@@ -166,8 +167,9 @@ def test_wait_tensor_output_is_its_input():
             w = z * 2
             del z, w
         blocks = rec.ledger().blocks
-    sizes = [b.nbytes for b in blocks if b.nbytes == 1024]
-    assert len(sizes) == 3  # x + 1, its clone (waited on: no block of its own), z * 2
+    made = [b for b in blocks if b.nbytes == 1024]
+    assert len(made) == 3  # x + 1, its clone (waited on: no block of its own), z * 2
+    assert made[1].died > made[2].born  # the clone lives on as z
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ def test_mesh_with_one_inferred_dimension():
         Parallel(lambda m, mesh: m, mesh_shape=(-1, -1)).mesh(4)
 
 
-def test_cli_profile_tp(tmp_path, capsys):
+def test_cli_profile_fsdp2_tp(tmp_path, capsys):
     from memfit.cli import main
 
     out = tmp_path / "p.json"
@@ -218,6 +220,10 @@ def test_cli_profile_tp(tmp_path, capsys):
     assert "rank 0 of 4 (fsdp2+tp)" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["parallel"] == "fsdp2+tp" and [r["rank"] for r in data["ranks"]] == [0, 3]
+    # rank 3 measured after rank 0 in this one process: DTensor's caches, keyed by equal meshes,
+    # must not hand rank 3 rank 0's tp group (see _distributed.forget_meshes)
+    assert data["ranks"][0]["peak_bytes"] == data["ranks"][1]["peak_bytes"] > 0
+    assert data["ranks"][1]["breakdown"]["unsharded_parameters"] > 0
 
 
 # -- a plan on the tensor-parallel step -------------------------------------------------------------
