@@ -248,21 +248,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _planned_rank(rank: int, world_size: int, port: int, out: str, plan_json: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _planned_rank(rank: int, world_size: int, port: int, out: str, plan_json: str, parallel: str = "tp") -> None:
+    from memfit.measure.distributed import _mesh
 
     _gloo(rank, world_size, port)
     try:
         plan = memfit.Plan.from_json(plan_json)
-        mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)  # the same weights and batch on every rank, as tensor parallelism needs
-        work = _llama("tp", seq_len=64)
+        work = _llama(parallel, seq_len=64)
+        mesh = _mesh(work.parallel, world_size)
         reference = work.parallel.parallelize(copy.deepcopy(work.model), mesh)
         planned = copy.deepcopy(work.model)
         memfit.apply(planned, plan)  # before parallelize_module, as plan_ranks verified it
         planned = work.parallel.parallelize(planned, mesh)
         ref, got = _train(reference, work.inputs), _train(planned, work.inputs)
-        measured = _llama("tp", seq_len=64)
+        measured = _llama(parallel, seq_len=64)
         memfit.apply(measured.model, plan)
         ledger = without_backend_buffers(profile_rank(measured, CURRENT_GROUP).ledger)
         result = {
