@@ -145,6 +145,36 @@ def train(
     return grads, state
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on this rank: a DTensor's shards gathered (FSDP2, tensor parallel), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_ranks(model: nn.Module, batches: Sequence[Any], loss_of: Callable[[nn.Module, Any], torch.Tensor]) -> tuple:
+    """An AdamW step per batch on a rank of a distributed run; the losses, the first step's
+    gradients and the final parameters, whole (see :func:`whole`)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for i, batch in enumerate(batches):
+        loss = loss_of(model, batch)
+        loss.backward()
+        losses.append(loss.detach())
+        if i == 0:
+            grads = {n: whole(p.grad).clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, {n: whole(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def rank_differences(got: tuple, ref: tuple) -> dict:
+    """What differs between two :func:`train_ranks` runs, as JSON a rank writes for the test to read."""
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(got[0], ref[0])),
+        "grads_differ": [n for n in ref[1] if not torch.equal(ref[1][n], got[1][n])],
+        "params_differ": [n for n in ref[2] if not torch.equal(ref[2][n], got[2][n])],
+    }
+
+
 def assert_bitwise(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     (ga, sa), (gb, sb) = a, b
     assert ga.keys() == gb.keys(), "different parameters got gradients"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import make_plan
+from conftest import make_plan, train_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -243,21 +243,7 @@ def _finish() -> None:
 
 def _train(model: nn.Module, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict, dict]:
     """An AdamW step per batch; returns the losses, the first step's gradients, the final parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, grads = [], {}
-    for i, x in enumerate(xs):
-        loss = _loss(model(x))
-        loss.backward()
-        losses.append(loss.detach())
-        if i == 0:
-            grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, grads, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 shards are DTensors
+    return train_ranks(model, xs, lambda m, x: _loss(m(x)))
 
 
 def _differences(a: dict, b: dict) -> list[str]:

@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 import torch
+from conftest import rank_differences, train_ranks
 from torch import nn
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -53,20 +54,6 @@ def _workload(width: int = WIDTH, parallel: Parallel = PARALLEL) -> Workload:
     return Workload(model, torch.randn(BATCH, WIDTH), parallel=parallel)
 
 
-def _train(model: nn.Module, xs: list[torch.Tensor]) -> tuple[list[float], dict, dict]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, grads = [], {}
-    for i, x in enumerate(xs):
-        loss = model(x)
-        loss.backward()
-        losses.append(loss.item())
-        if i == 0:
-            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, grads, {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-
-
 def _rank(rank: int, port: int, plan_json: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,18 +71,13 @@ def _rank(rank: int, port: int, plan_json: str, out: str) -> None:
         planned = PARALLEL.parallelize(planned, mesh)
         torch.manual_seed(100 + rank)  # each rank its own batches
         xs = [torch.randn(BATCH, WIDTH) for _ in range(3)]
-        ref = _train(reference, xs)
-        got = _train(planned, xs)
+        ref = train_ranks(reference, xs, lambda m, x: m(x))
+        got = train_ranks(planned, xs, lambda m, x: m(x))
         # the planned step's memory on this real rank, recorded (gloo's own copies left out)
         work = _workload()
         memfit.apply(work.model, plan)
         ledger = without_backend_buffers(profile_rank(work, CURRENT_GROUP).ledger)
-        result = {
-            "losses_equal": got[0] == ref[0],
-            "grads_differ": [n for n in ref[1] if not torch.equal(ref[1][n], got[1][n])],
-            "params_differ": [n for n in ref[2] if not torch.equal(ref[2][n], got[2][n])],
-            "peak_bytes": ledger.peak_bytes,
-        }
+        result = {**rank_differences(got, ref), "peak_bytes": ledger.peak_bytes}
         with open(f"{out}.{rank}", "w") as f:
             f.write(json.dumps(result))
     finally:
