@@ -267,3 +267,13 @@ def test_plan_under_tp_trains_bitwise_and_each_rank_fits():
         assert got["grads_differ"] == [] and got["params_differ"] == [], f"rank {r}: {got}"
         # the real step's extra bytes are transformers' flags (see _compare)
         assert 0 <= got["peak_bytes"] - plan.rank_peak_bytes[r] <= 8 and got["peak_bytes"] <= plan.budget_bytes
+
+
+def test_cli_sizes_after_one_flag(capsys):
+    # as issue 15 writes it: several KEY=VALUE after one --size
+    from memfit.cli import main
+
+    sizes = [f"{k}={v}" for k, v in SIZES.items()]
+    argv = ["profile", "llama", "--size", "parallel=tp", "vocab_size=256", "seq_len=16", *sizes, "--batch-size", "2"]
+    assert main([*argv, "--world-size", "2", "--device", "fake"]) == 0
+    assert "rank 0 of 2 (tp)" in capsys.readouterr().out

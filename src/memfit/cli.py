@@ -625,7 +625,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("target", help="zoo model name (see `memfit zoo`) or path/to/file.py:function returning a memfit.Workload")
         p.add_argument("--batch-size", type=int, help="batch size of the example inputs")
         p.add_argument(
-            "--size", action="append", default=[], metavar="KEY=VALUE", help="zoo model size, e.g. n_layer=24 (repeatable)"
+            "--size",
+            action="extend",
+            nargs="+",
+            default=[],
+            metavar="KEY=VALUE",
+            help="zoo model size, e.g. n_layer=24 (several after one --size, or --size again)",
         )
 
     def picture_args(p: argparse.ArgumentParser, what: str = "the step") -> None:
@@ -777,7 +782,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-size", type=int, default=1, help="sequences in the step (default 1)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16")
+    p.add_argument(
+        "--size", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16"
+    )
     p.add_argument(
         "--device",
         choices=["fake", "fake-cuda"],
