@@ -277,3 +277,21 @@ def test_cli_sizes_after_one_flag(capsys):
     argv = ["profile", "llama", "--size", "parallel=tp", "vocab_size=256", "seq_len=16", *sizes, "--batch-size", "2"]
     assert main([*argv, "--world-size", "2", "--device", "fake"]) == 0
     assert "rank 0 of 2 (tp)" in capsys.readouterr().out
+
+
+def test_adapter_finds_torch_internals():
+    # what _distributed leans on for tensor parallelism; a torch that moves any fails here
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.tensor import debug
+
+    assert callable(debug._clear_sharding_prop_cache)  # forget_meshes
+    act = funcol.AsyncCollectiveTensor(torch.zeros(4))
+    assert _distributed.local_tensor(act) is act.elem  # counted by what it wraps
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    with _distributed.fake_process_group(3, 4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # FSDP2 over a TP model joins the dp and tp meshes inside FakeTensorMode
+        with _torch_compat.new_fake_mode(), _distributed.real_device_meshes():
+            joined = DeviceMesh._concatenate([mesh["dp"], mesh["tp"]])
+        assert list(joined.get_coordinate()) == [1, 1]
