@@ -784,11 +784,12 @@ def test_largest_on_a_ladder_is_exact_on_kinked_peaks():
 
     rng = random.Random(1)
     for _ in range(300):
-        ladder = power_ladder(rng.choice([1, 2, 3, 16]), 8192)
+        init = rng.choice([1, 2, 3, 16])
+        ladder = power_ladder(init, 8192)
         per, fixed, kink, extra = rng.randint(1, 1000), rng.randint(0, 10**5), rng.randint(1, 500), rng.randint(0, 3000)
         peak = _kinked(fixed, per, kink, extra)
         budget = rng.randint(0, 10**6)
-        got = _largest_on(ladder, peak, budget)
+        got = _largest_on(ladder, peak, budget, init)
         assert got.max_batch == max((b for b in ladder if peak(b) <= budget), default=0)
         if extra == 0 and got.max_batch not in (0, ladder[-1]):
             assert got.measurements <= 4  # the two for the line, the rung guessed, the one above

@@ -146,11 +146,12 @@ def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int,
     return BatchLimit(levers, lo, round(slope), round(fixed), guess, at(lo) if lo else 0, len(seen))
 
 
-def _largest_on(ladder: Sequence[int], peak: Callable[[int], int], budget: int) -> BatchLimit:
+def _largest_on(ladder: Sequence[int], peak: Callable[[int], int], budget: int, start: int = 1) -> BatchLimit:
     """:func:`_largest` when only the batch sizes of ``ladder`` (sorted) are wanted, as
     Lightning's finder in power mode tries only powers of two: the line through the peaks at
-    its first two sizes guesses the rung, then single rungs up or down settle it (usually
-    one or two more profiles: the rung guessed, and the one above it)."""
+    the rung of ``start`` (the largest rung not above it) and the next guesses the rung, then
+    single rungs up or down settle it (usually one or two more profiles: the rung guessed,
+    and the one above it)."""
     seen: dict[int, int] = {}
 
     def at(i: int) -> int:
@@ -158,7 +159,8 @@ def _largest_on(ladder: Sequence[int], peak: Callable[[int], int], budget: int) 
             seen[ladder[i]] = peak(ladder[i])
         return seen[ladder[i]]
 
-    first, second = (0, 1) if len(ladder) > 1 else (0, 0)
+    first = max(0, min(len(ladder) - 2, bisect.bisect_right(ladder, start) - 1))
+    second = min(first + 1, len(ladder) - 1)
     slope = (at(second) - at(first)) / max(1, ladder[second] - ladder[first])
     fixed = at(first) - slope * ladder[first]
     guess = _LIMIT if slope <= 0 else int((budget - fixed) // slope)
@@ -372,5 +374,5 @@ def largest_batch(
             return peak_at(resize_batch(inputs, b), resize_targets(targets, inputs, b))
 
         if ladder is not None:
-            return _largest_on(ladder, peak, target)
+            return _largest_on(ladder, peak, target, example)
         return _largest(peak, target, example, multiple_of)
