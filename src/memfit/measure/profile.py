@@ -27,6 +27,7 @@ from torch import nn
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import gpu as gpus
+from memfit.measure import workspace
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
@@ -147,6 +148,11 @@ class Profile:
     to spare (capacity minus the CUDA context estimate minus the peak)."""
     cuda_memory: CudaMemory | None = None
     """On CUDA (real or fake): the caching allocator's peaks; ``None`` on CPU."""
+    workspaces: dict[str, int] = field(default_factory=dict)
+    """Kernel workspaces this process had measured when the profile was made (op signature
+    text -> bytes; :mod:`memfit.measure.workspace`), saved with it so that a plan made from
+    the file in another process can verify on fake copies, which cannot run a kernel. Empty
+    for fake profiles."""
 
     @property
     def allocated_peak_bytes(self) -> int | None:
@@ -246,6 +252,7 @@ class Profile:
             out["cuda_memory"] = c.to_dict()
         if ledger:
             out["ledger"] = self.ledger.to_dict()
+            out["workspaces"] = self.workspaces
         return out
 
     def to_json(self, *, ledger: bool = True) -> str:
@@ -253,9 +260,15 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """The profile :meth:`to_dict` wrote; the kernel workspaces it carries are taught to
+        this process's table (:data:`memfit.measure.workspace.TABLE`), where the runs of a
+        plan made from it look them up."""
         if data.get("format") != PROFILE_FORMAT or "ledger" not in data:
             raise MemfitError(f"not a {PROFILE_FORMAT} object with a ledger")
+        workspaces = {str(k): int(v) for k, v in data.get("workspaces", {}).items()}
+        workspace.TABLE.learn(workspaces)
         return cls(
+            workspaces=workspaces,
             ledger=Ledger.from_dict(data["ledger"]),
             modules={m["name"]: ModuleStats(**m) for m in data["modules"]},
             device=data["device"],
@@ -565,6 +578,7 @@ def _profile(
                 measured[0], measured[1], None, settings, "torch.cuda.max_memory_allocated/reserved", modelled
             )
     out = Profile(
+        workspaces={} if fake else workspace.TABLE.texts(),
         ledger=ledger,
         modules=modules,
         device=f"fake:{step_device}" if fake else str(device),

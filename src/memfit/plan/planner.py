@@ -28,7 +28,7 @@ from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
-from memfit.measure.ledger import Ledger, Phase
+from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
@@ -180,6 +180,23 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
 _FAKE_S_PER_OP = 2e-4
 
 
+def _input_bytes(prof: Profile) -> int:
+    return sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.INPUT)
+
+
+def _step_input_bytes(args: tuple, kwargs: dict, targets: Any) -> int:
+    """Bytes of the step's input tensors, each storage once, as the ledger counts them."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs, targets))
+    storages = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            storages[(s.data_ptr(), s.device)] = s.nbytes()
+    return sum(storages.values())
+
+
 def _fake_is_faster(prof: Profile) -> bool:
     """Whether a real profile's plans are verified faster on fake copies of the step than on
     the real one. A fake run costs per op (dispatch, the recorder), a real one its kernels
@@ -263,6 +280,16 @@ def plan(
         raise PlanError(
             f"the profile was made for another model ({profile.model_type}, module names that this "
             f"{type(model).__name__} does not have); profile this model, or plan without profile="
+        )
+    # (a step that casts its inputs, StepOptions(param_dtype=...), holds them in another size)
+    if (
+        profile is not None
+        and profile.step.cast_dtype is None
+        and _input_bytes(profile) != _step_input_bytes(args, kwargs, targets)
+    ):
+        raise PlanError(
+            f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
+            f"{_step_input_bytes(args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
         )
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
