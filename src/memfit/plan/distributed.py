@@ -37,7 +37,7 @@ from memfit.measure.distributed import (
 from memfit.measure.profile import Progress
 from memfit.measure.scope import Scope
 from memfit.plan.budget import parse_budget
-from memfit.plan.planner import _OBJECTIVES, _make_plan, _search, _Verifier
+from memfit.plan.planner import Search, Verifier, check_objective, make_plan, search
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -65,8 +65,7 @@ def plan_ranks(
     ``fully_shard`` (or after: the same forwards). Nothing of the workload is changed."""
     started = time.perf_counter()
     spec = parse_budget(budget)
-    if objective not in _OBJECTIVES:
-        raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
+    check_objective(objective)
     n = world_size_of(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
@@ -81,7 +80,7 @@ def plan_ranks(
         planned_rank = profile_ranks(workload, world_size=n, ranks=ranks).worst_rank
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
-        verifier = _Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
+        verifier = Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
         closing.callback(verifier.close)
         if unwrap(verifier.box.model) is not verifier.box.model:
             raise PlanError(
@@ -95,24 +94,8 @@ def plan_ranks(
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
         with Scope(verifier.box.model) as scope:
             prof = record_rank(workload, verifier.box, scope)
-        chosen, run, min_peak, target, cands = _search(prof, verifier, workload.model, spec, objective, excluded, 0.0, report)
-        plan = _make_plan(
-            prof=prof,
-            model=workload.model,
-            chosen=chosen,
-            run=run,
-            verifier=verifier,
-            cands=cands,
-            excluded=excluded,
-            none_peak=prof.peak_bytes,
-            min_peak=min_peak,
-            target=target,
-            use_cache_off=use_cache_off,
-            budget=budget,
-            objective=objective,
-            timing_note="",
-            started=started,
-        )
+        found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
+        plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
     peaks = {}
     for i, r in enumerate(ranks):
