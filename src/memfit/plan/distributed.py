@@ -1,12 +1,14 @@
 """Plans per rank for a distributed step, and the smallest world size at which it fits.
 
 :func:`plan_ranks` plans recompute on the parallelized step of one rank (FSDP2's
-``fully_shard`` blocks included), from that rank's ledger on torch's fake process group:
-the planner's usual search, with every candidate plan verified by running the rank's step
-with it applied, on the same fake group. The plan names modules as the unparallelized
-model does and is applied before parallelizing (``memfit.apply(model, plan)`` then
-``fully_shard``); every asked-for rank is then profiled afresh that way, with the plan
-applied to the model before ``parallelize``, and its peak is the plan's verified figure.
+``fully_shard`` blocks, or the model inside DDP's wrapper), from that rank's ledger on
+torch's fake process group: the planner's usual search, with every candidate plan verified
+by running the rank's step with it applied, on the same fake group. The plan names modules
+as the unparallelized model does and is applied before parallelizing (``memfit.apply(model,
+plan)`` then ``fully_shard``, or ``DistributedDataParallel(model)``: torch's non-reentrant
+checkpoint, which memfit applies, runs under DDP's reducer as a plain forward does); every
+asked-for rank is then profiled afresh that way, with the plan applied to the model before
+``parallelize``, and its peak is the plan's verified figure.
 
 :func:`min_world_size` answers "how many ranks": the smallest power of two at which the
 step fits a per-rank budget, without recompute and with memfit's plan.
@@ -24,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
+from memfit.apply.checkpoint import applied_choices, apply_choices
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
@@ -62,7 +64,8 @@ def plan_ranks(
     Returns a :class:`Plan` whose :attr:`~Plan.rank_peak_bytes` holds each asked-for rank's
     verified peak: that rank profiled again on the fake group, the plan applied to the model
     before ``parallelize``. Apply it the same way: ``memfit.apply(model, plan)`` before
-    ``fully_shard`` (or after: the same forwards). Nothing of the workload is changed."""
+    ``fully_shard`` (or after: the same forwards) or before wrapping in DDP (a DDP-wrapped
+    model takes it too: :func:`memfit.apply` unwraps). Nothing of the workload is changed."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -82,17 +85,11 @@ def plan_ranks(
     with ExitStack() as closing:
         verifier = Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
         closing.callback(verifier.close)
-        if unwrap(verifier.box.model) is not verifier.box.model:
-            raise PlanError(
-                f"{workload.parallel.name}: plans per rank are built for schemes that keep the model's module names "
-                "(FSDP2's fully_shard); a wrapper such as DDP's is not planned per rank yet: plan the model without "
-                "--world-size (DDP ranks hold the model whole) and apply the plan before wrapping"
-            )
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
         excluded.update(stateful)
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
-        with Scope(verifier.box.model) as scope:
+        with Scope(verifier.model) as scope:
             prof = record_rank(workload, verifier.box, scope)
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)

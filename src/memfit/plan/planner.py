@@ -95,6 +95,9 @@ class Verifier:
         entered here and closed by :meth:`close`."""
         self._stack = ExitStack()
         self.box = self._stack.enter_context(sandbox)
+        self.model = unwrap(self.box.model)
+        """The model plans name modules of and are applied to: the sandbox's, or the module
+        inside its wrapper (a rank's DistributedDataParallel, which calls it every step)."""
         self.loss_fn = loss_fn
         self.runs = 0
         self._real: Verifier | None = None
@@ -113,9 +116,9 @@ class Verifier:
         box = self.box
         # The first step of a plan may be this one: a failing forward is named as the
         # profile names it (step_errors), not left as the model's own traceback.
-        with box.active(), Scope(box.model) as scope, step_errors(box, scope):
-            probes = cache.install(box.model, cache.cache_modules(box.model), probe=True)
-            self._stack.callback(cache.uninstall, box.model, probes)  # if the first forward raises
+        with box.active(), Scope(self.model) as scope, step_errors(box, scope):
+            probes = cache.install(self.model, cache.cache_modules(self.model), probe=True)
+            self._stack.callback(cache.uninstall, self.model, probes)  # if the first forward raises
             off: tuple[str, ...] = ()
 
             def first() -> None:
@@ -126,13 +129,13 @@ class Verifier:
                 else:
                     box.step(self.loss_fn, scope.set_phase)
                     scope.set_phase(Phase.FORWARD)  # the check's second forward
-                off = cache.writers(box.model)
-                cache.uninstall(box.model, probes)
+                off = cache.writers(self.model)
+                cache.uninstall(self.model, probes)
                 probes.clear()
-                self._stack.callback(cache.uninstall, box.model, cache.install(box.model, off))
+                self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
 
             scope.set_phase(Phase.FORWARD)
-            return stateful_modules(box.model, box.args, box.kwargs, first=first), off
+            return stateful_modules(self.model, box.args, box.kwargs, first=first), off
 
     def instead_of(self, real: Verifier, use_cache_off: tuple[str, ...]) -> Verifier:
         """This (fake) verifier, standing in for ``real``: one step on its copy first, with
@@ -140,8 +143,8 @@ class Verifier:
         state). A run that meets a kernel whose workspace this process has not measured
         (the profile came from a file) goes to ``real``, and so does every later run."""
         box = self.box
-        off = [n for n in use_cache_off if n not in cache.switched(box.model)]
-        self._stack.callback(cache.uninstall, box.model, cache.install(box.model, off))
+        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
+        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
         with box.active():
             box.step(self.loss_fn)
         self._real = real
@@ -154,10 +157,10 @@ class Verifier:
         if self._real is not None and self._real.runs:
             return self._real.run(chosen)
         choices = {o.module: (o.mode, o.save_ops) for o in chosen}
-        apply_choices(self.box.model, choices)
+        apply_choices(self.model, choices)
         self.runs += 1
         try:
-            with Scope(self.box.model) as scope, self.box.active():
+            with Scope(self.model) as scope, self.box.active():
                 ledger, flops = record_step(self.box, scope, self.loss_fn)
         except Exception as exc:
             culprit = last_recompute()
