@@ -657,7 +657,9 @@ _TIMED_STEPS = 2
 
 def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
-    checkpointed = box.model.__dict__.get(CHECKPOINTED) or {}  # a plan applied (or being verified)
+    # a plan applied (or being verified), named as the scope names modules: on the model it
+    # hooks, which is the one inside a wrapper such as DDP's when the plan is verified per rank
+    checkpointed = scope.model.__dict__.get(CHECKPOINTED) or {}
     recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None)
     _register_start(recorder, box)
     try:
