@@ -101,6 +101,7 @@ class Verifier:
         self.loss_fn = loss_fn
         self.runs = 0
         self._real: Verifier | None = None
+        self._open_real: Callable[[], Verifier] | None = None
         self.settings: AllocatorSettings | None = None
         """On CUDA: the allocator settings each run's ledger is replayed under (set once the
         step's profile is known)."""
@@ -150,6 +151,30 @@ class Verifier:
         self._real = real
         return self
 
+    def falling_back(self, open_real: Callable[[], Verifier]) -> Verifier:
+        """This (fake) verifier, checked and warmed by :meth:`stateful` on its own copy,
+        with the real step opened by ``open_real`` (warmed, the same KV cache off) only if a
+        run meets a kernel whose workspace no one measured: a plan from a saved profile then
+        runs no real step at all."""
+        self._open_real = open_real
+        return self
+
+    def warmed(self, use_cache_off: tuple[str, ...]) -> Verifier:
+        """This (real) verifier after the KV cache goes off as on the verifier it backs, and a
+        step that creates the optimizer's state if it has none (runs measure steady state)."""
+        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
+        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
+        if not self.box.optimizer.state:
+            with self.box.active():
+                self.box.step(self.loss_fn)
+        return self
+
+    def _fallback(self) -> Verifier | None:
+        if self._real is None and self._open_real is not None:
+            self._real = self._open_real()
+            self._real.settings = self.settings
+        return self._real
+
     def close(self) -> None:
         self._stack.close()
 
@@ -172,8 +197,8 @@ class Verifier:
             raise
         finally:
             remove(self.box.model)
-        if ledger.unmeasured_ops and self._real is not None:
-            return self._real.run(chosen)
+        if ledger.unmeasured_ops and self._fallback() is not None:
+            return self._fallback().run(chosen)
         return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
 
 
@@ -334,13 +359,22 @@ def plan(
         # The verifier's first step creates the optimizer's state (its warm-up); a real
         # profile runs inside that sandbox and needs no warm-up of its own: a step less.
         on_fake = _profile_fake(profile) if profile is not None else fake
-        verifier = open_verifier(on_fake)
         # Modules that change Python state in forward (a counter, a list): a recompute would
         # change it again, silently in some cases, so they are never offered. transformers'
         # KV cache goes off while the model trains, as its own gradient checkpointing does
         # (memfit.apply.cache): the step measured and planned from here on is the one the
         # plan trains.
-        stateful, use_cache_off = verifier.stateful()
+        verifier = None
+        if profile is not None and not on_fake and _fake_is_faster(profile):
+            # A real profile given (saved, say) whose plans verify on fake copies: the modules
+            # are checked on a fake copy too, and the real step runs only if a run needs it.
+            fake_verifier = open_verifier(True)
+            stateful, use_cache_off = fake_verifier.stateful()
+            if profile.use_cache_off == use_cache_off:
+                verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
+        if verifier is None:
+            verifier = open_verifier(on_fake)
+            stateful, use_cache_off = verifier.stateful()
         excluded.update(stateful)
         if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
             closing.enter_context(cache.switched_off(model, use_cache_off))
@@ -361,7 +395,7 @@ def plan(
                 targets=targets,
             )
 
-        if not on_fake and _fake_is_faster(prof):
+        if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
             # Plans are verified on fake copies from here on: the same ledger (kernel
             # workspaces taken from what the real profile measured) at a fraction of a real
             # step's time when the step's ops are large.
