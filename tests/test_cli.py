@@ -55,7 +55,10 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
     def no_profile(*args, **kwargs):
         raise AssertionError("plan --profile measured a profile")
 
+    from memfit.measure import profile as measure
+
     monkeypatch.setattr(planner, "_profile", no_profile)
+    monkeypatch.setattr(measure, "_profile", no_profile)
     args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", "50%", "--objective", "flops"]
     assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "b.json")]) == 0
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))

@@ -366,7 +366,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
         console.print(f"wrote {ns.json}")
-    if before is not None:
+    if pictures:
         from memfit.plan.planner import profile_candidates
         from memfit.report.timeline import plan_timeline
 
