@@ -28,6 +28,59 @@ def test_profile_prints_tables_and_writes_json(tmp_path, capsys):
     assert sum(data["breakdown"].values()) == data["peak_bytes"]
 
 
+def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeypatch):
+    from memfit.plan import planner
+
+    saved = tmp_path / "p.json"
+    assert main(["profile", "gpt", "--batch-size", "2", *SMALL, "--json", str(saved)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--batch-size",
+                "2",
+                *SMALL,
+                "--budget",
+                "50%",
+                "--objective",
+                "flops",
+                "--json",
+                str(tmp_path / "a.json"),
+            ]
+        )
+        == 0
+    )
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("plan --profile measured a profile")
+
+    from memfit.measure import profile as measure
+
+    monkeypatch.setattr(planner, "_profile", no_profile)
+    monkeypatch.setattr(measure, "_profile", no_profile)
+    args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", "50%", "--objective", "flops"]
+    assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    # the same step (its peak to the byte); the lowest reachable peak is the MILP's, solved to a
+    # 2% gap with costs that rest on each process's own timings
+    assert (
+        a["none_peak_bytes"] == b["none_peak_bytes"]
+        and abs(a["min_peak_bytes"] - b["min_peak_bytes"]) <= 0.02 * a["min_peak_bytes"]
+    )
+    assert b["predicted_peak_bytes"] <= b["budget_bytes"]
+    capsys.readouterr()
+    for extra, words in [
+        (["--profile", str(saved), "--batch-size", "4"], "other inputs"),
+        (["--profile", str(saved), "--device", "fake"], "measured on cpu"),
+        (["--profile", str(tmp_path / "none.json")], "cannot read"),
+        (["--profile", str(tmp_path / "a.json")], "not a memfit.profile"),
+    ]:
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+
+
 def test_profile_fake_device(capsys):
     assert main(["profile", "gpt", "--device", "fake", *SMALL]) == 0
     text = capsys.readouterr().out

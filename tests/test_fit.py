@@ -772,3 +772,59 @@ def test_largest_batch_search_is_exact_on_kinked_peaks():
         got = _largest(peak, budget, rng.randint(1, 300), m).max_batch
         want = max((b for b in range(m, 10**6 // per + m + 1, m) if peak(b) <= budget), default=0)
         assert got == want
+
+
+def test_largest_on_a_ladder_is_exact_on_kinked_peaks():
+    """Only the ladder's sizes (Lightning's powers of two): the largest that fits, whatever
+    the bend, in few profiles when the peak is a line."""
+    import random
+
+    from memfit.integrations.lightning import power_ladder
+    from memfit.plan.max_batch import _largest_on
+
+    rng = random.Random(1)
+    for _ in range(300):
+        init = rng.choice([1, 2, 3, 16])
+        ladder = power_ladder(init, 8192)
+        per, fixed, kink, extra = rng.randint(1, 1000), rng.randint(0, 10**5), rng.randint(1, 500), rng.randint(0, 3000)
+        peak = _kinked(fixed, per, kink, extra)
+        budget = rng.randint(0, 10**6)
+        got = _largest_on(ladder, peak, budget, init)
+        assert got.max_batch == max((b for b in ladder if peak(b) <= budget), default=0)
+        if extra == 0 and got.max_batch not in (0, ladder[-1]):
+            assert got.measurements <= 4  # the two for the line, the rung guessed, the one above
+
+
+class _KeepsLastBatch(nn.Module):
+    """A module that keeps a tensor sized by the batch between steps (a cache, a memo):
+    the step after a step at another batch starts from other bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.last = None
+
+    def forward(self, x):
+        self.last = x.detach() * 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("make", [_mlp, _KeepsLastBatch])
+def test_fake_peaks_equal_fresh_fake_profiles(make):
+    """One fake copy warmed once and recorded at batch after batch gives each batch the peak
+    a fresh fake profile gives it; where a step leaves batch-sized state behind it falls
+    back to the fresh profile, so the answer is the same either way."""
+    from memfit.measure.profile import fake_peaks
+
+    torch.manual_seed(0)
+    model = make()
+    width = model.lin.in_features if hasattr(model, "lin") else next(model.parameters()).shape[1]
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, width)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with fake_peaks(model, (x,), optimizer=opt, loss_fn=lambda out: out.sum()) as peak:
+        for b in (4, 8, 3, 17, 8):
+            xb = resize_batch((x,), b)
+            fresh = memfit.profile(model, xb, optimizer=opt, loss_fn=lambda out: out.sum(), fake=True).budget_peak_bytes
+            assert peak(xb) == fresh
+    assert not opt.state and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

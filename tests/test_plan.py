@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -226,13 +228,18 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
     prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
     assert any(b.category.value == "kernel_workspace" for b in prof.ledger.blocks)  # the case this is about
     swapped: list[bool] = []
-    instead_of = planner._Verifier.instead_of
+    instead_of, falling_back = planner._Verifier.instead_of, planner._Verifier.falling_back
 
     def spy(self, real, off):
         swapped.append(True)
         return instead_of(self, real, off)
 
+    def spy_back(self, open_real):  # a profile given: the fake copy is checked and verifies from the start
+        swapped.append(True)
+        return falling_back(self, open_real)
+
     monkeypatch.setattr(planner._Verifier, "instead_of", spy)
+    monkeypatch.setattr(planner._Verifier, "falling_back", spy_back)
     monkeypatch.setattr(planner, "_FAKE_S_PER_OP", float("inf"))
     real = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
     assert not swapped
@@ -254,6 +261,19 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
         return run(self, chosen)
 
     monkeypatch.setattr(planner._Verifier, "run", count)
-    monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())  # as in a process that loaded the profile
+    monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())  # as in a process that did not measure them
     again = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
     assert runs["real"] > 0 and again.predicted_peak_bytes == real.predicted_peak_bytes
+    # A profile read from a file carries its workspaces: no real step runs at all.
+    runs["real"] = 0
+    monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())
+    opened = planner._Verifier.warmed
+    monkeypatch.setattr(planner._Verifier, "warmed", lambda *a: pytest.fail("the real step was opened"))
+    saved = memfit.Profile.from_dict(json.loads(prof.to_json()))
+    loaded = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=saved)
+    assert runs["real"] == 0 and opened
+    assert (loaded.checkpointed, loaded.min_peak_bytes, loaded.predicted_peak_bytes) == (
+        real.checkpointed,
+        real.min_peak_bytes,
+        real.predicted_peak_bytes,
+    )

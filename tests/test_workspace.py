@@ -4,6 +4,7 @@ on real tensors, kept per kind of op, and taken by later steps (fake ones includ
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -153,3 +154,20 @@ def test_cli_says_when_a_fake_profile_has_no_workspace_figures(capsys):
     assert "is not counted" not in " ".join(capsys.readouterr().out.split())
     assert main([*args, "--device", "fake"]) == 0
     assert "is not counted" not in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_saved_profile_carries_its_workspaces_to_another_process():
+    """A plan made from a profile file in another process verifies on fake copies, which
+    run no kernel: the file carries what the real profile measured, and reading it teaches
+    this process's table (the other process is stood in for by clearing the table)."""
+    model, x = _workload()
+    real = memfit.profile(model, x, loss_fn=lambda out: out)
+    saved = real.to_json()
+    workspace.TABLE.clear()
+    assert memfit.profile(model, x, loss_fn=lambda out: out, fake=True).ledger.unmeasured_ops > 0
+    loaded = memfit.Profile.from_dict(json.loads(saved))
+    assert loaded.workspaces == real.workspaces and loaded.workspaces
+    fake = memfit.profile(model, x, loss_fn=lambda out: out, fake=True)
+    assert fake.ledger.unmeasured_ops == 0
+    assert _blocks(fake, Category.WORKSPACE) == _blocks(real, Category.WORKSPACE) != []
+    assert fake.peak_bytes == real.peak_bytes

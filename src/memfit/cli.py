@@ -308,6 +308,27 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
     return 0
 
 
+def _saved_profile(path: str, device: str) -> memfit.Profile:
+    """``plan --profile PATH``: the profile ``memfit profile --json PATH`` wrote, made on the
+    device ``--device`` names (the plan's runs are verified where the profile was measured)."""
+    try:
+        prof = memfit.Profile.from_dict(json.loads(Path(path).read_text()))
+    except OSError as exc:
+        raise TargetError(
+            f"--profile: cannot read {path} ({exc.strerror or exc}); give a file `memfit profile --json` wrote"
+        ) from None
+    except MemfitError as exc:
+        raise TargetError(f"--profile: {path}: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TargetError(f"--profile: {path} is not a profile `memfit profile --json` wrote ({exc})") from exc
+    where = {"cpu": "cpu", "cuda": "cuda", "fake": "fake:cpu", "fake-cuda": "fake:cuda"}[device]
+    if not prof.device.startswith(where):
+        raise TargetError(
+            f"--profile: {path} was measured on {prof.device}; plan it with the --device it was made on, not {device}"
+        )
+    return prof
+
+
 def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
@@ -319,12 +340,13 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         raise TargetError("--ranks and --max-world-size plan a distributed step: give --world-size N or --min-world-size")
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     _require_device(ns.device)
+    saved = _saved_profile(ns.profile, ns.device) if ns.profile else None
     work = _workload(ns)
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     pictures = bool(ns.plot or ns.html)
     # the pictures show the profile the plan was made from: it is measured first and passed in
-    before = _profile(work, ns.device, console) if pictures else None
+    before = saved or (_profile(work, ns.device, console) if pictures else None)
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
             model,
@@ -344,7 +366,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
         console.print(f"wrote {ns.json}")
-    if before is not None:
+    if pictures:
         from memfit.plan.planner import profile_candidates
         from memfit.report.timeline import plan_timeline
 
@@ -679,6 +701,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _gpu_options(p)
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (memfit.Plan.from_json reads it)")
+    p.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="plan from this target's profile saved by `memfit profile TARGET --json PATH` (same batch and device) "
+        "instead of measuring one: no profiling steps",
+    )
     p.add_argument(
         "--world-size", type=_positive, metavar="N", help="plan one rank of N of the target's distributed step (--device fake)"
     )

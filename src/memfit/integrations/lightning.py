@@ -241,6 +241,21 @@ class MemfitCallback(pl.Callback):
             self._undo = None
 
 
+def power_ladder(init_val: int, max_val: int) -> list[int]:
+    """The batch sizes Lightning's finder in power mode can settle on: ``init_val`` doubled
+    up to ``max_val``, and halved down to 1 (where it goes when ``init_val`` does not fit)."""
+    sizes = {init_val}
+    size = init_val
+    while size > 1:
+        size //= 2
+        sizes.add(size)
+    size = init_val
+    while size * 2 <= max_val:
+        size *= 2
+        sizes.add(size)
+    return sorted(sizes)
+
+
 def lightning_answer(largest: int, mode: str, init_val: int = 2, max_val: int = 8192, margin: float = 0.05) -> int:
     """What Lightning's ``BatchSizeFinder`` settles on when ``largest`` is the largest batch
     whose step fits: ``"power"`` doubles from ``init_val`` while it fits (halving until one
@@ -312,14 +327,16 @@ class MemfitBatchSizeFinder(pl.Callback):
             optimizer=optimizer,
             fake=self.fake,
             step=LIGHTNING_STEP,
+            ladder=power_ladder(self.init_val, self.max_val) if self.mode == "power" else None,
         )
         self.optimal_batch_size = lightning_answer(self.limit.max_batch, self.mode, self.init_val, self.max_val, self.margin)
         lightning_setattr(pl_module, self.batch_arg_name, self.optimal_batch_size)
         trainer.fit_loop._combined_loader = None  # built from the new batch size
         self.search_time_s = time.perf_counter() - started
         lim = self.limit
+        which = "largest batch" if self.mode != "power" else f"largest of {self.init_val} doubled or halved"
         self.say(
-            f"largest batch within {format_bytes(fit_budget(self.budget))}: {lim.max_batch} (step peak "
+            f"{which} within {format_bytes(fit_budget(self.budget))}: {lim.max_batch} (step peak "
             f"{format_bytes(lim.peak_bytes)}; {format_bytes(lim.bytes_per_sample)} per sample, {lim.measurements} fake-tensor "
             f"profiles); {self.batch_arg_name}={self.optimal_batch_size} as BatchSizeFinder(mode={self.mode!r}) would "
             f"settle; {self.search_time_s:.1f} s"

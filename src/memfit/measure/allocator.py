@@ -41,6 +41,8 @@ __all__ = [
     "EmptyCache",
     "replay",
     "replay_ledger",
+    "ledger_series",
+    "LedgerSeries",
     "round_size",
     "allocation_size",
 ]

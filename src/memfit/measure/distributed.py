@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.errors import WorkloadError
+from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed, _torch_compat
 from memfit.measure.ledger import START_TICK, Category, Ledger
 from memfit.measure.profile import Profile, Progress, _module_stats, _run, record_step
@@ -42,6 +42,7 @@ __all__ = [
     "profile_ranks",
     "profile_rank",
     "world_size_of",
+    "named_model",
     "rank_sandbox",
     "record_rank",
     "fsdp2",
@@ -164,7 +165,7 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
     with rank_sandbox(workload, group, progress=report) as box:
         world_size, rank = box_rank(box)
         fake = box.fake_mode is not None
-        with Scope(box.model) as scope:
+        with Scope(named_model(box.model)) as scope:
             report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
             # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
             # forward (in gradient-ready order), once; the fake group keeps the first buckets.
@@ -174,6 +175,15 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
             prof = record_rank(workload, box, scope)
         report("done", 3, 3)
     return prof
+
+
+def named_model(model: nn.Module) -> nn.Module:
+    """The module a rank's ledger names modules of: the model inside DistributedDataParallel's
+    wrapper (which calls it every step), so that DDP ranks name modules as the unparallelized
+    model does, as FSDP2's do (``fully_shard`` keeps the names), and a plan's names match."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def box_rank(box: Sandbox) -> tuple[int, int]:
@@ -261,6 +271,8 @@ def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: A
     with mode if mode is not None else nullcontext():
         try:
             out = parallel.parallelize(model, mesh)
+        except MemfitError:
+            raise  # already says what is wrong (memfit's own parallelize functions)
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             raise WorkloadError(f"{parallel.name}: parallelize(model, mesh) raised {type(exc).__name__}: {first}") from exc
@@ -338,6 +350,14 @@ def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
             _initialise(model)
     pg = mesh.get_group()
     fake = dist.get_backend(pg) == "fake"
+    dynamic = [k for k in ("find_unused_parameters", "static_graph") if kwargs.get(k)]
+    if fake and dynamic:
+        # the reducer reads which parameters the step used (a tensor's value: .item()), which
+        # fake tensors do not have; a plan made without the option trains bitwise alike with it
+        raise WorkloadError(
+            f"ddp: {dynamic[0]}=True is not measured on the fake process group (DDP's reducer reads which "
+            "parameters were used, a value fake tensors do not have): measure and plan with it off"
+        )
     with _distributed.fake_ddp() if fake else nullcontext():
         wrapped = DistributedDataParallel(model, process_group=pg, **kwargs)
     if fake:

@@ -27,6 +27,7 @@ from torch import nn
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import gpu as gpus
+from memfit.measure import workspace
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
@@ -147,6 +148,11 @@ class Profile:
     to spare (capacity minus the CUDA context estimate minus the peak)."""
     cuda_memory: CudaMemory | None = None
     """On CUDA (real or fake): the caching allocator's peaks; ``None`` on CPU."""
+    workspaces: dict[str, int] = field(default_factory=dict)
+    """Kernel workspaces this process had measured when the profile was made (op signature
+    text -> bytes; :mod:`memfit.measure.workspace`), saved with it so that a plan made from
+    the file in another process can verify on fake copies, which cannot run a kernel. Empty
+    for fake profiles."""
 
     @property
     def allocated_peak_bytes(self) -> int | None:
@@ -246,6 +252,7 @@ class Profile:
             out["cuda_memory"] = c.to_dict()
         if ledger:
             out["ledger"] = self.ledger.to_dict()
+            out["workspaces"] = self.workspaces
         return out
 
     def to_json(self, *, ledger: bool = True) -> str:
@@ -253,9 +260,15 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """The profile :meth:`to_dict` wrote; the kernel workspaces it carries are taught to
+        this process's table (:data:`memfit.measure.workspace.TABLE`), where the runs of a
+        plan made from it look them up."""
         if data.get("format") != PROFILE_FORMAT or "ledger" not in data:
             raise MemfitError(f"not a {PROFILE_FORMAT} object with a ledger")
+        workspaces = {str(k): int(v) for k, v in data.get("workspaces", {}).items()}
+        workspace.TABLE.learn(workspaces)
         return cls(
+            workspaces=workspaces,
             ledger=Ledger.from_dict(data["ledger"]),
             modules={m["name"]: ModuleStats(**m) for m in data["modules"]},
             device=data["device"],
@@ -460,6 +473,37 @@ def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None =
     )
 
 
+def _checked(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    optimizer: torch.optim.Optimizer | None,
+    fake: bool | str,
+    step: StepOptions | None,
+    targets: Any,
+) -> tuple[str | None, StepOptions, tuple, dict, torch.device, torch.device, torch.optim.Optimizer]:
+    """The step's arguments checked before anything runs: where the step runs
+    (:func:`fake_device`), its options, inputs split, the model's device and the step's
+    (fake CUDA: ``cuda:0``), and the optimizer (memfit's default when none is given)."""
+    check_arguments(model, optimizer, loss_fn, targets)
+    where = fake_device(fake)
+    if step is not None and not isinstance(step, StepOptions):
+        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
+    options = step or StepOptions()
+    args, kwargs = split_inputs(inputs)
+    device = check_step(model, args, kwargs, targets)
+    step_device = torch.device("cuda", 0) if where == "cuda" else device
+    if options.offload and step_device.type != "cuda":
+        raise WorkloadError(
+            f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
+            f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
+        )
+    split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    return where, options, args, kwargs, device, step_device, optimizer
+
+
 def _profile(
     model: nn.Module,
     inputs: Any,
@@ -475,24 +519,11 @@ def _profile(
     """:func:`profile`; with ``warm``, a real profile skips its warm-up step when the
     optimizer has state already and the process has run the step (the planner profiles
     inside its verifier's sandbox, whose first step was that warm-up)."""
-    check_arguments(model, optimizer, loss_fn, targets)
-    where = fake_device(fake)
+    where, options, args, kwargs, device, step_device, optimizer = _checked(
+        model, inputs, loss_fn, optimizer, fake, step, targets
+    )
     fake = where is not None
-    if step is not None and not isinstance(step, StepOptions):
-        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
-    options = step or StepOptions()
-    args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs, targets)
-    step_device = torch.device("cuda", 0) if where == "cuda" else device
-    if options.offload and step_device.type != "cuda":
-        raise WorkloadError(
-            f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
-            f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
-        )
-    split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
     settings = allocator_settings_from_env() if step_device.type == "cuda" else None
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
     total = 2 if fake else 3
 
@@ -547,6 +578,7 @@ def _profile(
                 measured[0], measured[1], None, settings, "torch.cuda.max_memory_allocated/reserved", modelled
             )
     out = Profile(
+        workspaces={} if fake else workspace.TABLE.texts(),
         ledger=ledger,
         modules=modules,
         device=f"fake:{step_device}" if fake else str(device),
@@ -564,12 +596,70 @@ def _profile(
     return out
 
 
+@contextmanager
+def fake_peaks(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    fake: bool | str = True,
+    step: StepOptions | None = None,
+    targets: Any = None,
+) -> Iterator[Callable[[Any, Any], int]]:
+    """``peak(inputs, targets)``: :attr:`Profile.budget_peak_bytes` of the step at other
+    inputs (another batch size), recorded on one fake copy of the step warmed up once.
+
+    A batch-size search asks for many peaks of one model; a fresh fake profile each time
+    copies the model again and runs a warm-up step before the recorded one, half its cost.
+    A recorded step leaves the copy as the warm-up would (parameters, gradients, optimizer
+    state do not depend on the batch), so here the steps follow one another. Where that does
+    not hold, a step that leaves behind other bytes than it found or starts from other bytes
+    than the first did (a module keeping a tensor sized by the batch), the answer is a
+    fresh profile's, so it is always what :func:`profile` would say."""
+    where, options, args, kwargs, _, step_device, optimizer = _checked(model, inputs, loss_fn, optimizer, fake, step, targets)
+    if where is None:
+        raise WorkloadError("fake_peaks records fake copies of the step: give fake=True or 'cuda', not False")
+    settings = allocator_settings_from_env() if step_device.type == "cuda" else None
+    steady: list[tuple[int, int]] = []  # the first recorded step's held bytes: a fresh profile's
+    with ExitStack() as stack:
+        box = stack.enter_context(step_sandbox(where, model, args, kwargs, optimizer, step=options, targets=targets))
+        scope = stack.enter_context(Scope(box.model))
+
+        def peak(batch: Any, labels: Any = None) -> int:
+            a, k = split_inputs(batch)
+            check_step(model, a, k, labels)
+            split_micro_batches(a, k, options.micro_batches)
+            box.use_inputs(a, k, labels)
+            if not steady and not box.optimizer.state:
+                _run(box, scope, loss_fn)  # the warm-up step, once, at the first batch asked for
+            ledger, _ = record_step(box, scope, loss_fn)
+            held = _held_bytes(ledger)
+            if not steady:
+                steady.append(held)
+            elif held != steady[0]:  # not the steady step a fresh profile records
+                again = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=fake, step=options, targets=labels)
+                return again.budget_peak_bytes
+            return model_cuda_memory(ledger, settings).reserved_peak_bytes if settings is not None else ledger.peak_bytes
+
+        yield peak
+
+
+def _held_bytes(ledger: Ledger) -> tuple[int, int]:
+    """Bytes other than the inputs alive at the step's start and at its end: equal, and equal
+    from step to step, in a steady training step."""
+    kept = [b for b in ledger.blocks if b.category is not Category.INPUT]
+    return sum(b.nbytes for b in kept if b.born == START_TICK), sum(b.nbytes for b in kept if b.died is None)
+
+
 _TIMED_STEPS = 2
 
 
 def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
-    checkpointed = box.model.__dict__.get(CHECKPOINTED) or {}  # a plan applied (or being verified)
+    # a plan applied (or being verified), named as the scope names modules: on the model it
+    # hooks, which is the one inside a wrapper such as DDP's when the plan is verified per rank
+    checkpointed = scope.model.__dict__.get(CHECKPOINTED) or {}
     recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None)
     _register_start(recorder, box)
     try:

@@ -49,6 +49,19 @@ class Sandbox:
     options: StepOptions = StepOptions()
     scaler: Any = None
     targets: Any = None
+    # fake sandboxes: how a real input (and a real target) becomes one of this sandbox's
+    # tensors, so :meth:`use_inputs` can run the same warm copy at another batch
+    input_copy: Callable[[torch.Tensor], torch.Tensor] | None = None
+    target_copy: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_inputs(self, args: tuple, kwargs: dict, targets: Any = None) -> None:
+        """Run the next steps on other (real) inputs, copied as the first ones were: a fake
+        copy of the step warmed once can then be recorded at many batch sizes."""
+        if self.input_copy is None or self.target_copy is None:
+            raise TypeError("use_inputs is for fake sandboxes (a real one steps on the inputs it is given)")
+        copy_in, copy_target = self.input_copy, self.target_copy
+        self.args, self.kwargs = tree_map(lambda x: copy_in(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        self.targets = tree_map(lambda t: copy_target(t) if isinstance(t, torch.Tensor) else t, targets)
 
     def step(self, loss_fn: Any, on_phase: Callable[[Phase], None] = lambda phase: None) -> float:
         """One training step on the sandbox's objects, as its options say (call it inside
@@ -353,6 +366,8 @@ def fake_sandbox(
     new_targets = tree_map(lambda t: fake_target(t) if isinstance(t, torch.Tensor) else t, targets)
     cpu_rng = torch.get_rng_state()
     try:
-        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets))
+        box = Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets)
+        box.input_copy, box.target_copy = fake, fake_target
+        yield _prepare(box)
     finally:
         torch.set_rng_state(cpu_rng)  # fake dropout does not draw, but be sure

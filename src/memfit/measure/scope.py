@@ -90,6 +90,8 @@ class Scope:
     """
 
     def __init__(self, model: nn.Module, clock: Clock | None = None) -> None:
+        self.model = model
+        """The module named ``""``: under a wrapper (DDP's), the module inside it."""
         self.names: dict[nn.Module, str] = {}
         for name, mod in model.named_modules():
             self.names.setdefault(mod, name)

@@ -72,10 +72,25 @@ class WorkspaceTable:
 
     def __init__(self) -> None:
         self._bytes: dict[tuple, int] = {}
+        # measurements read from a saved profile, keyed by their signature's text (what a
+        # JSON file can hold): the same op kinds, measured in the process that profiled them
+        self._text: dict[str, int] = {}
 
     def get(self, sig: tuple) -> int | None:
         """Bytes measured for ``sig``, or None if no op of that kind has been measured."""
-        return self._bytes.get(sig)
+        known = self._bytes.get(sig)
+        if known is None and self._text:
+            known = self._text.get(repr(sig))
+        return known
+
+    def texts(self) -> dict[str, int]:
+        """Every measurement, keyed by its signature's text: what a saved profile carries."""
+        return {**self._text, **{repr(sig): n for sig, n in self._bytes.items()}}
+
+    def learn(self, texts: dict[str, int]) -> None:
+        """Take measurements a saved profile carries (:meth:`texts`), the largest kept."""
+        for text, n in texts.items():
+            self._text[text] = max(int(n), self._text.get(text, 0))
 
     def record(self, sig: tuple, nbytes: int) -> int:
         """Keep ``nbytes`` for ``sig`` (the largest of what was seen); returns what is kept.
@@ -90,6 +105,7 @@ class WorkspaceTable:
 
     def clear(self) -> None:
         self._bytes.clear()
+        self._text.clear()
 
 
 TABLE = WorkspaceTable()

@@ -1,12 +1,14 @@
 """Plans per rank for a distributed step, and the smallest world size at which it fits.
 
 :func:`plan_ranks` plans recompute on the parallelized step of one rank (FSDP2's
-``fully_shard`` blocks included), from that rank's ledger on torch's fake process group:
-the planner's usual search, with every candidate plan verified by running the rank's step
-with it applied, on the same fake group. The plan names modules as the unparallelized
-model does and is applied before parallelizing (``memfit.apply(model, plan)`` then
-``fully_shard``); every asked-for rank is then profiled afresh that way, with the plan
-applied to the model before ``parallelize``, and its peak is the plan's verified figure.
+``fully_shard`` blocks, or the model inside DDP's wrapper), from that rank's ledger on
+torch's fake process group: the planner's usual search, with every candidate plan verified
+by running the rank's step with it applied, on the same fake group. The plan names modules
+as the unparallelized model does and is applied before parallelizing (``memfit.apply(model,
+plan)`` then ``fully_shard``, or ``DistributedDataParallel(model)``: torch's non-reentrant
+checkpoint, which memfit applies, runs under DDP's reducer as a plain forward does); every
+asked-for rank is then profiled afresh that way, with the plan applied to the model before
+``parallelize``, and its peak is the plan's verified figure.
 
 :func:`min_world_size` answers "how many ranks": the smallest power of two at which the
 step fits a per-rank budget, without recompute and with memfit's plan.
@@ -24,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
+from memfit.apply.checkpoint import applied_choices, apply_choices
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
@@ -37,7 +39,7 @@ from memfit.measure.distributed import (
 from memfit.measure.profile import Progress
 from memfit.measure.scope import Scope
 from memfit.plan.budget import parse_budget
-from memfit.plan.planner import _OBJECTIVES, _make_plan, _search, _Verifier
+from memfit.plan.planner import Search, Verifier, check_objective, make_plan, search
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -62,11 +64,11 @@ def plan_ranks(
     Returns a :class:`Plan` whose :attr:`~Plan.rank_peak_bytes` holds each asked-for rank's
     verified peak: that rank profiled again on the fake group, the plan applied to the model
     before ``parallelize``. Apply it the same way: ``memfit.apply(model, plan)`` before
-    ``fully_shard`` (or after: the same forwards). Nothing of the workload is changed."""
+    ``fully_shard`` (or after: the same forwards) or before wrapping in DDP (a DDP-wrapped
+    model takes it too: :func:`memfit.apply` unwraps). Nothing of the workload is changed."""
     started = time.perf_counter()
     spec = parse_budget(budget)
-    if objective not in _OBJECTIVES:
-        raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
+    check_objective(objective)
     n = world_size_of(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
@@ -81,38 +83,16 @@ def plan_ranks(
         planned_rank = profile_ranks(workload, world_size=n, ranks=ranks).worst_rank
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
-        verifier = _Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
+        verifier = Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
         closing.callback(verifier.close)
-        if unwrap(verifier.box.model) is not verifier.box.model:
-            raise PlanError(
-                f"{workload.parallel.name}: plans per rank are built for schemes that keep the model's module names "
-                "(FSDP2's fully_shard); a wrapper such as DDP's is not planned per rank yet: plan the model without "
-                "--world-size (DDP ranks hold the model whole) and apply the plan before wrapping"
-            )
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
         excluded.update(stateful)
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
-        with Scope(verifier.box.model) as scope:
+        with Scope(verifier.model) as scope:
             prof = record_rank(workload, verifier.box, scope)
-        chosen, run, min_peak, target, cands = _search(prof, verifier, workload.model, spec, objective, excluded, 0.0, report)
-        plan = _make_plan(
-            prof=prof,
-            model=workload.model,
-            chosen=chosen,
-            run=run,
-            verifier=verifier,
-            cands=cands,
-            excluded=excluded,
-            none_peak=prof.peak_bytes,
-            min_peak=min_peak,
-            target=target,
-            use_cache_off=use_cache_off,
-            budget=budget,
-            objective=objective,
-            timing_note="",
-            started=started,
-        )
+        found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
+        plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
     peaks = {}
     for i, r in enumerate(ranks):

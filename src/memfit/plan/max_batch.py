@@ -19,8 +19,9 @@ the batch here is what one forward and backward hold.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,7 @@ from torch import nn
 from memfit.apply.checkpoint import unwrap
 from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.measure import _optim8bit
-from memfit.measure.profile import Progress, check_step
-from memfit.measure.profile import profile as measure_profile
+from memfit.measure.profile import Progress, check_step, fake_peaks
 from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.plan.fit import fit, fit_budget, parse_allow
@@ -146,6 +146,35 @@ def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int,
     return BatchLimit(levers, lo, round(slope), round(fixed), guess, at(lo) if lo else 0, len(seen))
 
 
+def _largest_on(ladder: Sequence[int], peak: Callable[[int], int], budget: int, start: int = 1) -> BatchLimit:
+    """:func:`_largest` when only the batch sizes of ``ladder`` (sorted) are wanted, as
+    Lightning's finder in power mode tries only powers of two: the line through the peaks at
+    the rung of ``start`` (the largest rung not above it) and the next guesses the rung, then
+    single rungs up or down settle it (usually one or two more profiles: the rung guessed,
+    and the one above it)."""
+    seen: dict[int, int] = {}
+
+    def at(i: int) -> int:
+        if ladder[i] not in seen:
+            seen[ladder[i]] = peak(ladder[i])
+        return seen[ladder[i]]
+
+    first = max(0, min(len(ladder) - 2, bisect.bisect_right(ladder, start) - 1))
+    second = min(first + 1, len(ladder) - 1)
+    slope = (at(second) - at(first)) / max(1, ladder[second] - ladder[first])
+    fixed = at(first) - slope * ladder[first]
+    guess = _LIMIT if slope <= 0 else int((budget - fixed) // slope)
+    rung = max(0, bisect.bisect_right(ladder, guess) - 1)
+    if at(rung) <= budget:
+        while rung + 1 < len(ladder) and at(rung + 1) <= budget:
+            rung += 1
+    else:
+        while rung >= 0 and at(rung) > budget:
+            rung -= 1
+    batch = ladder[rung] if rung >= 0 else 0
+    return BatchLimit((), batch, round(slope), round(fixed), guess, seen[batch] if batch else 0, len(seen))
+
+
 def max_batch(
     model: nn.Module,
     inputs: Any,
@@ -214,13 +243,10 @@ def max_batch(
     if cuda and not fake_cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
         variants["offload"] = StepOptions(offload=True)
 
-    def plain(step: StepOptions) -> Callable[[int], int]:
+    def plain(peak_at: Callable[[Any, Any], int]) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"fake-tensor profile at batch {b}", 0, 0)
-            batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
-            return measure_profile(
-                model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
-            ).budget_peak_bytes
+            return peak_at(resize_batch(inputs, b), resize_targets(targets, inputs, b))
 
         return peak
 
@@ -238,7 +264,12 @@ def max_batch(
     for name, step in variants.items():
         for recompute in (False,) if step.offload else (False, True):
             levers = (("recompute",) if recompute else ()) + ((name,) if name else ())
-            limits.append(_largest((recomputed if recompute else plain)(step), target, example, multiple_of, levers))
+            if recompute:
+                limits.append(_largest(recomputed(step), target, example, multiple_of, levers))
+                continue
+            # one fake copy of the step, warmed once, recorded at each batch the search asks for
+            with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as at:
+                limits.append(_largest(plain(at), target, example, multiple_of, levers))
 
     batch = max(lim.max_batch for lim in limits)
     if batch == 0:
@@ -308,14 +339,25 @@ def largest_batch(
     step: StepOptions | None = None,
     multiple_of: int = 1,
     fake: bool | str = True,
+    ladder: Sequence[int] | None = None,
 ) -> BatchLimit:
     """The largest batch (a multiple of ``multiple_of``) whose step, exactly as it is (no
     lever: what a framework's batch-size finder tries), peaks within ``budget``: the search
     of :func:`max_batch` for one lever set, on fake tensors only (``fake="cuda"``: fake
-    CUDA), no step timed or run for real. ``max_batch`` 0: not even ``multiple_of`` fits."""
+    CUDA), no step timed or run for real. ``max_batch`` 0: not even ``multiple_of`` fits.
+    ``ladder``: the only batch sizes wanted (Lightning's powers of two, say), positive and
+    increasing; ``max_batch`` is then the largest of them that fits, found with fewer profiles."""
     target = fit_budget(budget)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    if ladder is not None:
+        ladder = list(ladder)
+        if (
+            not ladder
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in ladder)
+            or ladder != sorted(set(ladder))
+        ):
+            raise WorkloadError(f"ladder must be batch sizes, positive integers in increasing order, got {ladder!r}")
     check_arguments(model, optimizer, loss_fn, targets)
     args, kwargs = split_inputs(inputs)
     check_step(unwrap(model), args, kwargs, targets)
@@ -326,10 +368,11 @@ def largest_batch(
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     on = "cuda" if fake_device(fake) == "cuda" else True
 
-    def peak(b: int) -> int:
-        batch, labels = resize_batch(inputs, b), resize_targets(targets, inputs, b)
-        return measure_profile(
-            model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=labels
-        ).budget_peak_bytes
+    with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as peak_at:
 
-    return _largest(peak, target, example, multiple_of)
+        def peak(b: int) -> int:
+            return peak_at(resize_batch(inputs, b), resize_targets(targets, inputs, b))
+
+        if ladder is not None:
+            return _largest_on(ladder, peak, target, example)
+        return _largest(peak, target, example, multiple_of)

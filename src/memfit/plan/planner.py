@@ -28,14 +28,14 @@ from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.allocator import AllocatorSettings, replay_ledger
-from memfit.measure.ledger import Ledger, Phase
+from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import selective_overhead_s
 from memfit.plan.baselines import blocks
-from memfit.plan.budget import parse_budget
+from memfit.plan.budget import Budget, parse_budget
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
@@ -43,7 +43,17 @@ from memfit.plan.stateful import stateful_modules
 from memfit.units import format_bytes
 from memfit.workload import check_arguments, default_optimizer, split_inputs
 
-__all__ = ["plan", "profile_candidates"]
+__all__ = [
+    "plan",
+    "profile_candidates",
+    # the seam plans of other steps (plan.distributed) are made through
+    "Verifier",
+    "Search",
+    "Found",
+    "search",
+    "make_plan",
+    "check_objective",
+]
 
 _MAX_EXCLUSIONS = 16
 _OBJECTIVES: dict[str, Callable[[Option], float]] = {
@@ -53,6 +63,9 @@ _OBJECTIVES: dict[str, Callable[[Option], float]] = {
 }
 _MAX_TIGHTENING = 6
 _MiB = 2**20
+
+Costing = tuple[dict[str, float | None], dict[str, int], DeviceRates, str]
+"""What candidates are costed with (:func:`_costing`): forward times, calls, rates, a timing note."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,7 @@ class _RecomputeFailed(Exception):
         self.reason = reason
 
 
-class _Verifier:
+class Verifier:
     """Runs plans on the step and records its exact peak: on a fake-tensor copy (no memory
     used) when planning from a fake profile, else on the real model inside a sandbox
     (faster for models of many tiny ops, whose fake dispatch dominates)."""
@@ -82,9 +95,13 @@ class _Verifier:
         entered here and closed by :meth:`close`."""
         self._stack = ExitStack()
         self.box = self._stack.enter_context(sandbox)
+        self.model = unwrap(self.box.model)
+        """The model plans name modules of and are applied to: the sandbox's, or the module
+        inside its wrapper (a rank's DistributedDataParallel, which calls it every step)."""
         self.loss_fn = loss_fn
         self.runs = 0
-        self._real: _Verifier | None = None
+        self._real: Verifier | None = None
+        self._open_real: Callable[[], Verifier] | None = None
         self.settings: AllocatorSettings | None = None
         """On CUDA: the allocator settings each run's ledger is replayed under (set once the
         step's profile is known)."""
@@ -100,9 +117,9 @@ class _Verifier:
         box = self.box
         # The first step of a plan may be this one: a failing forward is named as the
         # profile names it (step_errors), not left as the model's own traceback.
-        with box.active(), Scope(box.model) as scope, step_errors(box, scope):
-            probes = cache.install(box.model, cache.cache_modules(box.model), probe=True)
-            self._stack.callback(cache.uninstall, box.model, probes)  # if the first forward raises
+        with box.active(), Scope(self.model) as scope, step_errors(box, scope):
+            probes = cache.install(self.model, cache.cache_modules(self.model), probe=True)
+            self._stack.callback(cache.uninstall, self.model, probes)  # if the first forward raises
             off: tuple[str, ...] = ()
 
             def first() -> None:
@@ -113,26 +130,50 @@ class _Verifier:
                 else:
                     box.step(self.loss_fn, scope.set_phase)
                     scope.set_phase(Phase.FORWARD)  # the check's second forward
-                off = cache.writers(box.model)
-                cache.uninstall(box.model, probes)
+                off = cache.writers(self.model)
+                cache.uninstall(self.model, probes)
                 probes.clear()
-                self._stack.callback(cache.uninstall, box.model, cache.install(box.model, off))
+                self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
 
             scope.set_phase(Phase.FORWARD)
-            return stateful_modules(box.model, box.args, box.kwargs, first=first), off
+            return stateful_modules(self.model, box.args, box.kwargs, first=first), off
 
-    def instead_of(self, real: _Verifier, use_cache_off: tuple[str, ...]) -> _Verifier:
+    def instead_of(self, real: Verifier, use_cache_off: tuple[str, ...]) -> Verifier:
         """This (fake) verifier, standing in for ``real``: one step on its copy first, with
         the KV cache off as :meth:`stateful` found on ``real``'s (it creates the optimizer's
         state). A run that meets a kernel whose workspace this process has not measured
         (the profile came from a file) goes to ``real``, and so does every later run."""
         box = self.box
-        off = [n for n in use_cache_off if n not in cache.switched(box.model)]
-        self._stack.callback(cache.uninstall, box.model, cache.install(box.model, off))
+        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
+        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
         with box.active():
             box.step(self.loss_fn)
         self._real = real
         return self
+
+    def falling_back(self, open_real: Callable[[], Verifier]) -> Verifier:
+        """This (fake) verifier, checked and warmed by :meth:`stateful` on its own copy,
+        with the real step opened by ``open_real`` (warmed, the same KV cache off) only if a
+        run meets a kernel whose workspace no one measured: a plan from a saved profile then
+        runs no real step at all."""
+        self._open_real = open_real
+        return self
+
+    def warmed(self, use_cache_off: tuple[str, ...]) -> Verifier:
+        """This (real) verifier after the KV cache goes off as on the verifier it backs, and a
+        step that creates the optimizer's state if it has none (runs measure steady state)."""
+        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
+        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
+        if not self.box.optimizer.state:
+            with self.box.active():
+                self.box.step(self.loss_fn)
+        return self
+
+    def _fallback(self) -> Verifier | None:
+        if self._real is None and self._open_real is not None:
+            self._real = self._open_real()
+            self._real.settings = self.settings
+        return self._real
 
     def close(self) -> None:
         self._stack.close()
@@ -141,10 +182,10 @@ class _Verifier:
         if self._real is not None and self._real.runs:
             return self._real.run(chosen)
         choices = {o.module: (o.mode, o.save_ops) for o in chosen}
-        apply_choices(self.box.model, choices)
+        apply_choices(self.model, choices)
         self.runs += 1
         try:
-            with Scope(self.box.model) as scope, self.box.active():
+            with Scope(self.model) as scope, self.box.active():
                 ledger, flops = record_step(self.box, scope, self.loss_fn)
         except Exception as exc:
             culprit = last_recompute()
@@ -156,9 +197,12 @@ class _Verifier:
             raise
         finally:
             remove(self.box.model)
-        if ledger.unmeasured_ops and self._real is not None:
-            return self._real.run(chosen)
+        if ledger.unmeasured_ops and self._fallback() is not None:
+            return self._fallback().run(chosen)
         return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
+
+
+_Verifier = Verifier  # its former name, which tests patch
 
 
 def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:
@@ -178,6 +222,23 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
 # against 25.2 s on a loaded host, whose quiet step is 0.9 s): about 0.1 ms an op quiet. On
 # zoo heavy (~100k tiny ops, a 5 s step) the fake step was slower than the real one.
 _FAKE_S_PER_OP = 2e-4
+
+
+def _input_bytes(prof: Profile) -> int:
+    return sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.INPUT)
+
+
+def _step_input_bytes(args: tuple, kwargs: dict, targets: Any) -> int:
+    """Bytes of the step's input tensors, each storage once, as the ledger counts them."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs, targets))
+    storages = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            storages[(s.data_ptr(), s.device)] = s.nbytes()
+    return sum(storages.values())
 
 
 def _fake_is_faster(prof: Profile) -> bool:
@@ -246,8 +307,7 @@ def plan(
     """
     started = time.perf_counter()
     spec = parse_budget(budget)
-    if objective not in _OBJECTIVES:
-        raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
+    check_objective(objective)
     check_arguments(model, optimizer, loss_fn, targets)
     fake_device(_profile_fake(profile) if profile is not None else fake)  # fake CUDA unavailable: say so before any work
     # A compiled or DDP-wrapped model is planned as the module inside: the plan names its
@@ -263,6 +323,16 @@ def plan(
         raise PlanError(
             f"the profile was made for another model ({profile.model_type}, module names that this "
             f"{type(model).__name__} does not have); profile this model, or plan without profile="
+        )
+    # (a step that casts its inputs, StepOptions(param_dtype=...), holds them in another size)
+    if (
+        profile is not None
+        and profile.step.cast_dtype is None
+        and _input_bytes(profile) != _step_input_bytes(args, kwargs, targets)
+    ):
+        raise PlanError(
+            f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
+            f"{_step_input_bytes(args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
         )
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
@@ -280,22 +350,31 @@ def plan(
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
 
-        def open_verifier(on_fake: bool | str) -> _Verifier:
+        def open_verifier(on_fake: bool | str) -> Verifier:
             box = step_sandbox(fake_device(on_fake), model, args, kwargs, optimizer, step=options, targets=targets)
-            opened = _Verifier(box, loss_fn)
+            opened = Verifier(box, loss_fn)
             closing.callback(opened.close)
             return opened
 
         # The verifier's first step creates the optimizer's state (its warm-up); a real
         # profile runs inside that sandbox and needs no warm-up of its own: a step less.
         on_fake = _profile_fake(profile) if profile is not None else fake
-        verifier = open_verifier(on_fake)
         # Modules that change Python state in forward (a counter, a list): a recompute would
         # change it again, silently in some cases, so they are never offered. transformers'
         # KV cache goes off while the model trains, as its own gradient checkpointing does
         # (memfit.apply.cache): the step measured and planned from here on is the one the
         # plan trains.
-        stateful, use_cache_off = verifier.stateful()
+        verifier = None
+        if profile is not None and not on_fake and _fake_is_faster(profile):
+            # A real profile given (saved, say) whose plans verify on fake copies: the modules
+            # are checked on a fake copy too, and the real step runs only if a run needs it.
+            fake_verifier = open_verifier(True)
+            stateful, use_cache_off = fake_verifier.stateful()
+            if profile.use_cache_off == use_cache_off:
+                verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
+        if verifier is None:
+            verifier = open_verifier(on_fake)
+            stateful, use_cache_off = verifier.stateful()
         excluded.update(stateful)
         if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
             closing.enter_context(cache.switched_off(model, use_cache_off))
@@ -316,20 +395,18 @@ def plan(
                 targets=targets,
             )
 
-        if not on_fake and _fake_is_faster(prof):
+        if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
             # Plans are verified on fake copies from here on: the same ledger (kernel
             # workspaces taken from what the real profile measured) at a fraction of a real
             # step's time when the step's ops are large.
             verifier = open_verifier(True).instead_of(verifier, use_cache_off)
         timed = prof.time_source == "measured"
         costing = _costing(prof)
-        timing_note = costing[3]
         # On CUDA the budget bounds what the caching allocator reserves: every verified run
         # is replayed through the allocator model, and P_none is the same model's figure for
         # the unplanned step (on a real GPU too, where the profile measured it beside: plans
         # and P_none are then judged alike).
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
-        none_peak = _none_peak(prof)
         # What selective recompute's dispatch mode costs per op here (measured on this host;
         # fake tensors have no time, and their plans weigh FLOPs and bytes only).
         if op_overhead_s is not None:
@@ -339,57 +416,66 @@ def plan(
         else:
             overhead = 0.0
 
-        chosen, run, min_peak, target, cands = _search(
-            prof, verifier, model, spec, objective, excluded, overhead, report, costing=costing
-        )
+        found = search(Search(prof, verifier, model, spec, objective, excluded, overhead=overhead, costing=costing), report)
     report("done", 2, 2)
-
-    return _make_plan(
-        prof=prof,
-        model=model,
-        chosen=chosen,
-        run=run,
-        verifier=verifier,
-        cands=cands,
-        excluded=excluded,
-        none_peak=none_peak,
-        min_peak=min_peak,
-        target=target,
-        use_cache_off=use_cache_off,
-        budget=budget,
-        objective=objective,
-        timing_note=timing_note,
-        started=started,
-    )
+    return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
 
 
-def _search(
-    prof: Profile,
-    verifier: _Verifier,
-    model: nn.Module,
-    spec: Any,
-    objective: str,
-    excluded: dict[str, str],
-    overhead: float,
-    report: Progress,
-    *,
-    costing: tuple[dict[str, float | None], dict[str, int], DeviceRates, str] | None = None,
-) -> tuple[list[Option], _Run, int, int, Any]:
-    """The cheapest verified plan within ``spec`` on ``prof``'s step, whose runs ``verifier``
-    makes: ``(chosen, its run, P_min, the budget in bytes, the candidates)``. Modules whose
-    recompute fails while verifying join ``excluded`` (in place) and planning starts over."""
+def check_objective(objective: str) -> None:
+    """Refuse an unknown planning objective, naming the known ones."""
+    if objective not in _OBJECTIVES:
+        raise PlanError(f"objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
+
+
+@dataclass
+class Search:
+    """What a plan's search runs on: a profile of the step and the verifier that runs plans on
+    that step (:func:`plan`'s sandbox, or one rank's: :func:`memfit.plan.distributed.plan_ranks`)."""
+
+    prof: Profile
+    verifier: Verifier
+    model: nn.Module
+    """The model the plan names modules of (unparallelized, unwrapped)."""
+    spec: Budget
+    objective: str
+    excluded: dict[str, str]
+    """Modules not offered, with why; modules whose recompute fails while verifying join it."""
+    overhead: float = 0.0
+    """Seconds selective recompute's dispatch mode adds per op (0 on fake tensors)."""
+    costing: Costing | None = None
+    """The profile's costing when the caller has made it (for its timing note); else made here."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A finished :func:`search`: the cheapest verified plan within the budget."""
+
+    search: Search
+    chosen: list[Option]
+    run: _Run
+    min_peak: int
+    target: int
+    cands: Any
+    timing_note: str
+
+
+def search(s: Search, report: Progress) -> Found:
+    """The cheapest verified plan within ``s.spec`` on ``s.prof``'s step, whose runs
+    ``s.verifier`` makes, with ``P_min`` and the budget in bytes. Modules whose recompute fails
+    while verifying join ``s.excluded`` (in place) and planning starts over."""
+    prof, verifier, excluded = s.prof, s.verifier, s.excluded
     ledger = prof.ledger
     timed = prof.time_source == "measured"
     # (plan() has costed the profile already for its note; a rank's plan has not)
-    forward_time, calls, rates, timing_note = costing if costing is not None else _costing(prof)
+    forward_time, calls, rates, timing_note = s.costing if s.costing is not None else _costing(prof)
     none_peak = _none_peak(prof)
     none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
     for _ in range(_MAX_EXCLUSIONS):
-        cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=overhead)
+        cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=s.overhead)
         # Measured costs move by a few percent from run to run: within 5% of the cheapest,
         # the simplest plan (see Problem.min_cost).
         near = _NEAR if timed and not timing_note else 0.0
-        problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[objective], near=near)
+        problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[s.objective], near=near)
         try:
             report("lowest reachable peak", 0, 2)
             lowest = problem.min_peak()
@@ -397,14 +483,14 @@ def _search(
             # The model of the step is conservative (it keeps a checkpointed module's
             # activations alive through its whole forward), so its minimum can miss the
             # plain recipe of recomputing every repeated block: try that too.
-            recipe = _every_block(model, cands.options)
+            recipe = _every_block(s.model, cands.options)
             if recipe and {o.module for o in recipe} != {o.module for o in lowest.chosen}:
                 recipe_run = verifier.run(recipe)
                 if recipe_run.peak_bytes < low_run.peak_bytes:
                     lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
             min_peak = min(low_run.peak_bytes, none_peak)
             low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
-            target = spec.resolve(min_peak, none_peak)
+            target = s.spec.resolve(min_peak, none_peak)
             if target < min_peak:
                 raise BudgetInfeasibleError(
                     f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
@@ -420,50 +506,38 @@ def _search(
         break
     else:
         raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
-    return chosen, run, min_peak, target, cands
+    # the note only when plan() costed the profile (its plans say so); a rank's profile has no times
+    note = s.costing[3] if s.costing is not None else ""
+    return Found(s, chosen, run, min_peak, target, cands, note)
 
 
-def _make_plan(
-    *,
-    prof: Profile,
-    model: nn.Module,
-    chosen: list[Option],
-    run: _Run,
-    verifier: _Verifier,
-    cands: Any,
-    excluded: dict[str, str],
-    none_peak: int,
-    min_peak: int,
-    target: int,
-    use_cache_off: tuple[str, ...],
-    budget: Any,
-    objective: str,
-    timing_note: str,
-    started: float,
-) -> Plan:
-    """The :class:`Plan` of a finished search (:func:`_search`) on ``prof``'s step."""
+def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, started: float) -> Plan:
+    """The :class:`Plan` of a finished :func:`search`; ``budget`` as the user gave it,
+    ``started`` the ``time.perf_counter()`` planning began at."""
+    s = found.search
+    prof, run, settings = s.prof, found.run, s.verifier.settings
     timed = prof.time_source == "measured"
-    excluded.update({k: v for k, v in cands.excluded.items() if k not in excluded})
+    s.excluded.update({k: v for k, v in found.cands.excluded.items() if k not in s.excluded})
     return Plan(
-        budget_bytes=target,
+        budget_bytes=found.target,
         predicted_peak_bytes=run.peak_bytes,
-        allocated_peak_bytes=run.tensor_bytes if verifier.settings is not None else None,
-        peak_basis="reserved_peak_bytes" if verifier.settings is not None else "peak_bytes",
+        allocated_peak_bytes=run.tensor_bytes if settings is not None else None,
+        peak_basis="reserved_peak_bytes" if settings is not None else "peak_bytes",
         start_bytes=prof.start_bytes,
-        none_peak_bytes=none_peak,
-        min_peak_bytes=min_peak,
-        checkpointed={o.module: Choice(o.mode, o.save_ops) for o in sorted(chosen, key=lambda o: o.fwd_end)},
-        extra_compute_s=sum(o.cost_s for o in chosen) if timed else None,
+        none_peak_bytes=_none_peak(prof),
+        min_peak_bytes=found.min_peak,
+        checkpointed={o.module: Choice(o.mode, o.save_ops) for o in sorted(found.chosen, key=lambda o: o.fwd_end)},
+        extra_compute_s=sum(o.cost_s for o in found.chosen) if timed else None,
         extra_flops=max(0, run.step_flops - prof.step_flops),
         step_time_s=prof.step_time_s,
-        excluded=excluded,
+        excluded=s.excluded,
         use_cache_off=use_cache_off,
-        model_type=type(model).__name__,
-        fingerprint=fingerprint(model),
+        model_type=type(s.model).__name__,
+        fingerprint=fingerprint(s.model),
         device=prof.device,
         budget=str(budget),
-        objective=objective,
-        timing_note=timing_note,
+        objective=s.objective,
+        timing_note=found.timing_note,
         planning_time_s=time.perf_counter() - started,
     )
 
@@ -477,7 +551,7 @@ _NEAR = 0.05
 _NOISY_REPEATS = 0.5
 
 
-def _costing(prof: Profile) -> tuple[dict[str, float | None], dict[str, int], DeviceRates, str]:
+def _costing(prof: Profile) -> Costing:
     """What candidates are costed with: module forward times (None on fake tensors), calls,
     the device's rates (fitted to the measured leaf modules where there are times), and a
     note when measured times were set aside as too noisy.
@@ -537,7 +611,7 @@ def _none_allocated(prof: Profile) -> int:
 
 
 def _fit(
-    problem: Problem, verifier: _Verifier, target: int, none: _Run, low: tuple[list[Option], _Run]
+    problem: Problem, verifier: Verifier, target: int, none: _Run, low: tuple[list[Option], _Run]
 ) -> tuple[list[Option], _Run]:
     """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
     step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
