@@ -416,7 +416,8 @@ class Recorder(TorchDispatchMode):
             with torch.profiler.record_function(tag):
                 out = self._call(func, args, kwargs)
         out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
-        if func.overloadpacket._qualified_op_name in _distributed.ALIAS_OPS:
+        qualified = func.overloadpacket._qualified_op_name
+        if qualified in _distributed.ALIAS_OPS:
             self._alias(in_tensors, out_tensors)
         for t in out_tensors:
             s = _storage(t)
@@ -425,7 +426,7 @@ class Recorder(TorchDispatchMode):
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
             self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
-        role = _distributed.COLLECTIVE_ROLES.get(func.overloadpacket._qualified_op_name)
+        role = _distributed.COLLECTIVE_ROLES.get(qualified)
         if role is not None:
             self._give_role(role[0], in_tensors + out_tensors if role[1] else out_tensors)
         if scratch is not None:
