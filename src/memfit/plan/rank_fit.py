@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -463,12 +463,15 @@ def fit_ranks(
     world_size: int | None = None,
     ranks: Sequence[int] = (0,),
     allow: str | Iterable[str] | None = None,
+    exclude: Mapping[str, str] | None = None,
     progress: Progress | None = None,
 ) -> RankRecipe:
     """The fastest (predicted) configuration of each rank of ``workload``'s distributed step
     whose peak fits ``budget`` bytes per rank: recompute, FSDP2's reshard_after_forward and,
-    with ``allow="reduce_bf16"``, a bfloat16 reduce dtype (module docstring). The workload's
-    model, its parallelize and the process group are left as they were.
+    with ``allow="reduce_bf16"``, a bfloat16 reduce dtype (module docstring). ``exclude``:
+    exact levers the training script cannot use (``"recompute"``, ``"reshard_after_forward"``),
+    each with the reason ``left_out`` then gives. The workload's model, its parallelize and
+    the process group are left as they were.
 
     The ``reshard_after_forward`` lever needs the workload's parallelize to be memfit's
     FSDP2 (:func:`memfit.measure.distributed.fsdp2`), whose arguments are data fit can vary;
@@ -490,14 +493,21 @@ def fit_ranks(
     fsdp = _fsdp_of(workload)
     assert workload.parallel is not None  # world_size_of refuses a workload without one
     scheme = workload.parallel.name
-    left_out: dict[str, str] = {}
-    if fsdp is None:
+    left_out: dict[str, str] = dict(exclude or {})
+    unknown = sorted(set(left_out) - {"recompute", "reshard_after_forward"})
+    if unknown:
+        raise PlanError(
+            f"fit per rank can exclude the levers 'recompute' and 'reshard_after_forward', not {', '.join(map(repr, unknown))}"
+        )
+    if "reshard_after_forward" in left_out:
+        fsdp = None  # the workload's own settings only: no family to search
+    elif fsdp is None:
         left_out["reshard_after_forward"] = (
             f"{scheme}: its parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), whose fully_shard "
             "arguments fit can vary"
         )
     if "reduce_bf16" in allowed:
-        if fsdp is None:
+        if _fsdp_of(workload) is None:
             raise PlanError(
                 f"--allow reduce_bf16: {scheme}'s parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), "
                 "so fit cannot set its reduce dtype; build the workload's Parallel with fsdp2(...) or drop the lever"
@@ -510,13 +520,18 @@ def fit_ranks(
     elif fsdp is not None:
         left_out["reduce_bf16"] = "changes the numerics: opt in with allow='reduce_bf16' (--allow reduce_bf16)"
     report = progress or (lambda desc, done, total: None)
-    search = _RankSearch(workload, fsdp, n, ranks, target, report)
+    # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
+    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report)
+    family = fsdp is not None
+    recompute = "recompute" not in left_out
 
     cands: list[_Candidate] = []
     lowest: tuple[int, str] | None = None
 
     def weigh_plan(s: _Setting) -> bool:
         nonlocal lowest
+        if not recompute:
+            return False
         got = search.planned(s)
         if isinstance(got, Plan):
             cands.append(search.candidate(s, got))
@@ -532,7 +547,7 @@ def fit_ranks(
             cands.append(search.candidate(own))
         elif lowest is None or search.peak(own) < lowest[0]:
             lowest = (search.peak(own), search.label(own))
-        if fsdp is None:
+        if not family:
             if search.peak(own) > target:
                 weigh_plan(own)
             continue
