@@ -11,8 +11,10 @@ reduce-scatters: other numerics).
 reshards; 1, the root keeps its parameters (torch's own default for the root: backward
 all-gathers them again at once); ``1 + k``, the root and the last ``k`` blocks (torchtitan
 keeps the last block so). Peaks grow with the setting, so the largest setting that fits
-without recompute is found by bisection, each step an exact fake-group profile; recompute
-is planned (and verified per rank) at the workload's own setting and at the all-kept one.
+without recompute is found by bisection, each step an exact fake-group profile. Where the
+step as it is is over the budget, recompute is planned (and verified per rank) at the most
+kept whose unplanned peak is no higher than the workload's own setting's (bisected alike);
+and, unless every block fits kept, with every block kept.
 
 Peaks are never predicted: each is an exact fake-tensor profile of that rank's step, or a
 plan verified by running it. Step times are: fake tensors run no kernel, so each
@@ -431,18 +433,18 @@ class _RankSearch:
         peak = max(plan.rank_peak_bytes.values()) if plan is not None and plan.rank_peak_bytes else self.peak(s)
         return _Candidate(s, plan, peak, self.seconds(s, plan), self.levers(s, plan))
 
-    def largest_fitting(self, reduce_bf16: bool) -> int | None:
-        """The largest family setting whose step fits without recompute (None: not even 0).
-        Peaks grow with the setting: bisection, each probe an exact profile."""
+    def largest_within(self, reduce_bf16: bool, bound: int) -> int | None:
+        """The largest family setting whose step peaks within ``bound`` without recompute
+        (None: not even 0). Peaks grow with the setting: bisection, each probe an exact profile."""
         top, low = _Setting(self.top, reduce_bf16), _Setting(0, reduce_bf16)
-        if self.peak(top) <= self.budget:
+        if self.peak(top) <= bound:
             return self.top
-        if self.peak(low) > self.budget:
+        if self.peak(low) > bound:
             return None
         lo, hi = 0, self.top  # lo fits, hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.peak(_Setting(mid, reduce_bf16)) <= self.budget:
+            if self.peak(_Setting(mid, reduce_bf16)) <= bound:
                 lo = mid
             else:
                 hi = mid
@@ -454,6 +456,24 @@ def collective_bytes(ledger: Ledger, world_size: int) -> float:
     all-gather's output and each reduce-scatter's input (FSDP's buffers in the ledger)."""
     moved = sum(b.nbytes for b in ledger.blocks if b.born >= 0 and b.category in (Category.ALL_GATHER, Category.REDUCE_SCATTER))
     return moved * (world_size - 1) / world_size
+
+
+def _check_allowed(workload: Workload, allowed: set[str]) -> None:
+    """Refuse, in one line, an opt-in lever this workload cannot use."""
+    if "reduce_bf16" not in allowed:
+        return
+    fsdp = _fsdp_of(workload)
+    if fsdp is None:
+        scheme = workload.parallel.name if workload.parallel is not None else workload.name
+        raise PlanError(
+            f"--allow reduce_bf16: {scheme}'s parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), "
+            "so fit cannot set its reduce dtype; build the workload's Parallel with fsdp2(...) or drop the lever"
+        )
+    if _reduce_dtype(fsdp) == torch.bfloat16:
+        raise PlanError(
+            "--allow reduce_bf16: this FSDP2 already reduce-scatters in bfloat16 "
+            f"(reduce_dtype={_dtype_name(fsdp.reduce_dtype)}, param_dtype={_dtype_name(fsdp.param_dtype)}); drop the lever"
+        )
 
 
 def fit_ranks(
@@ -506,18 +526,8 @@ def fit_ranks(
             f"{scheme}: its parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), whose fully_shard "
             "arguments fit can vary"
         )
-    if "reduce_bf16" in allowed:
-        if _fsdp_of(workload) is None:
-            raise PlanError(
-                f"--allow reduce_bf16: {scheme}'s parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), "
-                "so fit cannot set its reduce dtype; build the workload's Parallel with fsdp2(...) or drop the lever"
-            )
-        if _reduce_dtype(fsdp) == torch.bfloat16:
-            raise PlanError(
-                "--allow reduce_bf16: this FSDP2 already reduce-scatters in bfloat16 "
-                f"(reduce_dtype={_dtype_name(fsdp.reduce_dtype)}, param_dtype={_dtype_name(fsdp.param_dtype)}); drop the lever"
-            )
-    elif fsdp is not None:
+    _check_allowed(workload, allowed)
+    if "reduce_bf16" not in allowed and fsdp is not None:
         left_out["reduce_bf16"] = "changes the numerics: opt in with allow='reduce_bf16' (--allow reduce_bf16)"
     report = progress or (lambda desc, done, total: None)
     # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
@@ -551,14 +561,20 @@ def fit_ranks(
             if search.peak(own) > target:
                 weigh_plan(own)
             continue
-        best = search.largest_fitting(reduce)
+        best = search.largest_within(reduce, target)
         if best is not None:
             cands.append(search.candidate(_Setting(best, reduce)))
+        else:
+            # Over the budget as it is: recompute at the most kept that costs no more peak than
+            # the workload's own setting (the root, the last block: backward all-gathers them
+            # at once anyway); failing that at its own, failing that at the lowest.
+            free = search.largest_within(reduce, search.peak(own))
+            if free is None or not weigh_plan(_Setting(free, reduce)):
+                if not weigh_plan(own) and search.peak(_Setting(0, reduce)) < search.peak(own):
+                    weigh_plan(_Setting(0, reduce))
         if best != search.top:
-            # Recompute that makes room for more unsharded parameters, against the all-gathers saved.
+            # Recompute that makes room for every block's parameters, against the all-gathers saved.
             weigh_plan(_Setting(search.top, reduce))
-            if best is None and not weigh_plan(own) and search.peak(_Setting(0, reduce)) < search.peak(own):
-                weigh_plan(_Setting(0, reduce))
         if best is None and lowest is not None and search.peak(_Setting(0, reduce)) < lowest[0]:
             lowest = (search.peak(_Setting(0, reduce)), search.label(_Setting(0, reduce)))
     if not cands:
@@ -678,6 +694,7 @@ def max_batch_ranks(
     ranks: Sequence[int] = (0,),
     multiple_of: int = 1,
     allow: str | Iterable[str] | None = None,
+    recompute: bool = True,
     recipe: bool = True,
     progress: Progress | None = None,
 ) -> MaxBatch:
@@ -686,7 +703,9 @@ def max_batch_ranks(
     reshard_after_forward=True everywhere, where the workload keeps any parameters unsharded;
     with ``allow``, a bfloat16 reduce dtype), without and with recompute (its lowest
     reachable peak), the search of :func:`memfit.max_batch` on exact fake-group peaks.
-    Then (``recipe``) :func:`fit_ranks` at that batch: the fastest recipe there."""
+    Then (``recipe``) :func:`fit_ranks` at that batch: the fastest recipe there.
+    ``recompute=False`` leaves the recompute limits out (each batch tried is then one
+    profile, not a plan: minutes less on an 8B model)."""
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)
@@ -701,8 +720,7 @@ def max_batch_ranks(
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
     report = progress or (lambda desc, done, total: None)
     fsdp = _fsdp_of(workload)
-    if "reduce_bf16" in allowed and (fsdp is None or _reduce_dtype(fsdp) == torch.bfloat16):
-        fit_ranks(workload, target, world_size=n, ranks=ranks, allow=allowed)  # its one-line refusal, before any work
+    _check_allowed(workload, allowed)
     variants: dict[str, Workload] = {"": workload}
     if fsdp is not None:
         lowest = _variant(fsdp, _Setting(0))
@@ -728,9 +746,9 @@ def max_batch_ranks(
 
     limits: list[BatchLimit] = []
     for name, work in variants.items():
-        for recompute in (False, True):
-            levers = (("recompute",) if recompute else ()) + ((name,) if name else ())
-            limits.append(_largest((recomputed if recompute else plain)(work), target, example, multiple_of, levers))
+        for planned in (False, True) if recompute else (False,):
+            levers = (("recompute",) if planned else ()) + ((name,) if name else ())
+            limits.append(_largest((recomputed if planned else plain)(work), target, example, multiple_of, levers))
     batch = max(lim.max_batch for lim in limits)
     if batch == 0:
         low = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple_of)
@@ -748,7 +766,15 @@ def max_batch_ranks(
         for _ in range(3):
             report(f"fastest recipe at batch {batch}", 0, 0)
             try:
-                found = fit_ranks(_at_batch(workload, batch), target, world_size=n, ranks=ranks, allow=allowed, progress=progress)
+                found = fit_ranks(
+                    _at_batch(workload, batch),
+                    target,
+                    world_size=n,
+                    ranks=ranks,
+                    allow=allowed,
+                    exclude=None if recompute else {"recompute": "left out of the search (recompute=False)"},
+                    progress=progress,
+                )
                 break
             except (BudgetInfeasibleError, PlanError):
                 if batch <= multiple_of:
