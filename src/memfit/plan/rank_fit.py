@@ -11,7 +11,8 @@ reduce-scatters: other numerics).
 reshards; 1, the root keeps its parameters (torch's own default for the root: backward
 all-gathers them again at once); ``1 + k``, the root and the last ``k`` blocks (torchtitan
 keeps the last block so). Peaks grow with the setting, so the largest setting that fits
-without recompute is found by bisection, each step an exact fake-group profile. Where the
+without recompute is searched for (a guess on the line through the ends, galloped and
+bisected), each probe an exact fake-group profile. Where the
 step as it is is over the budget, recompute is planned (and verified per rank) at the most
 kept whose unplanned peak is no higher than the workload's own setting's (bisected alike);
 and, unless every block fits kept, with every block kept.
@@ -435,16 +436,33 @@ class _RankSearch:
 
     def largest_within(self, reduce_bf16: bool, bound: int) -> int | None:
         """The largest family setting whose step peaks within ``bound`` without recompute
-        (None: not even 0). Peaks grow with the setting: bisection, each probe an exact profile."""
-        top, low = _Setting(self.top, reduce_bf16), _Setting(0, reduce_bf16)
-        if self.peak(top) <= bound:
+        (None: not even 0). Peaks grow with the setting, nearly by a block's parameters a
+        block: a guess on the line through the two ends, galloped from to a bracket, then
+        bisected; each probe an exact profile."""
+
+        def peak(i: int) -> int:
+            return self.peak(_Setting(i, reduce_bf16))
+
+        if peak(self.top) <= bound:
             return self.top
-        if self.peak(low) > bound:
+        if peak(0) > bound:
             return None
         lo, hi = 0, self.top  # lo fits, hi does not
+        guess = lo + int((bound - peak(lo)) / max(1, peak(hi) - peak(lo)) * (hi - lo))
+        guess, step = min(max(guess, lo), hi - 1), 1
+        if peak(guess) <= bound:
+            lo = guess
+            while lo + step < hi and peak(lo + step) <= bound:
+                lo, step = lo + step, step * 2
+            hi = min(hi, lo + step)
+        else:
+            hi = guess
+            while hi - step > lo and peak(hi - step) > bound:
+                hi, step = hi - step, step * 2
+            lo = max(lo, hi - step)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.peak(_Setting(mid, reduce_bf16)) <= bound:
+            if peak(mid) <= bound:
                 lo = mid
             else:
                 hi = mid
