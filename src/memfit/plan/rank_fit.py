@@ -263,7 +263,8 @@ class RankRecipe:
             arg, comment = repr(bool(reshards and reshards[0])), ""
         elif list(reshards) == [True] * (len(reshards) - kept) + [False] * kept:
             arg = f"i < {len(reshards) - kept}"
-            comment = f"  # the last {kept} keep their parameters unsharded from forward to backward"
+            which = "the last block keeps its" if kept == 1 else f"the last {kept} blocks keep their"
+            comment = f"  # {which} parameters unsharded from forward to backward"
         else:
             lines.append(f"reshard = {list(reshards)!r}")
             arg, comment = "reshard[i]", ""
@@ -611,21 +612,26 @@ def fit_ranks(
         unique.setdefault((c.setting, c.plan is not None), c)
     cands = list(unique.values())
     best = _choose(cands)
-    for lever in RANK_LEVERS:
+    why_not = {
+        "recompute": "not needed: the chosen configuration fits without it",
+        "reshard_after_forward": "keeping more parameters unsharded from forward to backward does not fit the budget"
+        if best.plan is None
+        else "the chosen recipe is predicted faster (the settings weighed are the what-if rows)",
+    }
+    for lever, why in why_not.items():
         if lever not in best.levers and lever not in left_out:
-            left_out[lever] = (
-                "not needed: the step fits as it is" if search.peak(base) <= target else "the chosen recipe is predicted faster"
-            )
+            left_out[lever] = why
     if best.plan is not None and best.plan.rank_peak_bytes:
         rank_peaks = dict(best.plan.rank_peak_bytes)
     else:
         rank_peaks = {r: p.peak_bytes for r, p in search.profiled(best.setting).profiles.items()}
     chosen_fsdp = search.fsdp_at(best.setting)
+    as_is = search.profiled(base)
+    device = as_is.profiles[as_is.worst_rank].device
     notes = [
         "fake process group: peaks are exact per rank on fake tensors; step times are predicted (the cost model's round "
-        f"rates for {search.profiled(base).profiles[0].device}, collectives at a nominal "
-        f"{LINK_BYTES_PER_S['cuda' if 'cuda' in search.profiled(base).profiles[0].device else 'cpu'] / 1e9:g} GB/s, not "
-        "overlapped) and chose the recipe: time it on the cluster",
+        f"rates for {device}, collectives at a nominal {LINK_BYTES_PER_S['cuda' if 'cuda' in device else 'cpu'] / 1e9:g} "
+        "GB/s, not overlapped) and chose the recipe: time it on the cluster",
     ]
     if fsdp is not None and search.blocks and fsdp.reshard_after_forward is False:
         notes.append("the workload keeps every block unsharded already; reshard_after_forward=True frees them as a lever")
@@ -648,7 +654,7 @@ def fit_ranks(
         left_out={lever: left_out[lever] for lever in RANK_LEVERS if lever in left_out and lever not in best.levers},
         notes=notes,
         budget=str(budget),
-        device=search.profiled(base).profiles[0].device,
+        device=device,
         batch_size=batch_size_of(*split_inputs(workload.inputs)),
         fit_time_s=time.perf_counter() - started,
         search={"profiles": len(search.profiles), "plans": len(search.plans)},
