@@ -114,6 +114,16 @@ def test_reduce_dtype_only_when_allowed():
         assert allowed.predicted_step_time_s < exact / 1.05
 
 
+def test_fit_ddp_weighs_recompute_alone():
+    work = _llama(layers=1, seq_len=32)
+    work = dataclasses.replace(work, parallel=Parallel(ddp, name="ddp"))
+    budget = int(_peak(work) * 0.9)
+    recipe = fit_ranks(work, budget, world_size=2)
+    assert recipe.levers == ("recompute",) and recipe.fsdp is None and recipe.predicted_peak_bytes <= budget
+    assert "not memfit's FSDP2" in recipe.left_out["reshard_after_forward"]
+    assert "memfit.apply(model, recipe.plan)" in recipe.snippet() and "fully_shard" not in recipe.snippet()
+
+
 class Net(torch.nn.Module):
     """Blocks whose activations grow with the batch (a plain step: fewer ops than Llama's, so
     the plans at each batch tried stay quick)."""

@@ -236,19 +236,20 @@ class RankRecipe:
         ]
         if not self.levers:
             return lines[0] + "\n# the step fits as it is on every rank: keep your parallelize and training loop\n"
-        lines += ["import memfit", "import torch"] if self.plan is not None and self.plan.checkpointed else ["import torch"]
         if self.plan is not None and self.plan.checkpointed:
             n = len(self.plan.checkpointed)
             lines += [
+                "import memfit",
                 "from memfit.plan.rank_fit import RankRecipe",
                 f'recipe = RankRecipe.from_json(open("{path}").read())',
-                f"memfit.apply(model, recipe.plan)  # before fully_shard: recompute {n} module{'s' if n != 1 else ''}",
+                f"memfit.apply(model, recipe.plan)  # before parallelizing: recompute {n} module{'s' if n != 1 else ''}",
             ]
         if self.fsdp is None:
             lines.append("# then parallelize the model as you do now")
             return "\n".join(lines) + "\n"
         f = self.fsdp
         lines += [
+            "import torch",
             "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
             f"mp = MixedPrecisionPolicy(param_dtype={_torch_dtype(f['param_dtype'])}, reduce_dtype={_torch_dtype(f['reduce_dtype'])})",
         ]
