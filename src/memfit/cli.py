@@ -7,6 +7,7 @@
     memfit plan gpt --budget 50%             # what to recompute to fit a budget
     memfit plan gpt --budget 400MiB --json plan.json
     memfit fit gpt --budget 400MiB --allow amp,bf16   # the fastest memory levers that fit
+    memfit fit llama --size preset=8b --world-size 8 --device fake --budget 40GiB   # per rank: recompute, reshard_after_forward
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
     memfit estimate llama --size num_hidden_layers=16 --batch-size 4 --seq-len 2048   # accelerate estimate-memory, activations included
     memfit snapshot memory_snapshot.pickle   # a GPU's recorded trace: peaks, and what other allocator settings would reserve
@@ -57,8 +58,7 @@ def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workl
     if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
         raise TargetError(
             f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
-            "measure or plan it per rank with `memfit profile|plan ... --world-size N --device fake` (fit and "
-            "max-batch per rank are not built yet)"
+            "measure, plan or fit it per rank with `memfit profile|plan|fit ... --world-size N --device fake`"
         )
     return work
 
@@ -376,15 +376,63 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_fit_ranks(ns: argparse.Namespace, console: Console, budget: int, label: str) -> int:
+    """``fit --world-size N``: the fastest configuration of one rank's step (recompute,
+    FSDP2's reshard_after_forward, opt-in reduce dtype) on the fake process group; with
+    ``--max-batch``, the largest per-rank batch first."""
+    from memfit.plan.rank_fit import fit_ranks, max_batch_ranks, parse_rank_allow
+    from memfit.report.console import progress_bar, render_max_batch, render_rank_fit
+
+    if ns.device != "fake":
+        raise TargetError(f"fit per rank runs each rank on torch's fake process group: give --device fake, not {ns.device}")
+    if ns.plot or ns.html or ns.keep_grads:
+        raise TargetError("fit per rank does not take --plot, --html or --keep-grads yet; drop them")
+    parse_rank_allow(ns.allow)
+    ranks = _ranks(ns.ranks, ns.world_size)
+    work = _workload(ns, per_rank=True)
+    if ns.max_batch:
+        with progress_bar(console, f"largest batch per rank of {work.name}") as progress:
+            found = max_batch_ranks(
+                work,
+                budget,
+                world_size=ns.world_size,
+                ranks=ranks,
+                multiple_of=ns.multiple_of,
+                allow=ns.allow,
+                progress=progress,
+            )
+        render_max_batch(found, console, title=work.name)
+        recipe = found.recipe
+        assert recipe is not None
+    else:
+        with progress_bar(console, f"fitting {work.name} per rank") as progress:
+            recipe = fit_ranks(work, budget, world_size=ns.world_size, ranks=ranks, allow=ns.allow, progress=progress)
+    recipe.budget = label
+    render_rank_fit(recipe, console, title=work.name, path=ns.json)  # type: ignore[arg-type]
+    if ns.json:
+        Path(ns.json).write_text(recipe.to_json())
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
 def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
     from memfit.plan.fit import fit_budget, parse_allow
     from memfit.report.console import progress_bar, render_fit
 
     raw, label = _budget(ns)
     budget = fit_budget(raw)  # bad budgets and lever names fail before any work
-    parse_allow(ns.allow)
     if ns.multiple_of < 1:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
+    if ns.world_size is not None:
+        return _cmd_fit_ranks(ns, console, budget, label)
+    if ns.ranks is not None:
+        raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    if ns.device == "fake":
+        raise TargetError(
+            "fit weighs its peaks on fake tensors already: --device fake is for a distributed step (--world-size N); "
+            "on one device give cpu, cuda or fake-cuda"
+        )
+    parse_allow(ns.allow)
     fake = FAKE.get(ns.device, False)
     _require_device(ns.device)
     work = _workload(ns)
@@ -727,17 +775,27 @@ def _parser() -> argparse.ArgumentParser:
         "--allow",
         default="",
         metavar="LEVERS",
-        help="levers that change the numerics, comma-separated: amp, bf16, foreach, 8bit (default: exact levers only)",
+        help="levers that change the numerics, comma-separated: amp, bf16, foreach, 8bit; per rank (--world-size): "
+        "reduce_bf16 (default: exact levers only)",
     )
     p.add_argument(
         "--keep-grads", action="store_true", help="the training loop calls zero_grad(set_to_none=False) (weigh switching)"
     )
     p.add_argument(
         "--device",
-        choices=["cpu", "cuda", "fake-cuda"],
+        choices=["cpu", "cuda", "fake", "fake-cuda"],
         default="cpu",
-        help="fake-cuda: exact peaks on a simulated CUDA GPU, step times predicted by the cost model (nothing timed)",
+        help="fake-cuda: exact peaks on a simulated CUDA GPU, step times predicted by the cost model (nothing timed); "
+        "fake: with --world-size, each rank on torch's fake process group",
     )
+    p.add_argument(
+        "--world-size",
+        type=_positive,
+        metavar="N",
+        help="fit one rank of N of the target's distributed step (--device fake): recompute, FSDP2's "
+        "reshard_after_forward and, with --allow reduce_bf16, a bfloat16 reduce dtype; budget per rank",
+    )
+    p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to fit (default 0)")
     _gpu_options(p)
     p.add_argument(
         "--max-batch",

@@ -46,6 +46,7 @@ __all__ = [
     "rank_sandbox",
     "record_rank",
     "fsdp2",
+    "FSDP2",
     "ddp",
     "tensor_parallel",
     "compose",
@@ -311,29 +312,68 @@ def _submesh(mesh: Any, dims: str | tuple[str, ...] | None) -> Any:
     return mesh if dims is None else mesh[dims]
 
 
+@dataclass(frozen=True)
+class FSDP2:
+    """A ``parallelize`` applying FSDP2 as torchtitan does: ``fully_shard`` on each of
+    ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy.
+    Plain settings, so that :func:`memfit.plan.rank_fit.fit_ranks` can weigh variants of
+    them (``dataclasses.replace``) and say which ``fully_shard`` arguments to use."""
+
+    blocks: Callable[[nn.Module], Sequence[nn.Module]]
+    param_dtype: torch.dtype | None = torch.bfloat16
+    reduce_dtype: torch.dtype | None = torch.float32
+    reshard_after_forward: bool = True
+    """The blocks' ``reshard_after_forward`` (but the last :attr:`keep_last`)."""
+    root_reshard_after_forward: bool | None = None
+    """The root's; None: as :attr:`reshard_after_forward`."""
+    keep_last: int = 0
+    """The last this-many blocks get ``reshard_after_forward=False``: their parameters stay
+    unsharded from their forward to their backward (no all-gather in backward), as
+    torchtitan does for the last block, which backward all-gathers again at once."""
+    mesh_dims: str | tuple[str, ...] | None = None
+    """The mesh dimensions it shards over (FSDP+TP: the data-parallel one); a 2-D mesh of
+    (replicate, shard) is HSDP. None: the whole mesh."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.blocks):
+            raise WorkloadError(f"fsdp2: blocks must be a function model -> blocks, got {type(self.blocks).__name__}")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise WorkloadError(f"fsdp2: keep_last must be an integer >= 0, got {self.keep_last!r}")
+
+    def block_reshards(self, n: int) -> list[bool]:
+        """Each of ``n`` blocks' ``reshard_after_forward``, in order."""
+        return [self.reshard_after_forward and i < n - self.keep_last for i in range(n)]
+
+    @property
+    def root_reshards(self) -> bool:
+        return self.reshard_after_forward if self.root_reshard_after_forward is None else self.root_reshard_after_forward
+
+    def __call__(self, model: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = _submesh(mesh, self.mesh_dims)
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        blocks = list(self.blocks(model))
+        for block, reshard in zip(blocks, self.block_reshards(len(blocks))):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.root_reshards)
+        return model
+
+
 def fsdp2(
     blocks: Callable[[nn.Module], Sequence[nn.Module]],
     *,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    root_reshard_after_forward: bool | None = None,
+    keep_last: int = 0,
     mesh_dims: str | tuple[str, ...] | None = None,
-) -> Callable[[nn.Module, Any], nn.Module]:
-    """A ``parallelize`` applying FSDP2 as torchtitan does: ``fully_shard`` on each of
-    ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy.
-    ``mesh_dims``: the mesh dimensions it shards over (FSDP+TP: the data-parallel one); a
-    2-D mesh of (replicate, shard) is HSDP."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-        mesh = _submesh(mesh, mesh_dims)
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for block in blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        return model
-
-    return parallelize
+) -> FSDP2:
+    """A ``parallelize`` applying FSDP2 as torchtitan does (see :class:`FSDP2`); ``mesh_dims``:
+    the mesh dimensions it shards over (FSDP+TP: the data-parallel one); a 2-D mesh of
+    (replicate, shard) is HSDP."""
+    return FSDP2(blocks, param_dtype, reduce_dtype, reshard_after_forward, root_reshard_after_forward, keep_last, mesh_dims)
 
 
 def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:

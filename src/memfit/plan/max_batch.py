@@ -23,7 +23,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from memfit.plan.planner import plan as make_plan
 from memfit.plan.recipe import Recipe
 from memfit.units import format_bytes
 from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
+
+if TYPE_CHECKING:
+    from memfit.plan.rank_fit import RankRecipe
 
 __all__ = ["max_batch", "largest_batch", "MaxBatch", "BatchLimit"]
 
@@ -83,13 +86,16 @@ class MaxBatch:
     batch_size: int
     example_batch: int
     limits: list[BatchLimit]
-    recipe: Recipe | None
+    recipe: Recipe | RankRecipe | None
     """The fastest recipe at ``batch_size``, measured for real; None on fake CUDA (no step
     can be timed or verified there)."""
     search_time_s: float
     multiple_of: int = 1
     model_type: str = ""
     device: str = ""
+    world_size: int | None = None
+    """A distributed step's world size: the batch and budget are per rank, and :attr:`recipe`
+    is a :class:`memfit.plan.rank_fit.RankRecipe` (:func:`memfit.plan.rank_fit.max_batch_ranks`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +108,7 @@ class MaxBatch:
             "predicted_only": self.recipe is None,
             "search_time_s": self.search_time_s,
             "multiple_of": self.multiple_of,
+            "world_size": self.world_size,
         }
 
 

@@ -28,13 +28,14 @@ from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
 from memfit.measure.snapshot import SnapshotSummary
 from memfit.plan.max_batch import MaxBatch
-from memfit.plan.recipe import Recipe
+from memfit.plan.recipe import Recipe, WhatIf
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.measure.distributed import RankProfiles
     from memfit.plan.distributed import WorldSizeFit
+    from memfit.plan.rank_fit import RankRecipe
 
 __all__ = [
     "render_profile",
@@ -44,6 +45,7 @@ __all__ = [
     "render_bench",
     "render_fit",
     "render_max_batch",
+    "render_rank_fit",
     "render_left_out",
     "render_zoo",
     "render_snapshot",
@@ -784,12 +786,17 @@ def render_bench(rows: list, context: dict, console: Console) -> None:
 
 def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = None) -> None:
     """How each lever set's peak grows with the batch, and the largest batch each fits."""
+    per_rank = f" per rank of {found.world_size}" if found.world_size else ""
     console.print(
-        f"[bold]{escape(title or found.model_type)}[/]: largest batch within {format_bytes(found.budget_bytes)}: "
+        f"[bold]{escape(title or found.model_type)}[/]: largest batch{per_rank} within {format_bytes(found.budget_bytes)}: "
         f"[bold]{found.batch_size}[/] (example batch {found.example_batch}; searched in {found.search_time_s:.1f} s)",
         highlight=False,
     )
-    table = Table(title="Peak = fixed + per sample x batch (fake tensors)", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"Peak{' per rank' if found.world_size else ''} = fixed + per sample x batch (fake tensors)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     rows = [
         [
             lim.label,
@@ -812,6 +819,10 @@ def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = N
         "line says: the batch the line through two measurements predicts; fake steps: fake-tensor steps measured",
         highlight=False,
     )
+    if found.world_size:
+        if found.recipe is not None:
+            console.print(f"the fastest recipe per rank at batch {found.batch_size} (times predicted):")
+        return
     if found.recipe is None:
         console.print(
             f"[yellow]note:[/] {escape(found.device)}: peaks predicted on fake CUDA tensors, not measured on a GPU; no recipe "
@@ -831,44 +842,8 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
         f" ({escape(str(recipe.budget))}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
         highlight=False,
     )
-    rows = []
-    for row in recipe.what_if:
-        peak = format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-"
-        secs = row.predicted_step_time_s
-        change = f"{secs / recipe.base_step_time_s - 1:+.0%}" if secs is not None and recipe.base_step_time_s else "-"
-        measured = "-"
-        if row.measured_peak_bytes is not None:
-            measured = format_bytes(row.measured_peak_bytes)
-            if row.measured_step_time_s is not None:
-                measured += f", {row.measured_step_time_s:.3f} s"
-        label = f"[bold]{escape(row.label)}[/] (chosen)" if row.chosen else escape(row.label)
-        rows.append(
-            [
-                label,
-                peak,
-                f"{secs:.3f} s" if secs is not None else "-",
-                change,
-                "[green]yes[/]" if row.fits else ("[red]no[/]" if row.predicted_peak_bytes is not None else "-"),
-                escape(measured if not row.note else (row.note if measured == "-" else f"{measured}; {row.note}")),
-            ]
-        )
-    table = Table(title="What if (within the budget first, fastest first)", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("configuration")
-    for col in ("peak", "step", "vs\nas is", "fits"):  # two lines: the figures are narrower
-        table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("measured", justify="right")
-    _add_rows(console, table, rows, names=None)
-    console.print(table)
-    # Levers not allowed share one reason and one remedy: one line, not one per lever.
-    opt_in = [lever for lever, why in recipe.left_out.items() if "opt in with allow=" in why]
-    for lever, why in recipe.left_out.items():
-        if lever not in opt_in:
-            console.print(f"[yellow]left out[/] {lever}: {escape(why)}", highlight=False)
-    if opt_in:
-        console.print(
-            f"[yellow]left out[/] {', '.join(opt_in)}: they change the numerics; --allow {','.join(opt_in)} weighs them",
-            highlight=False,
-        )
+    _what_if_table(recipe.what_if, recipe.base_step_time_s, console)
+    _left_out_levers(recipe.left_out, console)
     if recipe.plan is not None:
         render_left_out(recipe.plan.excluded, console, what="recompute")
     measured = []
@@ -907,6 +882,90 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
     console.print(snippet, markup=False, highlight=False, soft_wrap=True)
     render_training_arguments(recipe, console)
     console.print(f"fitted in {recipe.fit_time_s:.1f} s")
+
+
+def _what_if_table(what_if: list[WhatIf], base_time: float | None, console: Console, *, measured_column: bool = True) -> None:
+    """The what-if rows as fit made them: configuration, peak, step time, against the step as it is."""
+    rows = []
+    for row in what_if:
+        peak = format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-"
+        secs = row.predicted_step_time_s
+        change = f"{secs / base_time - 1:+.0%}" if secs is not None and base_time else "-"
+        measured = "-"
+        if row.measured_peak_bytes is not None:
+            measured = format_bytes(row.measured_peak_bytes)
+            if row.measured_step_time_s is not None:
+                measured += f", {row.measured_step_time_s:.3f} s"
+        label = f"[bold]{escape(row.label)}[/] (chosen)" if row.chosen else escape(row.label)
+        cells = [
+            label,
+            peak,
+            f"{secs:.3f} s" if secs is not None else "-",
+            change,
+            "[green]yes[/]" if row.fits else ("[red]no[/]" if row.predicted_peak_bytes is not None else "-"),
+        ]
+        last = measured if not row.note else (row.note if measured == "-" else f"{measured}; {row.note}")
+        if measured_column:
+            cells.append(escape(last))
+        elif row.note:
+            cells[0] += f" ({escape(row.note)})"
+        rows.append(cells)
+    table = Table(title="What if (within the budget first, fastest first)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("configuration")
+    for col in ("peak", "step", "vs\nas is", "fits"):  # two lines: the figures are narrower
+        table.add_column(col, justify="right", no_wrap=True)
+    if measured_column:
+        table.add_column("measured", justify="right")
+    _add_rows(console, table, rows, names=None)
+    console.print(table)
+
+
+def _left_out_levers(left_out: dict[str, str], console: Console) -> None:
+    # Levers not allowed share one reason and one remedy: one line, not one per lever.
+    opt_in = [lever for lever, why in left_out.items() if "opt in with allow=" in why]
+    for lever, why in left_out.items():
+        if lever not in opt_in:
+            console.print(f"[yellow]left out[/] {lever}: {escape(why)}", highlight=False)
+    if opt_in:
+        console.print(
+            f"[yellow]left out[/] {', '.join(opt_in)}: they change the numerics; --allow {','.join(opt_in)} weighs them",
+            highlight=False,
+        )
+
+
+def render_rank_fit(recipe: RankRecipe, console: Console, *, title: str, path: str | None = None) -> None:
+    """A per-rank fit: the what-if rows (peaks exact per rank, times predicted), the levers
+    left out, the chosen configuration, and the fully_shard calls for the training script."""
+    console.print(
+        f"[bold]{escape(title)}[/], rank of {recipe.world_size} ({escape(recipe.parallel)}) on [bold]{recipe.device}[/]: "
+        f"budget [bold]{format_bytes(recipe.budget_bytes)}[/] per rank ({escape(str(recipe.budget))}); as it is: peak "
+        f"{format_bytes(recipe.base_peak_bytes)}, {recipe.base_all_gathers} all-gathers, "
+        f"{recipe.base_step_time_s:.4f} s/step predicted",
+        highlight=False,
+    )
+    _what_if_table(recipe.what_if, recipe.base_step_time_s, console, measured_column=False)
+    _left_out_levers(recipe.left_out, console)
+    if recipe.plan is not None:
+        render_left_out(recipe.plan.excluded, console, what="recompute")
+    ranks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(recipe.rank_peak_bytes.items()))
+    console.print(
+        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/] "
+        f"per rank ({ranks}); {recipe.all_gathers} all-gathers per step; step {recipe.predicted_step_time_s:.4f} s "
+        "predicted by the cost model (not measured)",
+        highlight=False,
+    )
+    for note in recipe.notes:
+        console.print(f"[yellow]note[/] {escape(note)}", highlight=False)
+    snippet = recipe.snippet(path or "recipe.json")
+    if recipe.plan is not None and path is None:
+        head, _, rest = snippet.partition("\n")
+        snippet = f"{head}\n# recipe.json: written by memfit fit ... --json recipe.json (in Python: recipe.to_json())\n{rest}"
+    console.print("in your training script (model built, before training):", highlight=False)
+    console.print(snippet, markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"fitted in {recipe.fit_time_s:.1f} s ({recipe.search.get('profiles', 0)} rank profiles, "
+        f"{recipe.search.get('plans', 0)} plans)"
+    )
 
 
 def render_training_arguments(recipe: Recipe, console: Console) -> None:

@@ -1,0 +1,821 @@
+"""``fit`` and ``max_batch`` per rank of a distributed (FSDP2) step, on the fake process group.
+
+:func:`fit_ranks` weighs, for one rank's step, the levers that leave what training computes
+as it was: recompute (:func:`memfit.plan.distributed.plan_ranks`) and FSDP2's
+``reshard_after_forward`` (``False`` keeps a module's unsharded parameters from its forward
+to its backward: one all-gather fewer per step, for the memory of those parameters); and,
+only when allowed, the reduce dtype of FSDP's ``MixedPrecisionPolicy`` (bfloat16
+reduce-scatters: other numerics).
+
+``reshard_after_forward`` settings are ordered by the memory they hold: 0, every module
+reshards; 1, the root keeps its parameters (torch's own default for the root: backward
+all-gathers them again at once); ``1 + k``, the root and the last ``k`` blocks (torchtitan
+keeps the last block so). Peaks grow with the setting, so the largest setting that fits
+without recompute is searched for (a guess on the line through the ends, galloped and
+bisected), each probe an exact fake-group profile. Where the
+step as it is is over the budget, recompute is planned (and verified per rank) at the most
+kept whose unplanned peak is no higher than the workload's own setting's (bisected alike);
+and, unless every block fits kept, with every block kept.
+
+Peaks are never predicted: each is an exact fake-tensor profile of that rank's step, or a
+plan verified by running it. Step times are: fake tensors run no kernel, so each
+candidate's time is the cost model's (FLOPs, bytes and op count at the device's round
+rates, :class:`~memfit.plan.candidates.DeviceRates`, as ``fit`` on fake CUDA) plus its
+plan's recompute share plus its collectives' bytes at a nominal link rate
+(:data:`LINK_BYTES_PER_S`, none of it hidden behind compute: an upper bound on what
+communication adds). The fastest predicted wins; ties go to fewer levers.
+
+:func:`max_batch_ranks`: the largest per-rank batch whose rank step fits a per-rank budget,
+with and without recompute (the single-device search of :mod:`memfit.plan.max_batch` with
+per-rank peaks), then :func:`fit_ranks` at that batch for its recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, world_size_of
+from memfit.measure.ledger import Category, Ledger
+from memfit.measure.profile import Progress
+from memfit.plan.candidates import DeviceRates
+from memfit.plan.distributed import plan_ranks
+from memfit.plan.fit import fit_budget
+from memfit.plan.max_batch import BatchLimit, MaxBatch, _largest
+from memfit.plan.recipe import WhatIf
+from memfit.plan.result import Plan, parse_json, read_versioned
+from memfit.units import format_bytes
+from memfit.workload import Workload, batch_size_of, resize_batch, resize_targets, split_inputs
+
+__all__ = ["fit_ranks", "max_batch_ranks", "RankRecipe", "RANK_LEVERS", "parse_rank_allow", "LINK_BYTES_PER_S"]
+
+RANK_RECIPE_FORMAT = "memfit.rank_recipe"
+RANK_RECIPE_VERSION = 1
+
+RANK_LEVERS: dict[str, str] = {
+    "recompute": "recompute activations in backward instead of keeping them (memfit's plan, applied before fully_shard)",
+    "reshard_after_forward": "FSDP2 reshard_after_forward=False on the root and the last blocks: their unsharded "
+    "parameters stay from forward to backward, which then all-gathers them no more (the same numerics)",
+    "reduce_bf16": "FSDP2 MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): gradients reduce-scattered in bfloat16 "
+    "(changes the numerics: opt in)",
+}
+"""The levers a per-rank fit weighs, with what each does."""
+OPT_IN_RANK_LEVERS = ("reduce_bf16",)
+_TIE = 0.05
+
+LINK_BYTES_PER_S = {"cuda": 100e9, "cpu": 5e9}
+"""Nominal bytes per second each rank sends in a ring collective: NVLink-class GPUs (NCCL's
+bus bandwidth within a node is 100-400 GB/s), and gloo on a CPU host. Round figures, not
+measured: they rank all-gathers saved against recompute added."""
+
+
+def parse_rank_allow(allow: str | Iterable[str] | None) -> set[str]:
+    """Opt-in lever names for :func:`fit_ranks`; any other name raises PlanError in one line."""
+    if allow is None:
+        return set()
+    items = allow.split(",") if isinstance(allow, str) else list(allow)
+    names = {str(a).strip() for a in items if str(a).strip()}
+    for name in sorted(names):
+        if name not in OPT_IN_RANK_LEVERS:
+            raise PlanError(
+                f"--allow {name}: a per-rank fit weighs recompute and reshard_after_forward always, and opts in to "
+                f"{', '.join(OPT_IN_RANK_LEVERS)} only (amp, bf16, foreach and 8bit are weighed by fit on one device, "
+                "not per rank yet)"
+            )
+    return names
+
+
+# -- the settings weighed ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One FSDP2 configuration: ``keep`` is the index in the family of the module docstring
+    (None: the workload's own reshard_after_forward), ``reduce_bf16`` the opt-in dtype."""
+
+    keep: int | None = None
+    reduce_bf16: bool = False
+
+
+def _fsdp_of(workload: Workload) -> FSDP2 | None:
+    parallel = workload.parallel
+    return parallel.parallelize if parallel is not None and isinstance(parallel.parallelize, FSDP2) else None
+
+
+def _variant(fsdp: FSDP2, s: _Setting) -> FSDP2:
+    out = fsdp
+    if s.keep is not None:
+        out = dataclasses.replace(
+            out, reshard_after_forward=True, root_reshard_after_forward=s.keep == 0, keep_last=max(0, s.keep - 1)
+        )
+    if s.reduce_bf16:
+        out = dataclasses.replace(out, reduce_dtype=torch.bfloat16)
+    return out
+
+
+def _with_fsdp(workload: Workload, fsdp: FSDP2) -> Workload:
+    assert workload.parallel is not None
+    return dataclasses.replace(workload, parallel=dataclasses.replace(workload.parallel, parallelize=fsdp))
+
+
+def _reduce_dtype(fsdp: FSDP2) -> torch.dtype:
+    """The dtype FSDP reduce-scatters gradients in: the reduce dtype, else the parameters'
+    compute dtype, else float32 (memfit's zoo models train in it)."""
+    return fsdp.reduce_dtype or fsdp.param_dtype or torch.float32
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _block_names(workload: Workload, fsdp: FSDP2) -> list[str]:
+    names = {id(m): n for n, m in workload.model.named_modules()}
+    try:
+        blocks = list(fsdp.blocks(workload.model))
+    except Exception as exc:
+        raise WorkloadError(f"fsdp2: blocks(model) raised {type(exc).__name__}: {str(exc)[:200]}") from exc
+    missing = [b for b in blocks if id(b) not in names]
+    if missing:
+        raise WorkloadError(f"fsdp2: blocks(model) returned a {type(missing[0]).__name__} that is not a module of the model")
+    return [names[id(b)] for b in blocks]
+
+
+def _reshards(fsdp: FSDP2, n_blocks: int) -> tuple[bool, tuple[bool, ...]]:
+    """(root, blocks) reshard_after_forward: what the all-gathers depend on."""
+    return fsdp.root_reshards, tuple(fsdp.block_reshards(n_blocks))
+
+
+def _describe_reshards(fsdp: FSDP2, n_blocks: int) -> str:
+    root, blocks = _reshards(fsdp, n_blocks)
+    return _describe(root, blocks)
+
+
+def _describe(root: bool, blocks: Sequence[bool]) -> str:
+    """reshard_after_forward in words: where it is False."""
+    n = len(blocks)
+    kept = sum(1 for b in blocks if not b)
+    if root and not kept:
+        return "reshard_after_forward=True everywhere"
+    where = ["the root"] if not root else []
+    if kept == n:
+        where.append(f"all {n} blocks")
+    elif kept and tuple(blocks[n - kept :]) == (False,) * kept:
+        where.append(f"the last {kept} of {n} blocks")
+    elif kept:
+        where.append(f"{kept} of {n} blocks")
+    return "reshard_after_forward=False on " + " and ".join(where)
+
+
+# -- the recipe ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankRecipe:
+    """What :func:`fit_ranks` chose for each rank of a distributed step. Memory in bytes
+    (per rank), times in seconds (predicted: nothing runs on the fake process group)."""
+
+    budget_bytes: int
+    world_size: int
+    parallel: str
+    levers: tuple[str, ...]
+    """The levers used (keys of :data:`RANK_LEVERS`); empty when the step fits as it is."""
+    fsdp: dict[str, Any] | None
+    """The ``fully_shard`` arguments to use: ``blocks`` (module names, in order),
+    ``block_reshard_after_forward`` (one bool per block), ``root_reshard_after_forward``,
+    ``param_dtype``, ``reduce_dtype`` (dtype names; None: FSDP's default). None: the
+    workload's ``parallelize`` is not memfit's FSDP2, whose arguments fit cannot vary."""
+    plan: Plan | None
+    """What to recompute (apply before ``fully_shard``), or None."""
+    predicted_peak_bytes: int
+    """The highest verified peak among :attr:`rank_peak_bytes`."""
+    rank_peak_bytes: dict[int, int]
+    predicted_step_time_s: float
+    base_peak_bytes: int
+    """The step as it is (the workload's parallelize, no plan), highest rank."""
+    base_step_time_s: float
+    all_gathers: int
+    """All-gathers per step of the chosen configuration (rank's ledger), beside :attr:`base_all_gathers`."""
+    base_all_gathers: int
+    what_if: list[WhatIf] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    budget: str = ""
+    device: str = "fake:cpu"
+    batch_size: int | None = None
+    fit_time_s: float = 0.0
+    times_predicted: bool = True
+    search: dict[str, int] = field(default_factory=dict)
+    """``profiles`` (exact fake-group profiles) and ``plans`` made."""
+
+    def summary(self) -> str:
+        words = []
+        if "reshard_after_forward" in self.levers and self.fsdp is not None:
+            words.append(_describe(self.fsdp["root_reshard_after_forward"], self.fsdp["block_reshard_after_forward"]))
+        if "reduce_bf16" in self.levers:
+            words.append("reduce in bfloat16")
+        if "recompute" in self.levers and self.plan is not None:
+            n = len(self.plan.checkpointed)
+            words.append(f"recompute ({n} module{'s' if n != 1 else ''})")
+        return " + ".join(words) or "no lever"
+
+    def snippet(self, path: str = "recipe.json") -> str:
+        """Lines for the training script: the plan applied before ``fully_shard``, and the
+        ``fully_shard`` calls with the chosen arguments; ``path``: the recipe's JSON."""
+        fits = "fits" if self.predicted_peak_bytes <= self.budget_bytes else "is over"
+        lines = [
+            f"# memfit fit, per rank of {self.world_size}: {self.summary()}; predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} per rank ({fits} the budget {format_bytes(self.budget_bytes)}), "
+            f"{self.predicted_step_time_s:.3f} s/step predicted"
+        ]
+        if not self.levers:
+            return lines[0] + "\n# the step fits as it is on every rank: keep your parallelize and training loop\n"
+        if self.plan is not None and self.plan.checkpointed:
+            n = len(self.plan.checkpointed)
+            lines += [
+                "import memfit",
+                "from memfit.plan.rank_fit import RankRecipe",
+                f'recipe = RankRecipe.from_json(open("{path}").read())',
+                f"memfit.apply(model, recipe.plan)  # before parallelizing: recompute {n} module{'s' if n != 1 else ''}",
+            ]
+        if self.fsdp is None:
+            lines.append("# then parallelize the model as you do now")
+            return "\n".join(lines) + "\n"
+        f = self.fsdp
+        lines += [
+            "import torch",
+            "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+            f"mp = MixedPrecisionPolicy(param_dtype={_torch_dtype(f['param_dtype'])}, reduce_dtype={_torch_dtype(f['reduce_dtype'])})",
+        ]
+        names, reshards = f["blocks"], f["block_reshard_after_forward"]
+        container = _container(names)
+        if container is not None:
+            lines.append(f'blocks = model.get_submodule("{container}")' if container else "blocks = list(model.children())")
+        else:
+            lines.append(f"blocks = [model.get_submodule(n) for n in {names!r}]")
+        kept = sum(1 for r in reshards if not r)
+        if all(reshards) or not any(reshards):
+            arg, comment = repr(bool(reshards and reshards[0])), ""
+        elif list(reshards) == [True] * (len(reshards) - kept) + [False] * kept:
+            arg = f"i < {len(reshards) - kept}"
+            which = "the last block keeps its" if kept == 1 else f"the last {kept} blocks keep their"
+            comment = f"  # {which} parameters unsharded from forward to backward"
+        else:
+            lines.append(f"reshard = {list(reshards)!r}")
+            arg, comment = "reshard[i]", ""
+        lines += [
+            "for i, block in enumerate(blocks):",
+            f"    fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward={arg}){comment}",
+            f"fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward={f['root_reshard_after_forward']})",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["levers"] = list(self.levers)
+        data["plan"] = self.plan.to_dict() if self.plan is not None else None
+        data["what_if"] = [{**dataclasses.asdict(w), "levers": list(w.levers)} for w in self.what_if]
+        data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
+        return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RankRecipe:
+        body = read_versioned(data, RANK_RECIPE_FORMAT, RANK_RECIPE_VERSION, "per-rank recipe")
+        try:
+            body["levers"] = tuple(body["levers"])
+            unknown = [lever for lever in body["levers"] if lever not in RANK_LEVERS]
+            if unknown:
+                raise PlanError(f"per-rank recipe JSON names unknown lever {unknown[0]!r}")
+            body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
+            body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+            body["rank_peak_bytes"] = {int(r): int(b) for r, b in body["rank_peak_bytes"].items()}
+            return cls(**body)
+        except PlanError:
+            raise
+        except Exception as exc:  # a corrupt file: missing keys, wrong types
+            raise PlanError(f"per-rank recipe JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> RankRecipe:
+        return cls.from_dict(parse_json(text, "per-rank recipe"))
+
+
+def _torch_dtype(name: str | None) -> str:
+    return "None" if name is None else f"torch.{name}"
+
+
+def _container(names: list[str]) -> str | None:
+    """The module holding the blocks as its children ``0 .. n-1`` in order (a ModuleList's
+    name), if they are; None otherwise."""
+    if not names:
+        return None
+    prefixes = {n.rpartition(".")[0] for n in names}
+    if len(prefixes) != 1 or [n.rpartition(".")[2] for n in names] != [str(i) for i in range(len(names))]:
+        return None
+    return prefixes.pop()
+
+
+# -- the search ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    setting: _Setting
+    plan: Plan | None
+    peak_bytes: int
+    time_s: float
+    levers: tuple[str, ...]
+
+
+class _RankSearch:
+    """Exact per-rank peaks, plans and predicted times of FSDP2 settings, each made once."""
+
+    def __init__(
+        self, workload: Workload, fsdp: FSDP2 | None, world_size: int, ranks: Sequence[int], budget: int, report: Progress
+    ) -> None:
+        self.workload = workload
+        self.fsdp = fsdp
+        self.n = world_size
+        self.ranks = list(ranks)
+        self.budget = budget
+        self.report = report
+        self.blocks = _block_names(workload, fsdp) if fsdp is not None else []
+        self.profiles: dict[_Setting, RankProfiles] = {}
+        self.plans: dict[_Setting, Plan | int] = {}
+        self.rates: DeviceRates | None = None
+
+    @property
+    def top(self) -> int:
+        """The family's last setting: the root and every block keep their parameters."""
+        return 1 + len(self.blocks)
+
+    def fsdp_at(self, s: _Setting) -> FSDP2 | None:
+        return _variant(self.fsdp, s) if self.fsdp is not None else None
+
+    def canon(self, s: _Setting) -> _Setting:
+        """``s``, or the workload's own setting when ``s`` is the same FSDP2 configuration
+        (a family member the workload already uses is weighed once)."""
+        if s.keep is None or self.fsdp is None:
+            return s
+        own = _Setting(None, s.reduce_bf16)
+        mine, theirs = self.fsdp_at(s), self.fsdp_at(own)
+        assert mine is not None and theirs is not None
+        same = _reshards(mine, len(self.blocks)) == _reshards(theirs, len(self.blocks))
+        return own if same and mine.reduce_dtype == theirs.reduce_dtype else s
+
+    def work(self, s: _Setting) -> Workload:
+        fsdp = self.fsdp_at(s)
+        return self.workload if fsdp is None or fsdp == self.fsdp else _with_fsdp(self.workload, fsdp)
+
+    def label(self, s: _Setting, plan: Plan | None = None) -> str:
+        words = ["as it is" if s.keep is None or self.fsdp is None else _describe_reshards(self.fsdp_at(s), len(self.blocks))]
+        if s.reduce_bf16:
+            words.append("reduce in bfloat16")
+        if plan is not None and plan.checkpointed:
+            words.append(f"recompute ({len(plan.checkpointed)} modules)")
+        return " + ".join(words)
+
+    def levers(self, s: _Setting, plan: Plan | None) -> tuple[str, ...]:
+        used = set()
+        if plan is not None and plan.checkpointed:
+            used.add("recompute")
+        if self.fsdp is not None and _reshards(self.fsdp_at(s), len(self.blocks)) != _reshards(self.fsdp, len(self.blocks)):
+            used.add("reshard_after_forward")
+        if s.reduce_bf16:
+            used.add("reduce_bf16")
+        return tuple(lever for lever in RANK_LEVERS if lever in used)
+
+    def profiled(self, s: _Setting) -> RankProfiles:
+        s = self.canon(s)
+        if s not in self.profiles:
+            self.report(f"rank step: {self.label(s)}", 0, 0)
+            self.profiles[s] = profile_ranks(self.work(s), world_size=self.n, ranks=self.ranks)
+        return self.profiles[s]
+
+    def peak(self, s: _Setting) -> int:
+        return self.profiled(s).peak_bytes
+
+    def planned(self, s: _Setting) -> Plan | int:
+        """A plan at the budget for setting ``s`` (verified on every rank), or the lowest peak recompute reaches."""
+        s = self.canon(s)
+        if s not in self.plans:
+            self.report(f"recompute plan: {self.label(s)}", 0, 0)
+            try:
+                self.plans[s] = plan_ranks(self.work(s), self.budget, world_size=self.n, ranks=self.ranks)
+            except BudgetInfeasibleError as exc:
+                self.plans[s] = exc.min_peak_bytes
+        return self.plans[s]
+
+    def all_gathers(self, s: _Setting) -> int:
+        ledger = self.profiled(s).profiles[self.profiled(s).worst_rank].ledger
+        return sum(1 for b in ledger.blocks if b.category is Category.ALL_GATHER and b.born >= 0)
+
+    def seconds(self, s: _Setting, plan: Plan | None) -> float:
+        """Predicted step time (module docstring): compute + recompute + collectives."""
+        prof = self.profiled(s).profiles[self.profiled(s).worst_rank]
+        if self.rates is None:
+            self.rates = DeviceRates.for_device(prof.device)
+        ledger = prof.ledger
+        nbytes = sum(b.nbytes for b in ledger.blocks if b.born >= 0)
+        compute = self.rates.estimate(prof.step_flops, nbytes, 3 * len(ledger.ops))
+        recompute = compute * plan.extra_flops / max(1, prof.step_flops) if plan is not None else 0.0
+        link = LINK_BYTES_PER_S["cuda" if "cuda" in prof.device else "cpu"]
+        return compute + recompute + collective_bytes(ledger, self.n) / link
+
+    def candidate(self, s: _Setting, plan: Plan | None = None) -> _Candidate:
+        s = self.canon(s)
+        peak = max(plan.rank_peak_bytes.values()) if plan is not None and plan.rank_peak_bytes else self.peak(s)
+        return _Candidate(s, plan, peak, self.seconds(s, plan), self.levers(s, plan))
+
+    def largest_within(self, reduce_bf16: bool, bound: int) -> int | None:
+        """The largest family setting whose step peaks within ``bound`` without recompute
+        (None: not even 0). Peaks grow with the setting, nearly by a block's parameters a
+        block: a guess on the line through the two ends, galloped from to a bracket, then
+        bisected; each probe an exact profile."""
+
+        def peak(i: int) -> int:
+            return self.peak(_Setting(i, reduce_bf16))
+
+        if peak(self.top) <= bound:
+            return self.top
+        if peak(0) > bound:
+            return None
+        lo, hi = 0, self.top  # lo fits, hi does not
+        guess = lo + int((bound - peak(lo)) / max(1, peak(hi) - peak(lo)) * (hi - lo))
+        guess, step = min(max(guess, lo), hi - 1), 1
+        if peak(guess) <= bound:
+            lo = guess
+            while lo + step < hi and peak(lo + step) <= bound:
+                lo, step = lo + step, step * 2
+            hi = min(hi, lo + step)
+        else:
+            hi = guess
+            while hi - step > lo and peak(hi - step) > bound:
+                hi, step = hi - step, step * 2
+            lo = max(lo, hi - step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(mid) <= bound:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def collective_bytes(ledger: Ledger, world_size: int) -> float:
+    """Bytes one rank sends in the step's collectives, in a ring: ``(n - 1) / n`` of each
+    all-gather's output and each reduce-scatter's input (FSDP's buffers in the ledger)."""
+    moved = sum(b.nbytes for b in ledger.blocks if b.born >= 0 and b.category in (Category.ALL_GATHER, Category.REDUCE_SCATTER))
+    return moved * (world_size - 1) / world_size
+
+
+def _check_allowed(workload: Workload, allowed: set[str]) -> None:
+    """Refuse, in one line, an opt-in lever this workload cannot use."""
+    if "reduce_bf16" not in allowed:
+        return
+    fsdp = _fsdp_of(workload)
+    if fsdp is None:
+        scheme = workload.parallel.name if workload.parallel is not None else workload.name
+        raise PlanError(
+            f"--allow reduce_bf16: {scheme}'s parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), "
+            "so fit cannot set its reduce dtype; build the workload's Parallel with fsdp2(...) or drop the lever"
+        )
+    if _reduce_dtype(fsdp) == torch.bfloat16:
+        raise PlanError(
+            "--allow reduce_bf16: this FSDP2 already reduce-scatters in bfloat16 "
+            f"(reduce_dtype={_dtype_name(fsdp.reduce_dtype)}, param_dtype={_dtype_name(fsdp.param_dtype)}); drop the lever"
+        )
+
+
+def fit_ranks(
+    workload: Workload,
+    budget: int | str,
+    *,
+    world_size: int | None = None,
+    ranks: Sequence[int] = (0,),
+    allow: str | Iterable[str] | None = None,
+    exclude: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> RankRecipe:
+    """The fastest (predicted) configuration of each rank of ``workload``'s distributed step
+    whose peak fits ``budget`` bytes per rank: recompute, FSDP2's reshard_after_forward and,
+    with ``allow="reduce_bf16"``, a bfloat16 reduce dtype (module docstring). ``exclude``:
+    exact levers the training script cannot use (``"recompute"``, ``"reshard_after_forward"``),
+    each with the reason ``left_out`` then gives. The workload's model, its parallelize and
+    the process group are left as they were.
+
+    The ``reshard_after_forward`` lever needs the workload's parallelize to be memfit's
+    FSDP2 (:func:`memfit.measure.distributed.fsdp2`), whose arguments are data fit can vary;
+    with another, recompute alone is weighed (``left_out`` says so).
+
+    Raises:
+        BudgetInfeasibleError: nothing weighed fits; the message states the lowest peak reached.
+        PlanError: an ``allow`` name that is not an opt-in lever here, or one this workload cannot use.
+    """
+    started = time.perf_counter()
+    target = fit_budget(budget)
+    allowed = parse_rank_allow(allow)
+    n = world_size_of(workload, world_size)
+    ranks = list(dict.fromkeys(ranks))
+    if not ranks:
+        raise WorkloadError("ranks is empty: give the ranks to fit, e.g. (0,)")
+    for r in ranks:
+        FakeGroup(n, r)  # a rank outside the world: refused before any work
+    fsdp = _fsdp_of(workload)
+    assert workload.parallel is not None  # world_size_of refuses a workload without one
+    scheme = workload.parallel.name
+    left_out: dict[str, str] = dict(exclude or {})
+    unknown = sorted(set(left_out) - {"recompute", "reshard_after_forward"})
+    if unknown:
+        raise PlanError(
+            f"fit per rank can exclude the levers 'recompute' and 'reshard_after_forward', not {', '.join(map(repr, unknown))}"
+        )
+    if "reshard_after_forward" in left_out:
+        fsdp = None  # the workload's own settings only: no family to search
+    elif fsdp is None:
+        left_out["reshard_after_forward"] = (
+            f"{scheme}: its parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), whose fully_shard "
+            "arguments fit can vary"
+        )
+    _check_allowed(workload, allowed)
+    if "reduce_bf16" not in allowed and fsdp is not None:
+        left_out["reduce_bf16"] = "changes the numerics: opt in with allow='reduce_bf16' (--allow reduce_bf16)"
+    report = progress or (lambda desc, done, total: None)
+    # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
+    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report)
+    family = fsdp is not None
+    recompute = "recompute" not in left_out
+
+    cands: list[_Candidate] = []
+    lowest: tuple[int, str] | None = None
+
+    def weigh_plan(s: _Setting) -> bool:
+        nonlocal lowest
+        if not recompute:
+            return False
+        got = search.planned(s)
+        if isinstance(got, Plan):
+            cands.append(search.candidate(s, got))
+            return True
+        if lowest is None or got < lowest[0]:
+            lowest = (got, search.label(s) + " + recompute")
+        return False
+
+    base = _Setting()
+    for reduce in [False] + ([True] if "reduce_bf16" in allowed else []):
+        own = _Setting(None, reduce)
+        if search.peak(own) <= target:
+            cands.append(search.candidate(own))
+        elif lowest is None or search.peak(own) < lowest[0]:
+            lowest = (search.peak(own), search.label(own))
+        if not family:
+            if search.peak(own) > target:
+                weigh_plan(own)
+            continue
+        best = search.largest_within(reduce, target)
+        if best is not None:
+            cands.append(search.candidate(_Setting(best, reduce)))
+        else:
+            # Over the budget as it is: recompute at the most kept that costs no more peak than
+            # the workload's own setting (the root, the last block: backward all-gathers them
+            # at once anyway); failing that at its own, failing that at the lowest.
+            free = search.largest_within(reduce, search.peak(own))
+            if free is None or not weigh_plan(_Setting(free, reduce)):
+                if not weigh_plan(own) and search.peak(_Setting(0, reduce)) < search.peak(own):
+                    weigh_plan(_Setting(0, reduce))
+        if best != search.top:
+            # Recompute that makes room for every block's parameters, against the all-gathers saved.
+            weigh_plan(_Setting(search.top, reduce))
+        if best is None and lowest is not None and search.peak(_Setting(0, reduce)) < lowest[0]:
+            lowest = (search.peak(_Setting(0, reduce)), search.label(_Setting(0, reduce)))
+    if not cands:
+        assert lowest is not None
+        opt_in = [lever for lever in OPT_IN_RANK_LEVERS if lever not in allowed and lever in left_out]
+        raise BudgetInfeasibleError(
+            f"budget {format_bytes(target)} per rank is below the lowest peak memfit reaches at {n} ranks with the levers "
+            f"allowed: {format_bytes(lowest[0])} ({lowest[0]} bytes) with {lowest[1]}; as it is rank "
+            f"{search.profiled(base).worst_rank} peaks at {format_bytes(search.peak(base))}; more ranks shard more"
+            + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
+            min_peak_bytes=lowest[0],
+            budget_bytes=target,
+        )
+    unique: dict[tuple[_Setting, bool], _Candidate] = {}
+    for c in cands:  # a setting reached twice (the workload's own is a family member) counts once
+        unique.setdefault((c.setting, c.plan is not None), c)
+    cands = list(unique.values())
+    best = _choose(cands)
+    why_not = {
+        "recompute": "not needed: the chosen configuration fits without it",
+        "reshard_after_forward": "keeping more parameters unsharded from forward to backward does not fit the budget"
+        if best.plan is None
+        else "the chosen recipe is predicted faster (the settings weighed are the what-if rows)",
+    }
+    for lever, why in why_not.items():
+        if lever not in best.levers and lever not in left_out:
+            left_out[lever] = why
+    if best.plan is not None and best.plan.rank_peak_bytes:
+        rank_peaks = dict(best.plan.rank_peak_bytes)
+    else:
+        rank_peaks = {r: p.peak_bytes for r, p in search.profiled(best.setting).profiles.items()}
+    chosen_fsdp = search.fsdp_at(best.setting)
+    as_is = search.profiled(base)
+    device = as_is.profiles[as_is.worst_rank].device
+    notes = [
+        "fake process group: peaks are exact per rank on fake tensors; step times are predicted (the cost model's round "
+        f"rates for {device}, collectives at a nominal {LINK_BYTES_PER_S['cuda' if 'cuda' in device else 'cpu'] / 1e9:g} "
+        "GB/s, not overlapped) and chose the recipe: time it on the cluster",
+    ]
+    if fsdp is not None and search.blocks and fsdp.reshard_after_forward is False:
+        notes.append("the workload keeps every block unsharded already; reshard_after_forward=True frees them as a lever")
+    what_if = _what_if(search, cands, best)
+    return RankRecipe(
+        budget_bytes=target,
+        world_size=n,
+        parallel=scheme,
+        levers=best.levers,
+        fsdp=_fsdp_args(chosen_fsdp, search.blocks) if chosen_fsdp is not None else None,
+        plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
+        predicted_peak_bytes=max(rank_peaks.values()),
+        rank_peak_bytes=rank_peaks,
+        predicted_step_time_s=best.time_s,
+        base_peak_bytes=search.peak(base),
+        base_step_time_s=search.seconds(base, None),
+        all_gathers=search.all_gathers(best.setting),
+        base_all_gathers=search.all_gathers(base),
+        what_if=what_if,
+        left_out={lever: left_out[lever] for lever in RANK_LEVERS if lever in left_out and lever not in best.levers},
+        notes=notes,
+        budget=str(budget),
+        device=device,
+        batch_size=batch_size_of(*split_inputs(workload.inputs)),
+        fit_time_s=time.perf_counter() - started,
+        search={"profiles": len(search.profiles), "plans": len(search.plans)},
+    )
+
+
+def _choose(cands: list[_Candidate]) -> _Candidate:
+    """The fastest predicted; a lever that changes the numerics only when it is more than
+    :data:`_TIE` faster than the fastest without one (as fit chooses among near-ties)."""
+    fastest = min(c.time_s for c in cands)
+    close = [c for c in cands if c.time_s <= fastest * (1 + _TIE)]
+    return min(close, key=lambda c: (sum(lev in OPT_IN_RANK_LEVERS for lev in c.levers), c.time_s, len(c.levers), c.peak_bytes))
+
+
+def _fsdp_args(fsdp: FSDP2, blocks: list[str]) -> dict[str, Any]:
+    return {
+        "blocks": blocks,
+        "block_reshard_after_forward": fsdp.block_reshards(len(blocks)),
+        "root_reshard_after_forward": fsdp.root_reshards,
+        "param_dtype": _dtype_name(fsdp.param_dtype),
+        "reduce_dtype": _dtype_name(fsdp.reduce_dtype),
+    }
+
+
+def _what_if(search: _RankSearch, cands: list[_Candidate], best: _Candidate) -> list[WhatIf]:
+    """Every setting weighed: those that fit (fastest first), then those over the budget."""
+    rows = [
+        WhatIf(search.label(c.setting, c.plan), c.levers, c.peak_bytes, c.time_s, True, chosen=c is best)
+        for c in sorted(cands, key=lambda c: c.time_s)
+    ]
+    shown = {(c.setting, c.plan is not None) for c in cands}
+    over = []
+    for s, prof in search.profiles.items():
+        if (s, False) not in shown and prof.peak_bytes > search.budget:
+            over.append(WhatIf(search.label(s), search.levers(s, None), prof.peak_bytes, search.seconds(s, None), False))
+    for s, got in search.plans.items():
+        if isinstance(got, int):
+            note = f"lowest reachable with recompute {format_bytes(got)}"
+            over.append(
+                WhatIf(search.label(s) + " + recompute", search.levers(s, None) + ("recompute",), got, None, False, note=note)
+            )
+    over.sort(key=lambda w: w.predicted_peak_bytes or 0)
+    return rows + over
+
+
+# -- the largest batch per rank ----------------------------------------------------------------------
+
+
+def _at_batch(workload: Workload, batch: int) -> Workload:
+    inputs = resize_batch(workload.inputs, batch)
+    targets = resize_targets(workload.targets, workload.inputs, batch)
+    meta = {**workload.meta, "batch_size": batch} if "batch_size" in workload.meta else workload.meta
+    return dataclasses.replace(workload, inputs=inputs, targets=targets, meta=meta)
+
+
+def max_batch_ranks(
+    workload: Workload,
+    budget: int | str,
+    *,
+    world_size: int | None = None,
+    ranks: Sequence[int] = (0,),
+    multiple_of: int = 1,
+    allow: str | Iterable[str] | None = None,
+    recompute: bool = True,
+    recipe: bool = True,
+    progress: Progress | None = None,
+) -> MaxBatch:
+    """The largest per-rank batch (a multiple of ``multiple_of``) whose distributed step
+    peaks within ``budget`` bytes on each of ``ranks``: for each lever set (as it is;
+    reshard_after_forward=True everywhere, where the workload keeps any parameters unsharded;
+    with ``allow``, a bfloat16 reduce dtype), without and with recompute (its lowest
+    reachable peak), the search of :func:`memfit.max_batch` on exact fake-group peaks.
+    Then (``recipe``) :func:`fit_ranks` at that batch: the fastest recipe there.
+    ``recompute=False`` leaves the recompute limits out (each batch tried is then one
+    profile, not a plan: minutes less on an 8B model)."""
+    started = time.perf_counter()
+    target = fit_budget(budget)
+    allowed = parse_rank_allow(allow)
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    n = world_size_of(workload, world_size)
+    ranks = list(dict.fromkeys(ranks)) or [0]
+    for r in ranks:
+        FakeGroup(n, r)
+    example = batch_size_of(*split_inputs(workload.inputs))
+    if example is None:
+        raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
+    report = progress or (lambda desc, done, total: None)
+    fsdp = _fsdp_of(workload)
+    _check_allowed(workload, allowed)
+    variants: dict[str, Workload] = {"": workload}
+    if fsdp is not None:
+        lowest = _variant(fsdp, _Setting(0))
+        blocks = len(_block_names(workload, fsdp))
+        if _reshards(lowest, blocks) != _reshards(fsdp, blocks):
+            variants["reshard_after_forward"] = _with_fsdp(workload, lowest)
+        if "reduce_bf16" in allowed:
+            variants["reduce_bf16"] = _with_fsdp(workload, _variant(fsdp, _Setting(None, True)))
+
+    def plain(work: Workload) -> Callable[[int], int]:
+        def peak(b: int) -> int:
+            report(f"rank step at batch {b}", 0, 0)
+            return profile_ranks(_at_batch(work, b), world_size=n, ranks=ranks).peak_bytes
+
+        return peak
+
+    def recomputed(work: Workload) -> Callable[[int], int]:
+        def peak(b: int) -> int:
+            report(f"lowest recompute peak at batch {b}", 0, 0)
+            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1]).min_peak_bytes
+
+        return peak
+
+    limits: list[BatchLimit] = []
+    for name, work in variants.items():
+        for planned in (False, True) if recompute else (False,):
+            levers = (("recompute",) if planned else ()) + ((name,) if name else ())
+            limits.append(_largest((recomputed if planned else plain)(work), target, example, multiple_of, levers))
+    batch = max(lim.max_batch for lim in limits)
+    if batch == 0:
+        low = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple_of)
+        at = low.fixed_bytes + low.bytes_per_sample * multiple_of
+        raise BudgetInfeasibleError(
+            f"budget {format_bytes(target)} per rank does not hold even a batch of {multiple_of} per rank at {n} ranks: "
+            f"the lowest peak there is about {format_bytes(at)} ({low.label})",
+            min_peak_bytes=at,
+            budget_bytes=target,
+        )
+    found = None
+    if recipe:
+        # The fastest recipe there. The recompute limits are the planned rank's lowest peaks;
+        # a plan verified on every rank may need a step down.
+        for _ in range(3):
+            report(f"fastest recipe at batch {batch}", 0, 0)
+            try:
+                found = fit_ranks(
+                    _at_batch(workload, batch),
+                    target,
+                    world_size=n,
+                    ranks=ranks,
+                    allow=allowed,
+                    exclude=None if recompute else {"recompute": "left out of the search (recompute=False)"},
+                    progress=progress,
+                )
+                break
+            except (BudgetInfeasibleError, PlanError):
+                if batch <= multiple_of:
+                    raise
+                batch -= multiple_of
+        if found is not None:
+            found.budget = str(budget)
+    return MaxBatch(
+        budget_bytes=target,
+        batch_size=batch,
+        example_batch=example,
+        limits=limits,
+        recipe=found,
+        search_time_s=time.perf_counter() - started,
+        multiple_of=multiple_of,
+        model_type=type(workload.model).__name__,
+        device="fake:cpu",
+        world_size=n,
+    )
