@@ -110,3 +110,41 @@ def test_candidates():
             world_size_candidates(work, **kwargs)
     with pytest.raises(MemfitError, match="ranks"):
         min_world_size(work, 10**9, world_sizes=[1], ranks=())
+
+
+def test_fsdp_chunks_made_when_indexed_are_torch_chunks():
+    # the adapter replaces FSDP2's private _chunk_with_empty on the fake group: a torch that
+    # moves it fails here; the views it makes are those torch.chunk makes
+    import torch
+
+    from memfit.measure import _distributed
+
+    module = _distributed._fsdp_param_module()
+    assert module is not None
+    original = module._chunk_with_empty
+    with _distributed.chunks_when_indexed():
+        patched = module._chunk_with_empty
+    assert module._chunk_with_empty is original and patched is not original
+    for size in range(1, 13):
+        t = torch.empty(size, 3, 4)
+        for dim in (0, 1):
+            for n in range(1, 9):
+                want = original(t, n, dim)
+                got = patched(t, n, dim)
+                assert len(got) == len(want) == n
+                for i in [*range(n), -1]:
+                    a, b = got[i], want[i]
+                    assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+                    assert a.numel() == 0 or a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def test_fsdp_chunks_made_when_indexed_leave_the_ledger_as_it_was(brute, monkeypatch):
+    from contextlib import nullcontext
+
+    from memfit.measure import _distributed
+    from memfit.measure.distributed import profile_rank
+
+    work, profiles = brute
+    monkeypatch.setattr(_distributed, "chunks_when_indexed", nullcontext)
+    for r in (0, 2):  # uneven shards at 3: the last rank's is shorter
+        assert profile_rank(work, FakeGroup(3, r)).ledger.blocks == profiles[3].profiles[r].ledger.blocks

@@ -249,6 +249,7 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
                 raise WorkloadError(f"group must be a FakeGroup or {CURRENT_GROUP!r}, got {group!r}")
             world_size, rank = group.world_size, group.rank
             stack.enter_context(_distributed.fake_process_group(rank, world_size))
+            stack.enter_context(_distributed.chunks_when_indexed())  # fake tensors: a rank's shard, not all
         else:
             import torch.distributed as dist
 
