@@ -99,12 +99,12 @@ def test_unplanned_must_hold_the_ranks(brute):
 def test_candidates():
     work = _llama()
     assert world_size_candidates(work, max_world_size=20) == [1, 2, 4, 8, 16]
-    assert world_size_candidates(work, multiple_of=8, max_world_size=32) == [8, 16, 24, 32]
+    assert world_size_candidates(work, node_size=8, max_world_size=32) == [8, 16, 24, 32]
     assert world_size_candidates(work, world_sizes=[24, 8, 8, 12]) == [8, 12, 24]
     for kwargs, words in [
         (dict(world_sizes=[8, 0]), "world_sizes"),
-        (dict(multiple_of=0), "multiple_of"),
-        (dict(multiple_of=64, max_world_size=32), "no multiple"),
+        (dict(node_size=0), "node_size"),
+        (dict(node_size=64, max_world_size=32), "no multiple"),
     ]:
         with pytest.raises(MemfitError, match=words):
             world_size_candidates(work, **kwargs)
@@ -148,3 +148,27 @@ def test_fsdp_chunks_made_when_indexed_leave_the_ledger_as_it_was(brute, monkeyp
     monkeypatch.setattr(_distributed, "chunks_when_indexed", nullcontext)
     for r in (0, 2):  # uneven shards at 3: the last rank's is shorter
         assert profile_rank(work, FakeGroup(3, r)).ledger.blocks == profiles[3].profiles[r].ledger.blocks
+
+
+def test_cli_min_world_size(tmp_path, capsys):
+    import json
+
+    from memfit.cli import main
+
+    argv = ["plan", "llama", "--size", "num_hidden_layers=1", "--size", "hidden_size=64", "--size", "intermediate_size=128"]
+    argv += ["--size", "num_attention_heads=4", "--size", "vocab_size=256", "--device", "fake", "--budget", "1000B"]
+    out = tmp_path / "w.json"
+    # 1000 bytes: below any rank's parameters, so no size is profiled (the bound is shown)
+    assert main([*argv, "--min-world-size", "--world-sizes", "2,1", "--ranks", "0,-1", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    assert [r["world_size"] for r in found["rows"]] == [1, 2] and found["with_recompute"] is None
+    assert all(r["skipped"] == "profile" and r["lower_bound_bytes"] > 1000 for r in found["rows"])
+    assert "(state)" in capsys.readouterr().out
+    for bad, words in [
+        (["--min-world-size", "--world-sizes", "2,x"], "--world-sizes takes integers"),
+        (["--min-world-size", "--world-sizes", "2", "--node-size", "8"], "drop --node-size"),
+        (["--min-world-size", "--node-size", "8", "--max-world-size", "4"], "no multiple of 8"),
+        (["--world-sizes", "2"], "--min-world-size"),
+    ]:
+        assert main([*argv, *bad]) == 2
+        assert words in capsys.readouterr().err

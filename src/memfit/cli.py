@@ -289,12 +289,12 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
     for flag, value in (
         ("--max-world-size", ns.max_world_size),
         ("--world-sizes", ns.world_sizes),
-        ("--multiple-of", ns.multiple_of),
+        ("--node-size", ns.node_size),
     ):
         if value is not None and not ns.min_world_size:
             raise TargetError(f"{flag} shapes --min-world-size's search: give --min-world-size too")
-    if ns.world_sizes is not None and (ns.multiple_of is not None or ns.max_world_size is not None):
-        raise TargetError("--world-sizes lists the sizes to try: drop --multiple-of and --max-world-size")
+    if ns.world_sizes is not None and (ns.node_size is not None or ns.max_world_size is not None):
+        raise TargetError("--world-sizes lists the sizes to try: drop --node-size and --max-world-size")
     if ns.min_world_size:
         sizes = _int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
         ranks = _int_list("--ranks", ns.ranks, "0,-1") if ns.ranks is not None else (0, -1)
@@ -305,7 +305,7 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
                 work,
                 raw,
                 world_sizes=sizes,
-                multiple_of=ns.multiple_of,
+                node_size=ns.node_size,
                 max_world_size=ns.max_world_size or 1024,
                 ranks=ranks,
                 progress=progress,
@@ -338,9 +338,9 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     if ns.world_size is not None or ns.min_world_size:
         memfit.parse_budget(raw)  # bad budgets fail before any work
         return _cmd_plan_ranks(ns, console, raw, label)
-    if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.multiple_of)):
+    if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.node_size)):
         raise TargetError(
-            "--ranks, --max-world-size, --world-sizes and --multiple-of plan a distributed step: "
+            "--ranks, --max-world-size, --world-sizes and --node-size plan a distributed step: "
             "give --world-size N or --min-world-size"
         )
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
@@ -712,7 +712,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-world-size",
         action="store_true",
-        help="the smallest world size (1, 2, 4, ...; or --world-sizes, --multiple-of) at which the worst of --ranks "
+        help="the smallest world size (1, 2, 4, ...; or --world-sizes, --node-size) at which the worst of --ranks "
         "(default 0,-1: the first and the last) fits --budget, with and without recompute",
     )
     p.add_argument("--max-world-size", type=_positive, metavar="N", help="with --min-world-size: the largest to try (1024)")
@@ -720,7 +720,7 @@ def _parser() -> argparse.ArgumentParser:
         "--world-sizes", metavar="N,N", help="with --min-world-size: the world sizes to try (8,16,24,32), any the mesh allows"
     )
     p.add_argument(
-        "--multiple-of",
+        "--node-size",
         type=_positive,
         metavar="K",
         help="with --min-world-size: try the multiples of K (a node's GPUs) up to --max-world-size, not powers of two",

@@ -187,14 +187,14 @@ def world_size_candidates(
     workload: Workload,
     *,
     world_sizes: Sequence[int] | None = None,
-    multiple_of: int | None = None,
+    node_size: int | None = None,
     max_world_size: int = 1024,
 ) -> list[int]:
     """The world sizes :func:`min_world_size` tries, ascending: ``world_sizes`` as given (each
-    must suit the workload's mesh), else the multiples of ``multiple_of`` (a node's GPUs)
+    must suit the workload's mesh), else the multiples of ``node_size`` (a node's GPUs)
     up to ``max_world_size``, else the powers of two up to it; generated sizes the mesh
     refuses are left out."""
-    for name, v in (("max_world_size", max_world_size), ("multiple_of", multiple_of)):
+    for name, v in (("max_world_size", max_world_size), ("node_size", node_size)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise WorkloadError(f"{name} must be a positive integer, got {v!r}")
     if world_sizes is not None:
@@ -205,10 +205,10 @@ def world_size_candidates(
         for n in sizes:
             world_size_of(workload, n)  # a size the mesh refuses: said now, before any work
         return sorted(set(sizes))
-    if multiple_of is not None:
-        sizes = list(range(multiple_of, max_world_size + 1, multiple_of))
+    if node_size is not None:
+        sizes = list(range(node_size, max_world_size + 1, node_size))
         if not sizes:
-            raise WorkloadError(f"no multiple of {multiple_of} is at most max_world_size {max_world_size}")
+            raise WorkloadError(f"no multiple of {node_size} is at most max_world_size {max_world_size}")
     else:
         sizes = [2**k for k in range(max_world_size.bit_length())]
     out = []
@@ -228,7 +228,7 @@ def min_world_size(
     budget: int | str,
     *,
     world_sizes: Sequence[int] | None = None,
-    multiple_of: int | None = None,
+    node_size: int | None = None,
     max_world_size: int = 1024,
     ranks: Sequence[int] = (0, -1),
     progress: Progress | None = None,
@@ -239,7 +239,7 @@ def min_world_size(
     shrink its share of parameters, gradients and optimizer state, not its activations.
 
     Sizes tried (:func:`world_size_candidates`): ``world_sizes`` as given (any size the mesh
-    allows: FSDP2 shards unevenly), else multiples of ``multiple_of``, else powers of two, up
+    allows: FSDP2 shards unevenly), else multiples of ``node_size``, else powers of two, up
     to ``max_world_size``; every candidate, in ascending order, until the unplanned step fits
     (a per-rank peak need not fall as ranks are added: uneven shards pad collective buffers,
     so no size is skipped by interpolating between others). ``ranks``: negative ones count
@@ -256,7 +256,7 @@ def min_world_size(
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
-    sizes = world_size_candidates(workload, world_sizes=world_sizes, multiple_of=multiple_of, max_world_size=max_world_size)
+    sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
     ranks = list(ranks)
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
     if bad or not ranks:
