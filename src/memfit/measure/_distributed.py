@@ -5,8 +5,8 @@ Private or fragile pieces only live here: the fake process group (from
 ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters with it,
 which no dispatch mode sees), FSDP2's chunking of a parameter into its shards, and DDP's
 private construction checks.
-``tests/test_distributed.py`` exercises each, so a torch release that moves them fails
-there first.
+``tests/test_distributed.py`` exercises each (the chunking: ``tests/test_min_world_size.py``),
+so a torch release that moves them fails there first.
 """
 
 from __future__ import annotations
