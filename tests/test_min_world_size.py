@@ -74,6 +74,9 @@ def test_equals_brute_force_where_a_plan_is_needed(brute):
     assert found.plan is not None and plan is not None and found.plan.checkpointed == plan.checkpointed
     assert found.plan.min_peak_bytes == plan.min_peak_bytes
     assert found.plan.rank_peak_bytes[0] == plan.rank_peak_bytes[0] == plan.rank_peak_bytes[1] <= budget
+    # every rank parallelized: the same layouts, the same ranks profiled
+    every = min_world_size(work, budget, world_sizes=(3,), ranks="all")
+    assert every.rows[0]["ranks"] == [0, 2] and every.without_recompute == 3
 
 
 def test_equals_brute_force_where_bounds_skip_work(brute):

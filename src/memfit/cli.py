@@ -297,7 +297,7 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
         raise TargetError("--world-sizes lists the sizes to try: drop --node-size and --max-world-size")
     if ns.min_world_size:
         sizes = _int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
-        ranks = _int_list("--ranks", ns.ranks, "0,-1") if ns.ranks is not None else (0, -1)
+        ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else _int_list("--ranks", ns.ranks, "0,-1")
     work = _workload(ns, per_rank=True)
     if ns.min_world_size:
         with progress_bar(console, f"world sizes for {work.name}") as progress:

@@ -230,7 +230,7 @@ def min_world_size(
     world_sizes: Sequence[int] | None = None,
     node_size: int | None = None,
     max_world_size: int = 1024,
-    ranks: Sequence[int] = (0, -1),
+    ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
 ) -> WorldSizeFit:
     """The smallest world size at which every one of ``ranks`` of the step peaks within
@@ -244,7 +244,7 @@ def min_world_size(
     (a per-rank peak need not fall as ranks are added: uneven shards pad collective buffers,
     so no size is skipped by interpolating between others). ``ranks``: negative ones count
     from the last (default: the first and the last rank, which hold the most and the least
-    with uneven shards). At each size every such rank is parallelized (no step) and ranks
+    with uneven shards), or ``"all"`` (each rank parallelized: a few seconds a rank at 70B). At each size every such rank is parallelized (no step) and ranks
     whose parameters and buffers have the same local shapes are profiled once, as one: their
     steps are the same. The answer is the worst rank's.
 
@@ -257,15 +257,16 @@ def min_world_size(
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
     sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
-    ranks = list(ranks)
+    every = ranks == "all"
+    ranks = [] if every else list(ranks)
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
-    if bad or not ranks:
-        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last), got {bad[0] if bad else 'none'}")
+    if bad or not (ranks or every):
+        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
     report = progress or (lambda desc, done, total: None)
     out = WorldSizeFit(spec.bytes, None, None)
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
-        asked = list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
+        asked = list(range(n)) if every else list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
         states = {r: rank_state(workload, FakeGroup(n, r)) for r in asked}
         row: dict[str, Any] = {"world_size": n, "ranks": [], "worst_rank": None, "none_peak_bytes": None}
         row.update(min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
