@@ -68,6 +68,7 @@ def test_equals_brute_force_where_a_plan_is_needed(brute):
     assert (found.without_recompute, found.with_recompute) == (without, with_) == (3, 2)
     rows = {row["world_size"]: row for row in found.rows}
     assert rows[3]["ranks"] == [0, 2] and rows[3]["worst_rank"] == 0  # ranks 0 and 1 are one layout
+    assert rows[3]["rank_none_peak_bytes"] == {r: profiles[3].profiles[r].peak_bytes for r in (0, 2)}
     assert all(rows[n]["none_peak_bytes"] == profiles[n].peak_bytes for n in rows)
     # its plan (made from the unplanned profile it had, verified on rank 0 for ranks 0 and 1)
     # is the plan recorded afresh and verified on both ranks

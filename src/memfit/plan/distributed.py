@@ -164,7 +164,8 @@ class WorldSizeFit:
     """Smallest world size tried at which memfit's plan fits; None: none."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Per world size tried: ``world_size``; ``ranks``: the ranks profiled (one per distinct
-    parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's),
+    parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's;
+    each profiled rank's in ``rank_none_peak_bytes``),
     ``min_peak_bytes`` (lowest reachable with recompute), ``plan_peak_bytes``: None where not
     needed or not run; ``lower_bound_bytes`` and ``skipped`` where a bound showed, without
     running that step, that it cannot fit (``"profile"``: the ranks' parameters, buffers and
@@ -281,6 +282,7 @@ def min_world_size(
         measured = profile_ranks(workload, world_size=n, ranks=list(layouts.values()))
         none = measured.peak_bytes
         row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
+        row["rank_none_peak_bytes"] = {r: p.peak_bytes for r, p in measured.profiles.items()}
         if none <= spec.bytes:
             out.without_recompute = n
             if out.with_recompute is None:
