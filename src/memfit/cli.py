@@ -243,6 +243,13 @@ def _ranks(text: str | None, world_size: int) -> list[int]:
     return ranks
 
 
+def _int_list(flag: str, text: str, example: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise TargetError(f"{flag} takes integers separated by commas ({example}), got {text!r}") from None
+
+
 def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
@@ -279,14 +286,30 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
         raise TargetError("plans per rank do not take --plot or --html yet; drop them")
     if ns.min_world_size and ns.world_size is not None:
         raise TargetError("give --world-size N (plan for N ranks) or --min-world-size (find N), not both")
-    if ns.max_world_size is not None and not ns.min_world_size:
-        raise TargetError("--max-world-size bounds --min-world-size's search: give --min-world-size too")
+    for flag, value in (
+        ("--max-world-size", ns.max_world_size),
+        ("--world-sizes", ns.world_sizes),
+        ("--node-size", ns.node_size),
+    ):
+        if value is not None and not ns.min_world_size:
+            raise TargetError(f"{flag} shapes --min-world-size's search: give --min-world-size too")
+    if ns.world_sizes is not None and (ns.node_size is not None or ns.max_world_size is not None):
+        raise TargetError("--world-sizes lists the sizes to try: drop --node-size and --max-world-size")
+    if ns.min_world_size:
+        sizes = _int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
+        ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else _int_list("--ranks", ns.ranks, "0,-1")
     work = _workload(ns, per_rank=True)
     if ns.min_world_size:
-        if ns.ranks is not None:
-            raise TargetError("--min-world-size measures rank 0 at each world size; drop --ranks")
         with progress_bar(console, f"world sizes for {work.name}") as progress:
-            found = min_world_size(work, raw, max_world_size=ns.max_world_size or 1024, progress=progress)
+            found = min_world_size(
+                work,
+                raw,
+                world_sizes=sizes,
+                node_size=ns.node_size,
+                max_world_size=ns.max_world_size or 1024,
+                ranks=ranks,
+                progress=progress,
+            )
         render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
         result: Any = found
     else:
@@ -336,8 +359,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     if ns.world_size is not None or ns.min_world_size:
         memfit.parse_budget(raw)  # bad budgets fail before any work
         return _cmd_plan_ranks(ns, console, raw, label)
-    if ns.ranks is not None or ns.max_world_size is not None:
-        raise TargetError("--ranks and --max-world-size plan a distributed step: give --world-size N or --min-world-size")
+    if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.node_size)):
+        raise TargetError(
+            "--ranks, --max-world-size, --world-sizes and --node-size plan a distributed step: "
+            "give --world-size N or --min-world-size"
+        )
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     _require_device(ns.device)
     saved = _saved_profile(ns.profile, ns.device) if ns.profile else None
@@ -758,13 +784,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--world-size", type=_positive, metavar="N", help="plan one rank of N of the target's distributed step (--device fake)"
     )
-    p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to verify the plan on (default 0)")
+    p.add_argument(
+        "--ranks",
+        metavar="R,R|all",
+        help="with --world-size: the ranks to verify the plan on (default 0); with --min-world-size: the ranks that must "
+        "fit, negative from the last (default 0,-1)",
+    )
     p.add_argument(
         "--min-world-size",
         action="store_true",
-        help="the smallest world size (1, 2, 4, ...) at which each rank fits --budget, with and without recompute",
+        help="the smallest world size (1, 2, 4, ...; or --world-sizes, --node-size) at which the worst of --ranks "
+        "(default 0,-1: the first and the last) fits --budget, with and without recompute",
     )
     p.add_argument("--max-world-size", type=_positive, metavar="N", help="with --min-world-size: the largest to try (1024)")
+    p.add_argument(
+        "--world-sizes", metavar="N,N", help="with --min-world-size: the world sizes to try (8,16,24,32), any the mesh allows"
+    )
+    p.add_argument(
+        "--node-size",
+        type=_positive,
+        metavar="K",
+        help="with --min-world-size: try the multiples of K (a node's GPUs) up to --max-world-size, not powers of two",
+    )
     picture_args(p, "the step without and with the plan (profiled again with it applied)")
     p.set_defaults(func=_cmd_plan)
 

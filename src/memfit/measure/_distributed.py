@@ -4,15 +4,16 @@ Private or fragile pieces only live here: the fake process group (from
 ``torch.testing._internal``), DTensor's local shard, device meshes made on fake tensors
 (``torch._subclasses``' ``unset_fake_temporarily``), the monkey-patch of
 ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters with it,
-which no dispatch mode sees) and DDP's private construction checks.
-``tests/test_distributed.py`` exercises each, so a torch release that moves them fails
-there first.
+which no dispatch mode sees), FSDP2's chunking of a parameter into its shards, and DDP's
+private construction checks.
+``tests/test_distributed.py`` exercises each (the chunking: ``tests/test_min_world_size.py``),
+so a torch release that moves them fails there first.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "real_device_meshes",
     "forget_meshes",
     "tracking_resize",
+    "chunks_when_indexed",
     "fake_ddp",
     "ddp_comm_hook",
     "keep_ddp_buckets",
@@ -170,6 +172,73 @@ def tracking_resize(on_resize: Callable[[torch.UntypedStorage], None]) -> Iterat
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+class _Chunks(Sequence):
+    """``torch.chunk(tensor, n, dim)`` padded to ``n`` with empty tensors, as FSDP2's
+    ``_chunk_with_empty`` returns it, each chunk made when indexed: the same view (torch.chunk
+    splits into pieces of ``ceil(size / n)``, the last shorter, fewer when they run out)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        size = tensor.size(dim)
+        self.step = -(-size // num_chunks)
+        self.made = -(-size // self.step)  # chunks torch.chunk returns
+        self._first: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        if i < 0:
+            i += self.num_chunks
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        if i >= self.made:
+            return self[0].new_empty(0)
+        if i == 0 and self._first is not None:
+            return self._first
+        start = i * self.step
+        out = self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+        if i == 0:
+            self._first = out
+        return out
+
+
+def _fsdp_param_module() -> Any:
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:  # torch without FSDP2 (or moved): chunks are made as torch makes them
+        return None
+    return _fsdp_param if callable(getattr(_fsdp_param, "_chunk_with_empty", None)) else None
+
+
+@contextmanager
+def chunks_when_indexed() -> Iterator[None]:
+    """FSDP2 makes a rank's shard of each parameter by chunking the whole of it into
+    world-size pieces and keeping its own (and the first's size: the padded one). On fake
+    tensors every piece is a FakeTensor built in Python: at 64 ranks a Llama-3-70B
+    ``fully_shard`` made 93k of them (8 of a profile's 30 CPU seconds), growing with the
+    world size. Within this context only the pieces FSDP2 indexes are made, as the same views
+    (``narrow``: the offset, sizes and strides torch.chunk gives them; tested against it)."""
+    module = _fsdp_param_module()
+    if module is None:
+        yield
+        return
+    original = module._chunk_with_empty
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+        if tensor.size(dim) == 0:
+            return original(tensor, num_chunks, dim)
+        return _Chunks(tensor, num_chunks, dim)
+
+    module._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        module._chunk_with_empty = original
 
 
 @contextmanager

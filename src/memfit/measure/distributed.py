@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_map
 from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed, _torch_compat
 from memfit.measure.ledger import START_TICK, Category, Ledger
-from memfit.measure.profile import Profile, Progress, _module_stats, _run, record_step
+from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, _run, record_step
+from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox
 from memfit.measure.scope import Scope
 from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
@@ -43,6 +44,8 @@ __all__ = [
     "profile_rank",
     "world_size_of",
     "named_model",
+    "RankState",
+    "rank_state",
     "rank_sandbox",
     "record_rank",
     "fsdp2",
@@ -187,6 +190,34 @@ def named_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What one rank holds before its first step, from parallelizing alone (no step runs)."""
+
+    resident_bytes: int
+    """Its parameters, buffers and inputs, counted as the recorder counts them at a recorded
+    step's start: a lower bound on that step's peak, with or without recompute (a step
+    starts holding them, and a plan changes neither them nor the optimizer state)."""
+    layout: tuple[tuple[str, tuple[int, ...], str], ...]
+    """(name, local shape, dtype) of each parameter and buffer: ranks of equal layouts hold
+    the same shards (with uneven FSDP2 shards, the last ranks' are shorter)."""
+
+
+def rank_state(workload: Workload, group: FakeGroup) -> RankState:
+    """One rank's :class:`RankState`: its step parallelized and materialised on fake tensors,
+    about a tenth of the cost of its profile (no warm-up and no recorded step)."""
+    with rank_sandbox(workload, group) as box, Scope(box.model) as scope:
+        recorder = Recorder(scope, device=_model_device(box.model), fake=box.fake_mode is not None)
+        try:
+            _register_start(recorder, box)  # no step yet: no gradients, no optimizer state
+            resident = sum(r.nbytes for r in recorder.records)
+        finally:
+            recorder.close()
+        named = [*box.model.named_parameters(), *box.model.named_buffers()]
+        layout = tuple((name, tuple(_distributed.local_tensor(t).shape), str(t.dtype)) for name, t in named)
+    return RankState(resident, layout)
+
+
 def box_rank(box: Sandbox) -> tuple[int, int]:
     """(world size, rank) of the process group a :func:`rank_sandbox` runs on."""
     import torch.distributed as dist
@@ -232,6 +263,7 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
             world_size, rank = group.world_size, group.rank
             stack.enter_context(_distributed.fake_process_group(rank, world_size))
             stack.enter_context(_distributed.real_device_meshes())
+            stack.enter_context(_distributed.chunks_when_indexed())  # fake tensors: a rank's shard, not all
         else:
             import torch.distributed as dist
 

@@ -10,7 +10,8 @@ checkpoint, which memfit applies, runs under DDP's reducer as a plain forward do
 asked-for rank is then profiled afresh that way, with the plan applied to the model before
 ``parallelize``, and its peak is the plan's verified figure.
 
-:func:`min_world_size` answers "how many ranks": the smallest power of two at which the
+:func:`min_world_size` answers "how many ranks": the smallest world size among the
+candidates (given, multiples of a node's size, or powers of two) at which the worst rank's
 step fits a per-rank budget, without recompute and with memfit's plan.
 
 Policy only: the process group is what :mod:`memfit.measure.distributed` is given.
@@ -30,9 +31,11 @@ from memfit.apply.checkpoint import applied_choices, apply_choices
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
+    RankProfiles,
     profile_rank,
     profile_ranks,
     rank_sandbox,
+    rank_state,
     record_rank,
     world_size_of,
 )
@@ -44,7 +47,7 @@ from memfit.plan.result import Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
-__all__ = ["plan_ranks", "min_world_size", "WorldSizeFit"]
+__all__ = ["plan_ranks", "min_world_size", "world_size_candidates", "WorldSizeFit"]
 
 
 def plan_ranks(
@@ -55,6 +58,7 @@ def plan_ranks(
     ranks: Sequence[int] = (0,),
     objective: str = "time",
     progress: Progress | None = None,
+    unplanned: RankProfiles | None = None,
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
@@ -65,7 +69,11 @@ def plan_ranks(
     verified peak: that rank profiled again on the fake group, the plan applied to the model
     before ``parallelize``. Apply it the same way: ``memfit.apply(model, plan)`` before
     ``fully_shard`` (or after: the same forwards) or before wrapping in DDP (a DDP-wrapped
-    model takes it too: :func:`memfit.apply` unwraps). Nothing of the workload is changed."""
+    model takes it too: :func:`memfit.apply` unwraps). Nothing of the workload is changed.
+
+    ``unplanned``: :func:`~memfit.measure.distributed.profile_ranks` of this workload at this
+    world size, holding ``ranks`` (made by the caller already): the planned rank's recorded
+    step is taken from it instead of being recorded again (the same ledger: tested)."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -78,9 +86,12 @@ def plan_ranks(
     for r in ranks:
         FakeGroup(n, r)  # a rank outside the world: refused before any work
     report = progress or (lambda desc, done, total: None)
+    if unplanned is not None and (unplanned.world_size != n or not set(ranks) <= set(unplanned.profiles)):
+        raise PlanError(f"unplanned holds ranks {sorted(unplanned.profiles)} of {unplanned.world_size}, not {ranks} of {n}")
     planned_rank = ranks[0]
     if len(ranks) > 1:
-        planned_rank = profile_ranks(workload, world_size=n, ranks=ranks).worst_rank
+        measured = unplanned or profile_ranks(workload, world_size=n, ranks=ranks)
+        planned_rank = max(ranks, key=lambda r: (measured.profiles[r].peak_bytes, -r))
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
         verifier = Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
@@ -89,8 +100,11 @@ def plan_ranks(
         stateful, use_cache_off = verifier.stateful()
         excluded.update(stateful)
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
-        with Scope(verifier.model) as scope:
-            prof = record_rank(workload, verifier.box, scope)
+        if unplanned is not None:
+            prof = unplanned.profiles[planned_rank]
+        else:
+            with Scope(verifier.model) as scope:
+                prof = record_rank(workload, verifier.box, scope)
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
@@ -129,8 +143,13 @@ class WorldSizeFit:
     with_recompute: int | None
     """Smallest world size tried at which memfit's plan fits; None: none."""
     rows: list[dict[str, Any]] = field(default_factory=list)
-    """Per world size tried: ``world_size``, ``none_peak_bytes`` (unplanned), ``min_peak_bytes``
-    (lowest reachable with recompute; None where not needed), ``plan_peak_bytes``."""
+    """Per world size tried: ``world_size``; ``ranks``: the ranks profiled (one per distinct
+    parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's;
+    each profiled rank's in ``rank_none_peak_bytes``),
+    ``min_peak_bytes`` (lowest reachable with recompute), ``plan_peak_bytes``: None where not
+    needed or not run; ``lower_bound_bytes`` and ``skipped`` where a bound showed, without
+    running that step, that it cannot fit (``"profile"``: the ranks' parameters, buffers and
+    inputs alone exceed the budget; ``"plan"``: the unplanned step's start does)."""
     plan: Plan | None = None
     """The plan at :attr:`with_recompute` (empty when the step fits there without one)."""
 
@@ -145,44 +164,121 @@ class WorldSizeFit:
         }
 
 
+def world_size_candidates(
+    workload: Workload,
+    *,
+    world_sizes: Sequence[int] | None = None,
+    node_size: int | None = None,
+    max_world_size: int = 1024,
+) -> list[int]:
+    """The world sizes :func:`min_world_size` tries, ascending: ``world_sizes`` as given (each
+    must suit the workload's mesh), else the multiples of ``node_size`` (a node's GPUs)
+    up to ``max_world_size``, else the powers of two up to it; generated sizes the mesh
+    refuses are left out."""
+    for name, v in (("max_world_size", max_world_size), ("node_size", node_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise WorkloadError(f"{name} must be a positive integer, got {v!r}")
+    if world_sizes is not None:
+        sizes = list(world_sizes)
+        bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+        if bad or not sizes:
+            raise WorkloadError(f"world_sizes must be positive integers (8, 16, 24), got {bad[0] if bad else 'none'}")
+        for n in sizes:
+            world_size_of(workload, n)  # a size the mesh refuses: said now, before any work
+        return sorted(set(sizes))
+    if node_size is not None:
+        sizes = list(range(node_size, max_world_size + 1, node_size))
+        if not sizes:
+            raise WorkloadError(f"no multiple of {node_size} is at most max_world_size {max_world_size}")
+    else:
+        sizes = [2**k for k in range(max_world_size.bit_length())]
+    out = []
+    for n in sizes:
+        try:
+            world_size_of(workload, n)
+        except WorkloadError:
+            continue
+        out.append(n)
+    if not out:
+        world_size_of(workload, sizes[0])  # none suits the mesh: the first one's reason
+    return out
+
+
 def min_world_size(
     workload: Workload,
     budget: int | str,
     *,
+    world_sizes: Sequence[int] | None = None,
+    node_size: int | None = None,
     max_world_size: int = 1024,
-    ranks: Sequence[int] = (0,),
+    ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
 ) -> WorldSizeFit:
-    """The smallest world size (1, 2, 4, ... up to ``max_world_size``) at which each of
-    ``ranks`` of the step peaks within ``budget`` bytes per rank: without recompute (the
-    unplanned profile) and with memfit's plan (:func:`plan_ranks`, verified per rank). A
-    rank's batch stays the workload's: more ranks shrink its share of parameters, gradients
-    and optimizer state, not its activations."""
+    """The smallest world size at which every one of ``ranks`` of the step peaks within
+    ``budget`` bytes per rank: without recompute (the unplanned profile) and with memfit's plan
+    (:func:`plan_ranks`, verified per rank). A rank's batch stays the workload's: more ranks
+    shrink its share of parameters, gradients and optimizer state, not its activations.
+
+    Sizes tried (:func:`world_size_candidates`): ``world_sizes`` as given (any size the mesh
+    allows: FSDP2 shards unevenly), else multiples of ``node_size``, else powers of two, up
+    to ``max_world_size``; every candidate, in ascending order, until the unplanned step fits
+    (a per-rank peak need not fall as ranks are added: uneven shards pad collective buffers,
+    so no size is skipped by interpolating between others). ``ranks``: negative ones count
+    from the last (default: the first and the last rank, which hold the most and the least
+    with uneven shards), or ``"all"`` (each rank parallelized: a few seconds a rank at 70B). At each size every such rank is parallelized (no step) and ranks
+    whose parameters and buffers have the same local shapes are profiled once, as one: their
+    steps are the same. The answer is the worst rank's.
+
+    Work is skipped only where a lower bound proves the step cannot fit: a rank's
+    parameters, buffers and inputs (alive at its step's start, with or without a plan) over
+    the budget skip that size's profile and plan; the unplanned profile's start (those plus
+    the optimizer state, which no recompute changes) over the budget skips its plan. The
+    plan reuses the unplanned profile of the rank it is made for."""
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
-    if isinstance(max_world_size, bool) or not isinstance(max_world_size, int) or max_world_size < 1:
-        raise WorkloadError(f"max_world_size must be a positive integer, got {max_world_size!r}")
+    sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
+    every = ranks == "all"
+    ranks = [] if every else list(ranks)
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
+    if bad or not (ranks or every):
+        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
     report = progress or (lambda desc, done, total: None)
     out = WorldSizeFit(spec.bytes, None, None)
-    sizes = [2**k for k in range(max_world_size.bit_length()) if 2**k <= max_world_size]
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
-        usable = [r for r in ranks if r < n] or [0]
-        none = profile_ranks(workload, world_size=n, ranks=usable).peak_bytes
-        row: dict[str, Any] = {"world_size": n, "none_peak_bytes": none, "min_peak_bytes": None, "plan_peak_bytes": None}
+        asked = list(range(n)) if every else list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
+        states = {r: rank_state(workload, FakeGroup(n, r)) for r in asked}
+        row: dict[str, Any] = {"world_size": n, "ranks": [], "worst_rank": None, "none_peak_bytes": None}
+        row.update(min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
+        resident = max(st.resident_bytes for st in states.values())
+        if resident > spec.bytes:
+            row.update(lower_bound_bytes=resident, skipped="profile")
+            continue
+        layouts: dict[tuple, int] = {}
+        for r in asked:
+            layouts.setdefault(states[r].layout, r)
+        measured = profile_ranks(workload, world_size=n, ranks=list(layouts.values()))
+        none = measured.peak_bytes
+        row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
+        row["rank_none_peak_bytes"] = {r: p.peak_bytes for r, p in measured.profiles.items()}
         if none <= spec.bytes:
             out.without_recompute = n
             if out.with_recompute is None:
                 out.with_recompute = n
             break
-        if out.with_recompute is None:
-            try:
-                p = plan_ranks(workload, spec.bytes, world_size=n, ranks=usable)
-            except BudgetInfeasibleError as exc:
-                row["min_peak_bytes"] = exc.min_peak_bytes
-                continue
-            row["min_peak_bytes"], row["plan_peak_bytes"] = p.min_peak_bytes, p.predicted_peak_bytes
-            out.with_recompute, out.plan = n, p
+        if out.with_recompute is not None:
+            continue
+        start = max(p.ledger.start_bytes for p in measured.profiles.values())
+        if start > spec.bytes:
+            row.update(lower_bound_bytes=start, skipped="plan")
+            continue
+        try:
+            p = plan_ranks(workload, spec.bytes, world_size=n, ranks=row["ranks"], unplanned=measured)
+        except BudgetInfeasibleError as exc:
+            row["min_peak_bytes"] = exc.min_peak_bytes
+            continue
+        row["min_peak_bytes"], row["plan_peak_bytes"] = p.min_peak_bytes, p.predicted_peak_bytes
+        out.with_recompute, out.plan = n, p
     return out

@@ -1068,13 +1068,24 @@ def _short_frame(frame: str) -> str:
 
 
 def render_world_size_fit(found: WorldSizeFit, console: Console, *, title: str) -> None:
-    """How many ranks: per world size tried, rank 0's peak without and with recompute."""
+    """How many ranks: per world size tried, the worst rank's peak without and with recompute
+    (a size a lower bound ruled out shows the bound)."""
     table = Table(title=f"How many ranks: {title}", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("world size", "peak, no recompute", "lowest with recompute", "memfit's plan"):
+    for col in ("world size", "worst rank", "peak, no recompute", "lowest with recompute", "memfit's plan"):
         table.add_column(col, justify="right")
     for row in found.rows:
-        cells = [row["none_peak_bytes"], row["min_peak_bytes"], row["plan_peak_bytes"]]
-        table.add_row(str(row["world_size"]), *("" if c is None else format_bytes(c) for c in cells))
+        cells = [
+            "" if c is None else format_bytes(c) for c in (row["none_peak_bytes"], row["min_peak_bytes"], row["plan_peak_bytes"])
+        ]
+        bound = row.get("lower_bound_bytes")
+        if row.get("skipped") == "profile":
+            cells = [f"> {format_bytes(bound)} (state)", "", ""]
+        elif row.get("skipped") == "plan":
+            cells[1] = f"> {format_bytes(bound)} (start)"
+        worst = row.get("worst_rank")
+        ranks = row.get("ranks") or []
+        shown = "" if worst is None else str(worst) if len(ranks) < 2 else f"{worst} (of {', '.join(map(str, ranks))})"
+        table.add_row(str(row["world_size"]), shown, *cells)
     console.print(table)
     for what, n in (("without recompute", found.without_recompute), ("with memfit's plan", found.with_recompute)):
         answer = f"[bold]{n}[/] ranks" if n is not None else f"no world size tried (up to {found.rows[-1]['world_size']})"
