@@ -4,12 +4,10 @@ against a real two-process gloo run; and the torch.distributed internals it reli
 from __future__ import annotations
 
 import json
-import os
-import socket
-import tempfile
 
 import pytest
 import torch
+from conftest import gloo_ranks, settled
 from torch import nn
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -187,16 +185,9 @@ def _llama() -> Workload:
     return zoo.build("llama", vocab_size=256, seq_len=16, batch_size=2, **sizes)
 
 
-def _real_rank(rank: int, world_size: int, parallel: str, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        prof = profile_rank(_llama() if parallel == "llama" else _workload(parallel), CURRENT_GROUP)
-        with open(f"{out}.{rank}", "w") as f:
-            f.write(json.dumps(prof.ledger.to_dict()))
-    finally:
-        torch_dist.destroy_process_group()
+def _real_rank(rank: int, world_size: int, parallel: str) -> dict:
+    prof = profile_rank(_llama() if parallel == "llama" else _workload(parallel), CURRENT_GROUP)
+    return prof.ledger.to_dict()
 
 
 def _tensors(ledger: Ledger) -> Ledger:
@@ -206,38 +197,13 @@ def _tensors(ledger: Ledger) -> Ledger:
 
 
 def _gloo_run(parallel: str) -> list[Ledger]:
-    """Each rank's ledger from a real two-process gloo run, gloo's own copies left out."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        # fork: the workload is this test module's, which a spawned child could not import
-        mp.start_processes(_real_rank, args=(2, parallel, port, out), nprocs=2, join=True, start_method="fork")
-        real = []
-        for r in range(2):
-            with open(f"{out}.{r}") as f:
-                real.append(without_backend_buffers(Ledger.from_dict(json.load(f))))
-    return real
+    """Each rank's ledger from a real two-process gloo run, gloo's own copies and kernel workspaces left out."""
+    return [_tensors(without_backend_buffers(Ledger.from_dict(d))) for d in gloo_ranks(_real_rank, 2, parallel)]
 
 
-def _settled_gloo_run(parallel: str, predicted: list[int], slack: int = 0, tries: int = 3) -> list[Ledger]:
-    """Each rank's lowest-peak ledger of up to ``tries`` real runs, stopping once no rank's peak
-    exceeds its prediction by more than ``slack``. Why more than one run: gloo's worker thread lets
-    go of a finished collective's buffers just after ``wait()`` returns, and when the main thread
-    has already dropped them the buffer dies on the worker thread, late if the host is busy; a
-    real peak can then hold one extra all-gather buffer (seen once in CI: +31,475 B on the Llama
-    step). That race only ever raises a real peak, so the lowest of a few runs is the race-free
-    step, and a prediction that is wrong stays wrong in every run."""
-    best: list[Ledger] = []
-    for _ in range(tries):
-        run = [_tensors(ledger) for ledger in _gloo_run(parallel)]
-        best = run if not best else [min(a, b, key=lambda L: L.peak_bytes) for a, b in zip(best, run)]
-        if all(L.peak_bytes - p <= slack for L, p in zip(best, predicted)):
-            break
-    return best
+def _settled_gloo_run(parallel: str, predicted: list[int], slack: int = 0) -> list[Ledger]:
+    """Each rank's lowest-peak ledger of up to three real runs (conftest.settled says why)."""
+    return settled(lambda: _gloo_run(parallel), lambda L: L.peak_bytes, predicted, slack)
 
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])

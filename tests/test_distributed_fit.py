@@ -6,13 +6,10 @@ that reshard_after_forward=False trains bitwise as the default."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import socket
-import tempfile
 
 import pytest
 import torch
+from conftest import gloo_ranks, rank_differences, train_ranks
 
 torch_dist = pytest.importorskip("torch.distributed")
 if not torch_dist.is_available():
@@ -222,62 +219,27 @@ def test_cli_fit_world_size(tmp_path, capsys):
 # -- against a real two-process gloo run -----------------------------------------------------------
 
 
-def _real_rank(rank: int, port: int, out: str) -> None:
+def _real_rank(rank: int, world_size: int) -> dict:
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        work = _llama(layers=2, seq_len=16, batch_size=2)  # built on the CPU: the same weights on both ranks
-        default = work.parallel.parallelize
-        kept = dataclasses.replace(default, reshard_after_forward=False)  # root and every block keep theirs
-        torch.manual_seed(100 + rank)  # each rank its own batches
-        batches = [torch.randint(0, SIZES["vocab_size"], (2, 16)) for _ in range(3)]
-        runs = []
-        for fsdp in (default, kept):
-            model = fsdp(copy.deepcopy(work.model), mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses, grads = [], {}
-            for i, ids in enumerate(batches):
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                losses.append(loss.item())
-                if i == 0:
-                    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-            runs.append((losses, grads, params))
-        (ref_l, ref_g, ref_p), (got_l, got_g, got_p) = runs
-        result = {
-            "losses_equal": ref_l == got_l,
-            "grads_differ": [n for n in ref_g if not torch.equal(ref_g[n], got_g[n])],
-            "params_differ": [n for n in ref_p if not torch.equal(ref_p[n], got_p[n])],
-            "params": len(ref_p),
-        }
-        with open(f"{out}.{rank}", "w") as f:
-            f.write(json.dumps(result))
-    finally:
-        torch_dist.barrier()
-        torch_dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    work = _llama(layers=2, seq_len=16, batch_size=2)  # built on the CPU: the same weights on both ranks
+    default = work.parallel.parallelize
+    kept = dataclasses.replace(default, reshard_after_forward=False)  # root and every block keep theirs
+    torch.manual_seed(100 + rank)  # each rank its own batches
+    batches = [torch.randint(0, SIZES["vocab_size"], (2, 16)) for _ in range(3)]
+
+    def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    ref, got = (train_ranks(fsdp(copy.deepcopy(work.model), mesh), batches, loss_of) for fsdp in (default, kept))
+    return {**rank_differences(got, ref), "params": len(ref[2])}
 
 
 def test_reshard_after_forward_false_trains_bitwise_as_the_default():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        # fork: the workload is this test module's, which a spawned child could not import
-        mp.start_processes(_real_rank, args=(port, out), nprocs=2, join=True, start_method="fork")
-        results = [json.load(open(f"{out}.{r}")) for r in range(2)]
-    for r, got in enumerate(results):
+    for r, got in enumerate(gloo_ranks(_real_rank, 2)):
         assert got["params"] > 0 and got["losses_equal"], f"rank {r}: {got}"
         assert got["grads_differ"] == [] and got["params_differ"] == [], f"rank {r}: {got}"
