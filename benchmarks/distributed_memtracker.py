@@ -8,6 +8,7 @@
                             before backward; by default it is held through backward and the loss
                             through the optimizer step, as memfit's step (`output = model(...);
                             loss_fn(output).backward(); value = loss.detach()`) holds them
+        real=True           the tracker on real tensors (tiny sizes only; still the fake group)
         compare=True        also profile the same rank with memfit and diff the two peaks
 
 Rank 0 on the fake process group and fake tensors, as torchtitan's memory estimation does. Two
@@ -88,23 +89,29 @@ class _PeakTracker(FSDPMemTracker):
             self.at_peak = TrackerPeak(total, dict(cats), live, self._in_opt, self._mod_tracker.is_bw, self.phase_peaks)
 
 
-def tracker_steps(work, world: int, *, foreach: bool = False, masks: bool = False, drop_output: bool = False):
+def tracker_steps(work, world: int, *, foreach: bool = False, masks: bool = False, drop_output: bool = False, real: bool = False):
     """The tracker's peak of the warm-up step and of the next one, rank 0 of ``world`` on the fake
-    group (which this initialises and destroys)."""
+    group (which this initialises and destroys); on fake tensors, or with ``real`` on the
+    workload's own (a model small enough to build)."""
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (world,))
-        model = copy.deepcopy(work.model).to("meta")
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            model = work.parallel.parallelize(model, mesh)
-            model.to_empty(device="cpu")
+        model = copy.deepcopy(work.model)
+        mode = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+        with mode or contextlib.nullcontext():
+            if mode is None:
+                model = work.parallel.parallelize(model, mesh)
+                kwargs = dict(work.inputs)
+            else:
+                model = work.parallel.parallelize(model.to("meta"), mesh)
+                model.to_empty(device="cpu")
+                kwargs = {k: mode.from_tensor(v) for k, v in work.inputs.items()}
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
-            kwargs = {k: mode.from_tensor(v) for k, v in work.inputs.items()}
             peaks = []
             for _ in range(2):
                 tracker = _PeakTracker(model, opt)
                 tracker.track_inputs(tuple(kwargs.values()))
-                hf = contextlib.nullcontext() if masks else _hf_fake.unpacked_positions(kwargs)
+                hf = contextlib.nullcontext() if masks or real else _hf_fake.unpacked_positions(kwargs)
                 with tracker, hf:
                     _step(model, kwargs, opt, drop_output)
                 peaks.append(tracker.at_peak)
@@ -178,7 +185,7 @@ def _where(p: TrackerPeak) -> str:
 def main() -> int:
     world = int(sys.argv[1])
     sizes = parse_sizes(sys.argv[2:])
-    opts = {k: sizes.pop(k, False) for k in ("foreach", "masks", "drop_output")}
+    opts = {k: sizes.pop(k, False) for k in ("foreach", "masks", "drop_output", "real")}
     compare = sizes.pop("compare", False)
     work = zoo.build("llama", **sizes)
     start = time.perf_counter()
@@ -191,7 +198,7 @@ def main() -> int:
         print("    storages:", sorted(sizes_at.items(), key=lambda kv: -kv[0][1] * kv[1])[:12])
     if compare:
         start = time.perf_counter()
-        peak, live, phases = memfit_peak(work, world, masks=opts["masks"])
+        peak, live, phases = memfit_peak(work, world, masks=opts["masks"] and not opts["real"])
         print(f"memfit, {time.perf_counter() - start:.1f} s: peak {peak:,} B ({sum(n for _, n in live):,} B in storages)")
         print("    phase peaks (storages):", {k: f"{v:,}" for k, v in phases.items()})
         for cat, (t, m, only_t, only_m) in diff(step.live, live).items():
