@@ -323,7 +323,9 @@ def _cmd_plan_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: s
                 progress=progress,
             )
         result.budget = label
-        console.print(f"[bold]{work.name}[/], rank of {result.world_size} on [bold]{result.device}[/]")
+        ranks_seen = ", ".join(str(r) for r in sorted(result.rank_peak_bytes or {}))
+        what = f"rank {ranks_seen}" if len(result.rank_peak_bytes or {}) == 1 else f"ranks {ranks_seen}"
+        console.print(f"[bold]{work.name}[/], {what} of {result.world_size} on [bold]{result.device}[/]")
         render_plan(result, console)
     if ns.json:
         Path(ns.json).write_text(json.dumps(result.to_dict(), indent=1))
