@@ -139,17 +139,12 @@ class Verifier:
             return stateful_modules(self.model, box.args, box.kwargs, first=first), off
 
     def instead_of(self, real: Verifier, use_cache_off: tuple[str, ...]) -> Verifier:
-        """This (fake) verifier, standing in for ``real``: one step on its copy first, with
-        the KV cache off as :meth:`stateful` found on ``real``'s (it creates the optimizer's
-        state). A run that meets a kernel whose workspace this process has not measured
-        (the profile came from a file) goes to ``real``, and so does every later run."""
-        box = self.box
-        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
-        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
-        with box.active():
-            box.step(self.loss_fn)
+        """This (fake) verifier, standing in for ``real``, :meth:`warmed` with the KV cache
+        off as :meth:`stateful` found on ``real``'s. A run that meets a kernel whose workspace
+        this process has not measured (the profile came from a file) goes to ``real``, and so
+        does every later run."""
         self._real = real
-        return self
+        return self.warmed(use_cache_off)
 
     def falling_back(self, open_real: Callable[[], Verifier]) -> Verifier:
         """This (fake) verifier, checked and warmed by :meth:`stateful` on its own copy,
@@ -160,13 +155,13 @@ class Verifier:
         return self
 
     def warmed(self, use_cache_off: tuple[str, ...]) -> Verifier:
-        """This (real) verifier after the KV cache goes off as on the verifier it backs, and a
-        step that creates the optimizer's state if it has none (runs measure steady state)."""
+        """This verifier with the KV cache off as on the verifier it stands beside, after one
+        step on its sandbox (the optimizer's state and any state a module makes at its first
+        forward exist: runs measure the steady step)."""
         off = [n for n in use_cache_off if n not in cache.switched(self.model)]
         self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
-        if not self.box.optimizer.state:
-            with self.box.active():
-                self.box.step(self.loss_fn)
+        with self.box.active():
+            self.box.step(self.loss_fn)
         return self
 
     def _fallback(self) -> Verifier | None:

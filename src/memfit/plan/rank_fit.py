@@ -49,7 +49,7 @@ from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
 from memfit.plan.fit import fit_budget
 from memfit.plan.max_batch import BatchLimit, MaxBatch, _largest
-from memfit.plan.recipe import WhatIf
+from memfit.plan.recipe import WhatIf, choice_fields, read_choice_fields
 from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
 from memfit.workload import Workload, batch_size_of, resize_batch, resize_targets, split_inputs
@@ -278,9 +278,7 @@ class RankRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["levers"] = list(self.levers)
-        data["plan"] = self.plan.to_dict() if self.plan is not None else None
-        data["what_if"] = [{**dataclasses.asdict(w), "levers": list(w.levers)} for w in self.what_if]
+        data.update(choice_fields(self.levers, self.plan, self.what_if))
         data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
         return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}
 
@@ -291,12 +289,7 @@ class RankRecipe:
     def from_dict(cls, data: Any) -> RankRecipe:
         body = read_versioned(data, RANK_RECIPE_FORMAT, RANK_RECIPE_VERSION, "per-rank recipe")
         try:
-            body["levers"] = tuple(body["levers"])
-            unknown = [lever for lever in body["levers"] if lever not in RANK_LEVERS]
-            if unknown:
-                raise PlanError(f"per-rank recipe JSON names unknown lever {unknown[0]!r}")
-            body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
-            body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+            read_choice_fields(body, RANK_LEVERS, "per-rank recipe")
             body["rank_peak_bytes"] = {int(r): int(b) for r, b in body["rank_peak_bytes"].items()}
             return cls(**body)
         except PlanError:

@@ -5,6 +5,7 @@ as a code snippet for an existing training loop and applies in one call."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,27 @@ class WhatIf:
     measured_step_time_s: float | None = None
     note: str = ""
     chosen: bool = False
+
+
+def choice_fields(levers: Sequence[str], plan: Plan | None, what_if: Sequence[WhatIf]) -> dict[str, Any]:
+    """The JSON of what a recipe chose (levers, plan, the options weighed): a single device's
+    :class:`Recipe` and a rank's (:class:`memfit.plan.rank_fit.RankRecipe`) write them alike."""
+    return {
+        "levers": list(levers),
+        "plan": plan.to_dict() if plan is not None else None,
+        "what_if": [{**asdict(w), "levers": list(w.levers)} for w in what_if],
+    }
+
+
+def read_choice_fields(body: dict[str, Any], known: Collection[str], what: str) -> None:
+    """:func:`choice_fields` read back into ``body`` in place; a lever not in ``known`` is
+    refused, naming the ``what`` JSON it came from."""
+    body["levers"] = tuple(body["levers"])
+    unknown = [lever for lever in body["levers"] if lever not in known]
+    if unknown:
+        raise PlanError(f"{what} JSON names unknown lever {unknown[0]!r}")
+    body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
+    body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
 
 
 @dataclass
@@ -280,10 +302,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["levers"] = list(self.levers)
+        data.update(choice_fields(self.levers, self.plan, self.what_if))
         data["step"] = self.step.to_dict()
-        data["plan"] = self.plan.to_dict() if self.plan is not None else None
-        data["what_if"] = [{**asdict(w), "levers": list(w.levers)} for w in self.what_if]
         return {"format": RECIPE_FORMAT, "version": RECIPE_VERSION, **data}
 
     def to_json(self) -> str:
@@ -293,13 +313,8 @@ class Recipe:
     def from_dict(cls, data: Any) -> Recipe:
         body = read_versioned(data, RECIPE_FORMAT, RECIPE_VERSION, "recipe")
         try:
-            body["levers"] = tuple(body["levers"])
-            unknown = [lever for lever in body["levers"] if lever not in LEVERS]
-            if unknown:
-                raise PlanError(f"recipe JSON names unknown lever {unknown[0]!r}")
+            read_choice_fields(body, LEVERS, "recipe")
             body["step"] = StepOptions.from_dict(body["step"])
-            body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
-            body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
             for name in ("budget_bytes", "predicted_peak_bytes", "base_peak_bytes"):
                 if isinstance(body[name], bool) or not isinstance(body[name], int):
                     raise PlanError(f"recipe JSON: {name} must be an integer, got {body[name]!r}")
