@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL
 
+import memfit
 from memfit.cli import main
 
 
@@ -32,25 +33,11 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
     from memfit.plan import planner
 
     saved = tmp_path / "p.json"
-    assert main(["profile", "gpt", "--batch-size", "2", *SMALL, "--json", str(saved)]) == 0
-    assert (
-        main(
-            [
-                "plan",
-                "gpt",
-                "--batch-size",
-                "2",
-                *SMALL,
-                "--budget",
-                "50%",
-                "--objective",
-                "flops",
-                "--json",
-                str(tmp_path / "a.json"),
-            ]
-        )
-        == 0
-    )
+    # a --profile PATH that does not exist yet is measured and written there
+    args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", "50%", "--objective", "flops"]
+    assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "a.json")]) == 0
+    assert f"wrote {saved}" in " ".join(capsys.readouterr().out.split())
+    assert memfit.Profile.from_dict(json.loads(saved.read_text())).workspaces is not None
 
     def no_profile(*args, **kwargs):
         raise AssertionError("plan --profile measured a profile")
@@ -59,7 +46,6 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(planner, "_profile", no_profile)
     monkeypatch.setattr(measure, "_profile", no_profile)
-    args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", "50%", "--objective", "flops"]
     assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "b.json")]) == 0
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
     # the same step (its peak to the byte); the lowest reachable peak is the MILP's, solved to a
@@ -73,7 +59,7 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
     for extra, words in [
         (["--profile", str(saved), "--batch-size", "4"], "other inputs"),
         (["--profile", str(saved), "--device", "fake"], "measured on cpu"),
-        (["--profile", str(tmp_path / "none.json")], "cannot read"),
+        (["--profile", str(tmp_path / "no" / "none.json")], "cannot write"),
         (["--profile", str(tmp_path / "a.json")], "not a memfit.profile"),
     ]:
         assert main([*args, *extra]) == 2

@@ -23,6 +23,7 @@ import argparse
 import ast
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from rich.console import Console
 import memfit
 from memfit import zoo
 from memfit.errors import MemfitError, TargetError
+
+_SLOW_PLAN_S = 10.0
+"""A plan that measured its own profile for longer than this says how to skip that next time."""
 
 __all__ = ["main", "parse_sizes"]
 
@@ -368,13 +372,25 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         )
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     _require_device(ns.device)
-    saved = _saved_profile(ns.profile, ns.device) if ns.profile else None
+    # --profile PATH that does not exist yet: measured here and written there, so the next
+    # plan of this step (another budget) runs no profiling steps
+    missing = bool(ns.profile) and not Path(ns.profile).exists()
+    if missing and not Path(ns.profile).parent.is_dir():
+        raise TargetError(f"--profile: cannot write {ns.profile}: no directory {Path(ns.profile).parent}; give an existing one")
+    saved = _saved_profile(ns.profile, ns.device) if ns.profile and not missing else None
     work = _workload(ns)
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     pictures = bool(ns.plot or ns.html)
     # the pictures show the profile the plan was made from: it is measured first and passed in
-    before = saved or (_profile(work, ns.device, console) if pictures else None)
+    started = time.perf_counter()
+    before = saved or (_profile(work, ns.device, console) if pictures or missing else None)
+    if missing:
+        Path(ns.profile).write_text(before.to_json())
+        console.print(
+            f"measured the step's profile in {time.perf_counter() - started:.1f} s and wrote {ns.profile}: "
+            f"`--profile {ns.profile}` plans this step again without it"
+        )
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
             model,
@@ -391,6 +407,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     plan.budget = label
     console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
     render_plan(plan, console)
+    if not ns.profile and not fake and time.perf_counter() - started > _SLOW_PLAN_S:
+        console.print(
+            "tip: most of that was measuring the step (four steps); `--profile PATH` keeps the profile, "
+            "and planning again from it (any budget) runs no step"
+        )
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
         console.print(f"wrote {ns.json}")
@@ -781,7 +802,7 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="PATH",
         help="plan from this target's profile saved by `memfit profile TARGET --json PATH` (same batch and device) "
-        "instead of measuring one: no profiling steps",
+        "instead of measuring one: no profiling steps; a PATH that does not exist yet is measured and written",
     )
     p.add_argument(
         "--world-size", type=_positive, metavar="N", help="plan one rank of N of the target's distributed step (--device fake)"

@@ -133,6 +133,11 @@ class Recipe:
     ``expandable_segments`` lever, the process's settings plus it)."""
     times_predicted: bool = False
     """Step times only predicted (fake CUDA: nothing could be timed); the recipe was chosen by them."""
+    host_speed: float | None = None
+    """The step as it is timed again after the recipe parted from its prediction, over its
+    time when the predictions were made (0.9: the host ran 10% faster by then); the
+    prediction at the host's speed then is ``predicted_step_time_s * host_speed``. None: not
+    timed again (prediction and measurement agreed)."""
     search: dict[str, int] = field(default_factory=dict)
     """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
     ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for

@@ -851,6 +851,9 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
         measured.append(f"peak measured {format_bytes(recipe.measured_peak_bytes)} (recorder ledger of the real step)")
     if recipe.measured_step_time_s is not None:
         predicted = f"predicted {recipe.predicted_step_time_s:.3f} s, " if recipe.predicted_step_time_s is not None else ""
+        if recipe.host_speed is not None and recipe.predicted_step_time_s is not None:
+            now = recipe.predicted_step_time_s * recipe.host_speed
+            predicted = f"predicted {recipe.predicted_step_time_s:.3f} s ({now:.3f} s at the host's speed then), "
         measured.append(f"step {predicted}measured {recipe.measured_step_time_s:.3f} s (median of 3 after warm-up)")
     elif recipe.times_predicted and recipe.predicted_step_time_s is not None:
         measured.append(f"step {recipe.predicted_step_time_s:.4f} s predicted by the cost model (not measured)")
