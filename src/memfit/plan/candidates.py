@@ -166,7 +166,7 @@ def build_candidates(
     excluded = dict(exclude or {})
     options: list[Option] = []
 
-    op_bytes, born_op = _allocations(ledger)
+    op_bytes, born_op = ledger.op_outputs()
 
     order = sorted(ledger.blocks, key=lambda b: b.born)
     borns = [b.born for b in order]
@@ -385,7 +385,7 @@ def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> tuple
     measures the host's noise."""
     import statistics
 
-    op_bytes, _ = _allocations(ledger)
+    op_bytes, _ = ledger.op_outputs()
     signature: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
     for i, op in enumerate(ledger.ops):
         if op.module is None:
@@ -416,7 +416,7 @@ def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> tuple
 def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[tuple[float, float, float, float]]:
     """``(seconds, flops, output bytes, ops)`` of each timed module whose ops all run in
     it directly (no child module ran an op): the data :meth:`DeviceRates.fit` fits."""
-    op_bytes, _ = _allocations(ledger)
+    op_bytes, _ = ledger.op_outputs()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for i, op in enumerate(ledger.ops):
         if op.module is not None:
@@ -426,20 +426,3 @@ def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[
             acc[2] += 1
     parents = {m.rpartition(".")[0] for m in per if m}
     return [(forward_time[m], f, b, n) for m, (f, b, n) in per.items() if m not in parents and forward_time.get(m)]
-
-
-def _allocations(ledger: Ledger) -> tuple[list[int], dict[int, int]]:
-    """Bytes each forward op call returned, and the op call that returned each block. A
-    kernel's workspace is not an output: selective recompute cannot keep it, and the cost
-    model's bytes are what an op writes."""
-    op_bytes = [0] * len(ledger.ops)
-    born_op: dict[int, int] = {}
-    owner = [-1] * len(ledger.ticks)
-    for i, op in enumerate(ledger.ops):
-        for t in range(op.first, op.end):
-            owner[t] = i
-    for b in ledger.blocks:
-        if b.born >= 0 and owner[b.born] >= 0 and b.category is not Category.WORKSPACE:
-            born_op[b.id] = owner[b.born]
-            op_bytes[owner[b.born]] += b.nbytes
-    return op_bytes, born_op
