@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from memfit.measure.gpu import DATASHEETS, GpuSpec, datasheet
 from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, Category, Ledger, Phase, Span, ancestors
 
 __all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples", "pooled_times"]
@@ -34,15 +35,32 @@ class DeviceRates:
     bytes_per_s: float
     seconds_per_op: float = 0.0
     """Fixed cost of launching any op (dispatcher, Python, kernel launch)."""
+    fp32_slower: float = 1.0
+    """How many times slower float32 FLOPs run than :attr:`flops_per_s` (CUDA's are
+    half-precision tensor-core figures; torch's float32 matmuls, TF32 off by default, are not)."""
 
     def estimate(self, flops: float, nbytes: float, ops: float = 1.0) -> float:
         return flops / self.flops_per_s + nbytes / self.bytes_per_s + ops * self.seconds_per_op
 
     @staticmethod
-    def for_device(device: str) -> DeviceRates:
-        """Round figures for the device class, used where nothing was measured."""
+    def for_device(device: str, gpu: GpuSpec | None = None) -> DeviceRates:
+        """Round figures for the device class, used where nothing was measured; on CUDA an
+        H100's, or ``gpu``'s: the H100's scaled by its datasheet peaks against the H100's (the
+        same share of each peak reached; an H100's where the GPU has no datasheet figures)."""
         if "cuda" in device:
-            return DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12, seconds_per_op=5e-6)  # H100-class, HBM3
+            # H100-class, HBM3; float32 about an eighth as fast (H100: 67 against 989 dense
+            # TFLOP/s in NVIDIA's datasheet, A100: 19.5 against 312)
+            h100 = DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12, seconds_per_op=5e-6, fp32_slower=8.0)
+            sheet, base = (datasheet(gpu) if gpu is not None else None), DATASHEETS["H100-80GB"]
+            if sheet is None:
+                return h100
+            half = sheet.half_flops_per_s / base.half_flops_per_s
+            return replace(
+                h100,
+                flops_per_s=h100.flops_per_s * half,
+                bytes_per_s=h100.bytes_per_s * sheet.bytes_per_s / base.bytes_per_s,
+                fp32_slower=h100.fp32_slower * half / (sheet.fp32_flops_per_s / base.fp32_flops_per_s),
+            )
         return DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, seconds_per_op=10e-6)  # a few CPU cores, fp32
 
     @staticmethod
