@@ -15,14 +15,11 @@ rank is over its prediction.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import socket
-import tempfile
+import sys
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gloo import gloo_ranks  # noqa: E402  benchmarks/_gloo.py, beside this script
 
 from memfit import zoo
 from memfit.measure.distributed import CURRENT_GROUP, profile_rank, profile_ranks, without_backend_buffers
@@ -48,17 +45,8 @@ def _tensors(ledger: Ledger) -> int:
     return Ledger([b for b in ledger.blocks if b.category is not Category.WORKSPACE], ledger.ticks).peak_bytes
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        got = {n: _tensors(without_backend_buffers(profile_rank(_work(n), CURRENT_GROUP).ledger)) for n in SETTINGS}
-        with open(f"{out}.{rank}", "w") as f:
-            f.write(json.dumps(got))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+def _rank(rank: int, world_size: int) -> dict[str, int]:
+    return {n: _tensors(without_backend_buffers(profile_rank(_work(n), CURRENT_GROUP).ledger)) for n in SETTINGS}
 
 
 def main() -> None:
@@ -67,13 +55,7 @@ def main() -> None:
     runs = 0
     while runs < 3:
         runs += 1
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rank")
-            mp.start_processes(_rank, args=(port, out), nprocs=2, join=True, start_method="fork")
-            got = [json.load(open(f"{out}.{r}")) for r in range(2)]
+        got = gloo_ranks(_rank, 2, start_method="fork")
         best = got if not best else [{n: min(a[n], b[n]) for n in a} for a, b in zip(best, got)]
         if all(best[r][n] <= predicted[n] for r in range(2) for n in SETTINGS):
             break

@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
-import tempfile
 import time
 
-import torch
-import torch.multiprocessing as mp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gloo import gloo_ranks  # noqa: E402  benchmarks/_gloo.py, beside this script
 
 # A zoo-like Llama small enough for 4 real ranks on 2 cores, big enough that tensors dominate.
 SIZES = dict(
@@ -41,29 +39,13 @@ def workload(parallel: str, sizes: dict | None = None):
     return zoo.build("llama", parallel=parallel, **(SIZES if sizes is None else sizes))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world_size: int, parallel: str, sizes: dict | None, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _rank(rank: int, world_size: int, parallel: str, sizes: dict | None) -> dict:
     from memfit.measure.distributed import CURRENT_GROUP, profile_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        prof = profile_rank(workload(parallel, sizes), CURRENT_GROUP)
-        with open(f"{out}.{rank}", "w") as f:
-            f.write(prof.to_json())
-    finally:
-        dist.destroy_process_group()
+    return profile_rank(workload(parallel, sizes), CURRENT_GROUP).to_dict()
 
 
-def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None, port: int, out: str) -> None:
+def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None) -> dict:
     """The RSS protocol of memfit.bench.child on one real rank, without the recorder: after two
     warm-up steps, heap trimmed and the high-water mark reset, the step's RSS rise."""
     import gc
@@ -73,50 +55,30 @@ def _rank_rss(rank: int, world_size: int, parallel: str, sizes: dict | None, por
     from memfit.bench.child import _status_bytes, _trim_heap
     from memfit.measure.distributed import _mesh, _parallel_sandbox
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        work = workload(parallel, sizes)
-        box = _parallel_sandbox(work, work.parallel, _mesh(work.parallel, world_size), None)
-        for _ in range(2):
-            box.step(work.loss_fn)
-        gc.collect()
-        dist.barrier()
-        _trim_heap()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _status_bytes("VmRSS")
+    work = workload(parallel, sizes)
+    box = _parallel_sandbox(work, work.parallel, _mesh(work.parallel, world_size), None)
+    for _ in range(2):
         box.step(work.loss_fn)
-        rise = _status_bytes("VmHWM") - before
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump({"rss_rise_bytes": rise}, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn, world_size: int, parallel: str, sizes: dict | None) -> list[dict]:
-    """What ``fn`` wrote for each rank of a real gloo run of ``world_size`` processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        mp.spawn(fn, args=(world_size, parallel, sizes, _free_port(), out), nprocs=world_size, join=True)
-        ranks = []
-        for r in range(world_size):
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        return ranks
+    gc.collect()
+    dist.barrier()
+    _trim_heap()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    box.step(work.loss_fn)
+    return {"rss_rise_bytes": _status_bytes("VmHWM") - before}
 
 
 def real_rss(world_size: int, parallel: str, sizes: dict | None = None) -> list[int]:
     """Every rank's RSS rise over its step in a real gloo run (every tensor of 64 KiB or more its
     own mapping, as the bench's children measure)."""
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each child starts
-    return [r["rss_rise_bytes"] for r in _spawn(_rank_rss, world_size, parallel, sizes)]
+    return [r["rss_rise_bytes"] for r in gloo_ranks(_rank_rss, world_size, parallel, sizes)]
 
 
 def real_ranks(world_size: int, parallel: str, sizes: dict | None = None) -> list[dict]:
     """Every rank's profile from a real gloo run of ``world_size`` processes."""
-    return _spawn(_rank, world_size, parallel, sizes)
+    return gloo_ranks(_rank, world_size, parallel, sizes)
 
 
 def _ledger_tools():

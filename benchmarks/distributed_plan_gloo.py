@@ -21,14 +21,13 @@ import copy
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed_gloo import _free_port, workload  # noqa: E402
+from _gloo import gloo_ranks  # noqa: E402  benchmarks/_gloo.py, beside this script
+from distributed_gloo import workload  # noqa: E402
 
 
 def _train(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tuple[list[float], dict]:
@@ -51,50 +50,37 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _rank(rank: int, world_size: int, parallel: str, plan_json: str, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _rank(rank: int, world_size: int, parallel: str, plan_json: str) -> dict:
     import memfit
     from memfit.measure.distributed import CURRENT_GROUP, _mesh, profile_rank, without_backend_buffers
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        plan = memfit.Plan.from_json(plan_json)
-        work = workload(parallel)  # the zoo's tiny llama is built on the CPU, seeded: the same weights on every rank
-        mesh = _mesh(work.parallel, world_size)
-        ids = torch.randint(
-            0, work.model.config.vocab_size, work.inputs["input_ids"].shape, generator=torch.Generator().manual_seed(rank)
-        )
-        inputs = {"input_ids": ids, "labels": ids.clone()}  # each rank its own batch
-        reference = work.parallel.parallelize(copy.deepcopy(work.model), mesh)
-        planned = copy.deepcopy(work.model)
-        memfit.apply(planned, plan)  # before parallelizing, as plan_ranks verified it
-        planned = work.parallel.parallelize(planned, mesh)
-        ref, got = _train(reference, inputs), _train(planned, inputs)
-        del reference, planned
-        run = workload(parallel)
-        memfit.apply(run.model, plan)
-        ledger = without_backend_buffers(profile_rank(run, CURRENT_GROUP).ledger)
-        result = {
-            "losses": ref[0],
-            "losses_equal": ref[0] == got[0],
-            "grads_equal": all(torch.equal(ref[1][n], got[1][n]) for n in ref[1]),
-            "peak_bytes": ledger.peak_bytes,
-        }
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    plan = memfit.Plan.from_json(plan_json)
+    work = workload(parallel)  # the zoo's tiny llama is built on the CPU, seeded: the same weights on every rank
+    mesh = _mesh(work.parallel, world_size)
+    ids = torch.randint(
+        0, work.model.config.vocab_size, work.inputs["input_ids"].shape, generator=torch.Generator().manual_seed(rank)
+    )
+    inputs = {"input_ids": ids, "labels": ids.clone()}  # each rank its own batch
+    reference = work.parallel.parallelize(copy.deepcopy(work.model), mesh)
+    planned = copy.deepcopy(work.model)
+    memfit.apply(planned, plan)  # before parallelizing, as plan_ranks verified it
+    planned = work.parallel.parallelize(planned, mesh)
+    ref, got = _train(reference, inputs), _train(planned, inputs)
+    del reference, planned
+    run = workload(parallel)
+    memfit.apply(run.model, plan)
+    ledger = without_backend_buffers(profile_rank(run, CURRENT_GROUP).ledger)
+    result = {
+        "losses": ref[0],
+        "losses_equal": ref[0] == got[0],
+        "grads_equal": all(torch.equal(ref[1][n], got[1][n]) for n in ref[1]),
+        "peak_bytes": ledger.peak_bytes,
+    }
+    return result
 
 
 def real_run(world_size: int, parallel: str, plan_json: str) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        mp.spawn(_rank, args=(world_size, parallel, plan_json, _free_port(), out), nprocs=world_size, join=True)
-        return [json.load(open(f"{out}.{r}")) for r in range(world_size)]
+    return gloo_ranks(_rank, world_size, parallel, plan_json)
 
 
 def main() -> int:

@@ -519,3 +519,26 @@ def test_gpu_flag_leaves_the_simulated_gpu_as_it_was(capsys):
     assert main(["plan", "gpt", "--device", "fake-cuda", "--gpu", "A100-40GB", "--budget", "1GiB"]) == 2
     assert "not both" in _error_line(capsys)
     assert _fake_cuda.gpu() is before
+
+
+def test_a_value_without_equals_ends_the_size_list_as_the_target(tmp_path, capsys):
+    # argparse's nargs='+' would read `gpt` as a size and then miss the target
+    out = tmp_path / "p.json"
+    argv = ["profile", "--size", "n_layer=1", "n_embd=32", "n_head=2", "block_size=16", "gpt", "--device", "fake"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["target"] == "gpt" and data["meta"]["n_layer"] == 1 and data["meta"]["n_embd"] == 32
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "gpt", "--size", "n_layer=2", "oops", "--budget", "50%"],
+        ["plan", "--size", "n_layer=2", "gpt", "--size", "n_embd=64", "oops", "--budget", "50%"],
+        ["estimate", "llama", "--size", "num_hidden_layers=2", "oops"],
+    ],
+)
+def test_a_size_without_equals_once_the_target_is_given_is_one_line(argv, capsys):
+    assert main(argv) == 2
+    err = _error_line(capsys)
+    assert "'oops'" in err and "KEY=VALUE" in err

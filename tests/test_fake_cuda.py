@@ -401,3 +401,14 @@ def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_prof
     # dq_accum 2*128*4*32 floats (seq rounded to 128, dim to 32), each in 512 B blocks
     assert r["flash_ops"] == ["_scaled_dot_product_flash_attention_backward"]
     assert r["flash"] == [2 * 4 * 128 * 4 + 2 * 128 * 4 * 32 * 4]
+
+
+def test_fit_on_fake_cuda_predicts_step_times_at_the_chosen_gpus_rates(shim_cache, tmp_path):
+    """A T4 (65 dense half TFLOP/s, 320 GB/s) runs the same step slower than an H100 (989, 3,350 GB/s)."""
+    times = {}
+    for name in ("T4", "H100-80GB"):
+        out = tmp_path / f"{name}.json"
+        done = _run(["-m", "memfit", "fit", *TINY, "--device", "fake-cuda", "--gpu", name, "--json", str(out)], _env(shim_cache))
+        assert done.returncode == 0, done.stderr
+        times[name] = json.loads(out.read_text())["base_step_time_s"]
+    assert times["T4"] > times["H100-80GB"] > 0

@@ -70,3 +70,19 @@ def test_nccl_estimate_per_communicator_and_none_for_one_process():
     assert "estimate" in eight.source and "#964" in eight.source
     with pytest.raises(ValueError, match="communicators"):
         gpu.nccl_estimate(4, communicators=0)
+
+
+def test_cuda_rates_follow_the_gpus_datasheet():
+    from memfit.plan.candidates import DeviceRates
+
+    h100 = DeviceRates.for_device("cuda")
+    assert DeviceRates.for_device("cuda", gpu.GPUS["H100-80GB"]) == h100  # the round figures are an H100's
+    t4 = DeviceRates.for_device("fake:cuda:0", gpu.GPUS["T4"])
+    assert t4.flops_per_s < h100.flops_per_s and t4.bytes_per_s < h100.bytes_per_s
+    # a T4's float32 is an eighth of its tensor cores' rate, an H100's a fifteenth
+    assert 1.0 < t4.fp32_slower < h100.fp32_slower
+    # no datasheet figures (AWS's A10G): an H100's rates, not made-up ones
+    assert gpu.datasheet(gpu.GPUS["A10G"]) is None and DeviceRates.for_device("cuda", gpu.GPUS["A10G"]) == h100
+    # a real GPU as torch describes it is found by its name
+    real = gpu.GpuSpec("Tesla T4", "Tesla T4", 15 * 2**30, (7, 5), 40)
+    assert DeviceRates.for_device("cuda", real) == t4

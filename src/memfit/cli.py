@@ -958,12 +958,51 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _end_size_lists(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` with each KEY=VALUE after ``--size`` passed as ``--size=KEY=VALUE``, and the values
+    without '=' that ended a --size list. argparse's ``nargs='+'`` would swallow the target after
+    the sizes (``--size n_layer=2 gpt``); one value per ``--size=`` leaves it a positional."""
+    out: list[str] = []
+    ended: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":  # the rest is positional
+            return out + argv[i:], ended
+        j = i + 1
+        if argv[i] == "--size":
+            while j < len(argv) and "=" in argv[j] and not argv[j].startswith("-"):
+                j += 1
+        if j == i + 1:  # not --size, or no KEY=VALUE after it: argparse's own reading (and error)
+            out.append(argv[i])
+            i = j
+            continue
+        out += [f"--size={item}" for item in argv[i + 1 : j]]
+        if j < len(argv) and not argv[j].startswith("-"):
+            ended.append(argv[j])
+        i = j
+    return out, ended
+
+
 def main(argv: list[str] | None = None) -> int:
     from memfit.measure import _fake_cuda
 
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    args, ended = _end_size_lists(sys.argv[1:] if argv is None else list(argv))
+    ns, extra = parser.parse_known_args(args)
     console = Console()
     err = Console(stderr=True)
+    if extra:
+        # a value without '=' after --size that was not needed as the target: a size typo
+        bad = next((item for item in extra if item in ended), None)
+        if bad is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        err.print(
+            f"memfit: error: --size takes KEY=VALUE (e.g. n_layer=24), got {bad!r} (the target is given already)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return EXIT_ERROR
     simulated = _fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
     try:
         return ns.func(ns, console)

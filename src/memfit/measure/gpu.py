@@ -28,6 +28,9 @@ __all__ = [
     "GPUS",
     "GpuError",
     "find_gpu",
+    "Datasheet",
+    "DATASHEETS",
+    "datasheet",
     "cublas_workspace_bytes",
     "ATTENTION_BACKWARD_OPS",
     "attention_backward_bytes",
@@ -92,6 +95,45 @@ def find_gpu(name: str) -> GpuSpec:
         if wanted in (_norm(spec.key), _norm(spec.name)):
             return spec
     raise GpuError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --capacity BYTES for another one)")
+
+
+# --- speed ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """A GPU's peak rates as NVIDIA states them (what the cost model scales its rates by)."""
+
+    half_flops_per_s: float
+    """Dense FP16/BF16 tensor-core FLOP/s, FP32 accumulation (torch's), without sparsity."""
+    fp32_flops_per_s: float
+    """FP32 FLOP/s without tensor cores (torch's float32 matmuls: TF32 is off by default)."""
+    bytes_per_s: float
+    """Memory bandwidth."""
+
+
+_T, _G = 1e12, 1e9
+# NVIDIA's datasheets (sparsity figures halved), the GeForce cards' from the Ampere GA102 and
+# Ada architecture whitepapers (FP16 tensor with FP32 accumulate). The A10G is AWS's part:
+# NVIDIA publishes no datasheet for it, so it has none here (its steps get an H100's rates).
+DATASHEETS: dict[str, Datasheet] = {
+    "H100-80GB": Datasheet(989 * _T, 67 * _T, 3350 * _G),  # H100 SXM5
+    "A100-80GB": Datasheet(312 * _T, 19.5 * _T, 2039 * _G),  # A100 SXM4 80GB
+    "A100-40GB": Datasheet(312 * _T, 19.5 * _T, 1555 * _G),
+    "L40S": Datasheet(362 * _T, 91.6 * _T, 864 * _G),
+    "L4": Datasheet(121 * _T, 30.3 * _T, 300 * _G),
+    "RTX-4090": Datasheet(165.2 * _T, 82.6 * _T, 1008 * _G),
+    "RTX-3090": Datasheet(71 * _T, 35.6 * _T, 936 * _G),
+    "V100-16GB": Datasheet(125 * _T, 15.7 * _T, 900 * _G),  # V100 SXM2
+    "T4": Datasheet(65 * _T, 8.1 * _T, 320 * _G),
+}
+
+
+def datasheet(spec: GpuSpec) -> Datasheet | None:
+    """``spec``'s datasheet figures (by key, or by the name torch reports for a real GPU), or None."""
+    names = (_norm(spec.key), _norm(spec.name))
+    known = next((key for key, s in GPUS.items() if _norm(s.name) in names or _norm(key) in names), None)
+    return DATASHEETS.get(known) if known is not None else None
 
 
 # --- cuBLAS ---------------------------------------------------------------------------------

@@ -179,6 +179,7 @@ class Ledger:
     estimate of the kernel's own temporaries (:func:`memfit.measure.gpu.attention_backward_bytes`),
     not a measurement."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
+    _op_outputs: tuple[list[int], dict[int, int]] | None = field(default=None, repr=False, compare=False)
 
     # -- the curve and its peak -------------------------------------------------------------
 
@@ -207,6 +208,24 @@ class Ledger:
                 curve.append(live)
             self._curve = curve
         return self._curve
+
+    def op_outputs(self) -> tuple[list[int], dict[int, int]]:
+        """Bytes each forward op call returned, and the op call that returned each block id
+        (kept: a plan reads them three times). A kernel's workspace is not an output: selective
+        recompute cannot keep it, and the cost model's bytes are what an op writes."""
+        if self._op_outputs is None:
+            op_bytes = [0] * len(self.ops)
+            born_op: dict[int, int] = {}
+            owner = [-1] * len(self.ticks)
+            for i, op in enumerate(self.ops):
+                for t in range(op.first, op.end):
+                    owner[t] = i
+            for b in self.blocks:
+                if b.born >= 0 and owner[b.born] >= 0 and b.category is not Category.WORKSPACE:
+                    born_op[b.id] = owner[b.born]
+                    op_bytes[owner[b.born]] += b.nbytes
+            self._op_outputs = op_bytes, born_op
+        return self._op_outputs
 
     @property
     def peak_tick(self) -> int:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from memfit.measure.gpu import DATASHEETS, GpuSpec, datasheet
 from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, Category, Ledger, Phase, Span, ancestors
 
 __all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples", "pooled_times"]
@@ -34,15 +35,32 @@ class DeviceRates:
     bytes_per_s: float
     seconds_per_op: float = 0.0
     """Fixed cost of launching any op (dispatcher, Python, kernel launch)."""
+    fp32_slower: float = 1.0
+    """How many times slower float32 FLOPs run than :attr:`flops_per_s` (CUDA's are
+    half-precision tensor-core figures; torch's float32 matmuls, TF32 off by default, are not)."""
 
     def estimate(self, flops: float, nbytes: float, ops: float = 1.0) -> float:
         return flops / self.flops_per_s + nbytes / self.bytes_per_s + ops * self.seconds_per_op
 
     @staticmethod
-    def for_device(device: str) -> DeviceRates:
-        """Round figures for the device class, used where nothing was measured."""
+    def for_device(device: str, gpu: GpuSpec | None = None) -> DeviceRates:
+        """Round figures for the device class, used where nothing was measured; on CUDA an
+        H100's, or ``gpu``'s: the H100's scaled by its datasheet peaks against the H100's (the
+        same share of each peak reached; an H100's where the GPU has no datasheet figures)."""
         if "cuda" in device:
-            return DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12, seconds_per_op=5e-6)  # H100-class, HBM3
+            # H100-class, HBM3; float32 about an eighth as fast (H100: 67 against 989 dense
+            # TFLOP/s in NVIDIA's datasheet, A100: 19.5 against 312)
+            h100 = DeviceRates(flops_per_s=400e12, bytes_per_s=2.5e12, seconds_per_op=5e-6, fp32_slower=8.0)
+            sheet, base = (datasheet(gpu) if gpu is not None else None), DATASHEETS["H100-80GB"]
+            if sheet is None:
+                return h100
+            half = sheet.half_flops_per_s / base.half_flops_per_s
+            return replace(
+                h100,
+                flops_per_s=h100.flops_per_s * half,
+                bytes_per_s=h100.bytes_per_s * sheet.bytes_per_s / base.bytes_per_s,
+                fp32_slower=h100.fp32_slower * half / (sheet.fp32_flops_per_s / base.fp32_flops_per_s),
+            )
         return DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, seconds_per_op=10e-6)  # a few CPU cores, fp32
 
     @staticmethod
@@ -166,7 +184,7 @@ def build_candidates(
     excluded = dict(exclude or {})
     options: list[Option] = []
 
-    op_bytes, born_op = _allocations(ledger)
+    op_bytes, born_op = ledger.op_outputs()
 
     order = sorted(ledger.blocks, key=lambda b: b.born)
     borns = [b.born for b in order]
@@ -385,7 +403,7 @@ def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> tuple
     measures the host's noise."""
     import statistics
 
-    op_bytes, _ = _allocations(ledger)
+    op_bytes, _ = ledger.op_outputs()
     signature: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
     for i, op in enumerate(ledger.ops):
         if op.module is None:
@@ -416,7 +434,7 @@ def pooled_times(ledger: Ledger, forward_time: dict[str, float | None]) -> tuple
 def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[tuple[float, float, float, float]]:
     """``(seconds, flops, output bytes, ops)`` of each timed module whose ops all run in
     it directly (no child module ran an op): the data :meth:`DeviceRates.fit` fits."""
-    op_bytes, _ = _allocations(ledger)
+    op_bytes, _ = ledger.op_outputs()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for i, op in enumerate(ledger.ops):
         if op.module is not None:
@@ -426,20 +444,3 @@ def leaf_samples(ledger: Ledger, forward_time: dict[str, float | None]) -> list[
             acc[2] += 1
     parents = {m.rpartition(".")[0] for m in per if m}
     return [(forward_time[m], f, b, n) for m, (f, b, n) in per.items() if m not in parents and forward_time.get(m)]
-
-
-def _allocations(ledger: Ledger) -> tuple[list[int], dict[int, int]]:
-    """Bytes each forward op call returned, and the op call that returned each block. A
-    kernel's workspace is not an output: selective recompute cannot keep it, and the cost
-    model's bytes are what an op writes."""
-    op_bytes = [0] * len(ledger.ops)
-    born_op: dict[int, int] = {}
-    owner = [-1] * len(ledger.ticks)
-    for i, op in enumerate(ledger.ops):
-        for t in range(op.first, op.end):
-            owner[t] = i
-    for b in ledger.blocks:
-        if b.born >= 0 and owner[b.born] >= 0 and b.category is not Category.WORKSPACE:
-            born_op[b.id] = owner[b.born]
-            op_bytes[owner[b.born]] += b.nbytes
-    return op_bytes, born_op

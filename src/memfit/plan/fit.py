@@ -109,7 +109,6 @@ _SPREAD = 0.2  # timed steps spread wider than this (max - min over median) are 
 _NOISY = 0.3  # still wider: the timings cannot rank candidates; the predictions do
 _PARTED = 0.15  # predicted and measured step time further apart than this: said in the notes
 _LOSS_RTOL = 1e-4
-_FP32_SLOWER = 8.0
 
 
 @dataclass(frozen=True)
@@ -541,20 +540,18 @@ class _Search:
             return self.times.seconds(combo, self.base)
         # The step does not run on the device: the cost model's round figures, from FLOPs,
         # output bytes and op count of its exact fake-tensor profile.
-        if self.times.fallback is None:
-            self.times.fallback = DeviceRates.for_device("cuda" if self.fake_cuda else str(self.device))
         # The whole batch in one: a fake profile of k micro-batches runs only the first
         # three (first_micro_batches), so its FLOPs are not the step's; k micro-batches do
         # the whole batch's FLOPs and bytes, and launch every op k times.
         prof = self.profile(replace(self.options(combo), micro_batches=1, loss_scale=None))
+        if self.times.fallback is None:  # the (simulated) GPU's rates: the profile names it
+            gpu = prof.device_fit.gpu if prof.device_fit is not None else None
+            self.times.fallback = DeviceRates.for_device("cuda" if self.fake_cuda else str(self.device), gpu)
         ops = len(prof.ledger.ops) * combo.micro_batches
         nbytes = sum(b.nbytes for b in prof.ledger.blocks if b.born >= 0)
         flops = prof.step_flops
         if combo.precision == "fp32" and (self.device.type == "cuda" or self.fake_cuda):
-            # The CUDA rates are half-precision tensor-core figures; torch's float32 matmuls
-            # (TF32 off by default) run about an eighth as fast (H100: 67 against 989 dense
-            # TFLOP/s in NVIDIA's datasheet, A100: 19.5 against 312).
-            flops *= _FP32_SLOWER
+            flops *= self.times.fallback.fp32_slower  # the CUDA rates are tensor-core figures
         return self.times.fallback.estimate(flops, nbytes, 3 * ops), False
 
     # -- peaks and plans ------------------------------------------------------------------------
