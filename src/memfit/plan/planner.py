@@ -558,7 +558,8 @@ def _costing(prof: Profile) -> Costing:
     measured = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
     forward_time, repeats_spread = pooled_times(prof.ledger, measured)
     calls = {n: m.calls for n, m in prof.modules.items()}
-    rates = DeviceRates.for_device(prof.device)
+    # on (fake) CUDA the rates of the GPU the profile was judged against
+    rates = DeviceRates.for_device(prof.device, prof.device_fit.gpu if prof.device_fit is not None else None)
     if not timed:
         return forward_time, calls, rates, ""
     steps = prof.step_times_s
