@@ -33,8 +33,8 @@ from typing import Any
 
 import memfit
 from memfit import zoo
+from memfit.levers import fit as fit_mod
 from memfit.measure import sandbox as sandbox_mod
-from memfit.plan import fit as fit_mod
 from memfit.plan import planner as planner_mod
 
 _stack: list[str] = ["other"]

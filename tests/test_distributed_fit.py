@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 
 from memfit import Workload  # noqa: E402
 from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError  # noqa: E402
+from memfit.levers.rank_fit import RankRecipe, fit_ranks, max_batch_ranks  # noqa: E402
 from memfit.measure.distributed import FSDP2, ddp, profile_ranks  # noqa: E402
-from memfit.plan.rank_fit import RankRecipe, fit_ranks, max_batch_ranks  # noqa: E402
 from memfit.workload import Parallel  # noqa: E402
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -139,8 +139,8 @@ class Net(torch.nn.Module):
 
 
 def test_max_batch_per_rank_agrees_with_profile_ranks():
+    from memfit.levers.rank_fit import _at_batch
     from memfit.measure.distributed import fsdp2
-    from memfit.plan.rank_fit import _at_batch
 
     with torch.device("meta"):
         model = Net()

@@ -16,8 +16,8 @@ from torch import nn
 import memfit
 from memfit import StepOptions
 from memfit.cli import main
+from memfit.levers.fit import _micro_batching
 from memfit.measure.timing import median_step_time
-from memfit.plan.fit import _micro_batching
 from memfit.workload import resize_batch
 
 TOLERANCE = 0.05  # issue 6: predicted within 5% of measured (the ledgers are exact: expect 0)
@@ -580,7 +580,7 @@ def test_fit_chooses_what_timing_every_combination_chooses_and_times_few():
 
 @pytest.mark.parametrize("slower", ["the candidates", "the host"])
 def test_fit_says_when_prediction_and_measurement_part(monkeypatch, slower):
-    from memfit.plan import fit as fit_module
+    from memfit.levers import fit as fit_module
 
     model, inputs = _act_net(32)
     peak = memfit.profile(model, inputs, fake=True).peak_bytes
@@ -793,7 +793,7 @@ def test_largest_batch_search_is_exact_on_kinked_peaks():
     peak bends (it moves from backward to the optimizer step), in few measurements."""
     import random
 
-    from memfit.plan.max_batch import _largest
+    from memfit.levers.max_batch import _largest
 
     rng = random.Random(0)
     for _ in range(300):
@@ -812,7 +812,7 @@ def test_largest_on_a_ladder_is_exact_on_kinked_peaks():
     import random
 
     from memfit.integrations.lightning import power_ladder
-    from memfit.plan.max_batch import _largest_on
+    from memfit.levers.max_batch import _largest_on
 
     rng = random.Random(1)
     for _ in range(300):

@@ -15,9 +15,9 @@ from torch import nn
 import memfit
 from memfit import Choice, Plan
 from memfit.bench.runner import Row
+from memfit.levers.max_batch import BatchLimit, MaxBatch
+from memfit.levers.recipe import Recipe, WhatIf
 from memfit.measure.step import StepOptions
-from memfit.plan.max_batch import BatchLimit, MaxBatch
-from memfit.plan.recipe import Recipe, WhatIf
 from memfit.report import console as rc
 
 MiB = 1 << 20

@@ -18,8 +18,8 @@ from torch import nn
 
 import memfit
 from memfit import StepOptions, WorkloadError
+from memfit.levers.fit import _micro_batching
 from memfit.measure.step import train_step
-from memfit.plan.fit import _micro_batching
 from memfit.workload import resize_batch, resize_targets, split_batch
 
 

@@ -28,14 +28,14 @@ from memfit.errors import (
     TargetError,
     WorkloadError,
 )
+from memfit.levers.fit import fit
+from memfit.levers.max_batch import BatchLimit, MaxBatch, max_batch
+from memfit.levers.recipe import Recipe
 from memfit.measure.ledger import Block, Category, Ledger, Phase, Tick
 from memfit.measure.profile import ModuleStats, Profile, profile
 from memfit.measure.step import StepOptions
 from memfit.plan.budget import Budget, parse_budget
-from memfit.plan.fit import fit
-from memfit.plan.max_batch import BatchLimit, MaxBatch, max_batch
 from memfit.plan.planner import plan
-from memfit.plan.recipe import Recipe
 from memfit.plan.result import Choice, Plan
 from memfit.units import format_bytes, parse_bytes
 from memfit.workload import Parallel, Workload, load_target

@@ -429,7 +429,7 @@ def _cmd_fit_ranks(ns: argparse.Namespace, console: Console, budget: int, label:
     """``fit --world-size N``: the fastest configuration of one rank's step (recompute,
     FSDP2's reshard_after_forward, opt-in reduce dtype) on the fake process group; with
     ``--max-batch``, the largest per-rank batch first."""
-    from memfit.plan.rank_fit import fit_ranks, max_batch_ranks, parse_rank_allow
+    from memfit.levers.rank_fit import fit_ranks, max_batch_ranks, parse_rank_allow
     from memfit.report.console import progress_bar, render_max_batch, render_rank_fit
 
     if ns.device != "fake":
@@ -465,7 +465,7 @@ def _cmd_fit_ranks(ns: argparse.Namespace, console: Console, budget: int, label:
 
 
 def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.plan.fit import fit_budget, parse_allow
+    from memfit.levers.fit import fit_budget, parse_allow
     from memfit.report.console import progress_bar, render_fit
 
     raw, label = _budget(ns)

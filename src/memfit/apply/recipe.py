@@ -1,4 +1,4 @@
-"""Mechanism: put a :class:`~memfit.plan.recipe.Recipe` on the user's model and optimizer,
+"""Mechanism: put a :class:`~memfit.levers.recipe.Recipe` on the user's model and optimizer,
 and hand the training loop what it needs (optimizer, scaler, micro-batches, autocast,
 activation offload).
 
@@ -23,9 +23,9 @@ from torch.utils._pytree import tree_map
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.errors import PlanError
+from memfit.levers.recipe import Recipe
 from memfit.measure import _optim8bit
 from memfit.measure.step import offload_saved, train_step
-from memfit.plan.recipe import Recipe
 from memfit.plan.result import check_fingerprint
 from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
 

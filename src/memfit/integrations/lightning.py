@@ -20,7 +20,7 @@ choose micro-batches, as ``accumulate_grad_batches`` with the module's (or datam
 
 :class:`MemfitBatchSizeFinder` answers what Lightning's ``BatchSizeFinder`` answers (the
 same ``mode``, ``init_val``, ``max_val``, ``margin``, ``batch_arg_name``), from exact
-peaks on fake tensors (:func:`memfit.plan.max_batch.largest_batch`) instead of training
+peaks on fake tensors (:func:`memfit.levers.max_batch.largest_batch`) instead of training
 steps run until one runs out of memory: no step that does not fit is ever run.
 """
 
@@ -39,11 +39,11 @@ from torch import nn
 from memfit.apply import apply, remove
 from memfit.errors import PlanError, WorkloadError
 from memfit.integrations._common import generators, rng_kept, say
+from memfit.levers.fit import fit, fit_budget
+from memfit.levers.max_batch import BatchLimit, largest_batch
+from memfit.levers.recipe import Recipe
 from memfit.measure.step import StepOptions
-from memfit.plan.fit import fit, fit_budget
-from memfit.plan.max_batch import BatchLimit, largest_batch
 from memfit.plan.planner import plan as make_plan
-from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 

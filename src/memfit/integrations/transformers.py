@@ -43,9 +43,9 @@ from memfit.apply import apply
 from memfit.apply.checkpoint import applied_choices, unwrap
 from memfit.errors import PlanError, WorkloadError
 from memfit.integrations._common import first_batch_of, rng_kept, say
-from memfit.plan.fit import fit, parse_allow
+from memfit.levers.fit import fit, parse_allow
+from memfit.levers.recipe import Recipe
 from memfit.plan.planner import plan as make_plan
-from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 

@@ -1,6 +1,6 @@
 """``memfit.fit``: the fastest combination of memory levers whose step fits a budget.
 
-Levers (:data:`~memfit.plan.recipe.LEVERS`): recompute (:func:`memfit.plan`),
+Levers (:data:`~memfit.levers.recipe.LEVERS`): recompute (:func:`memfit.plan`),
 micro-batching, ``zero_grad(set_to_none=True)``, activation offload to host memory (a CUDA
 step only: ``save_on_cpu``; not combined with recompute, whose checkpointed regions keep
 their own saved tensors), and, opt-in because they change what training computes,
@@ -65,6 +65,7 @@ from torch import nn
 from memfit.apply.cache import switched_off
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError, WorkloadError
+from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.measure import _optim8bit, _torch_compat
 from memfit.measure.allocator import AllocatorSettings
 from memfit.measure.ledger import Phase
@@ -78,7 +79,6 @@ from memfit.measure.timing import StepTimes, optimizer_step_time, selective_over
 from memfit.plan.budget import parse_budget
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.planner import plan as make_plan
-from memfit.plan.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.plan.result import Plan, fingerprint
 from memfit.units import format_bytes
 from memfit.workload import (

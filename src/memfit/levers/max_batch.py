@@ -30,18 +30,18 @@ from torch import nn
 
 from memfit.apply.checkpoint import unwrap
 from memfit.errors import BudgetInfeasibleError, WorkloadError
+from memfit.levers.fit import fit, fit_budget, parse_allow
+from memfit.levers.recipe import Recipe
 from memfit.measure import _optim8bit
 from memfit.measure.profile import Progress, check_step, fake_peaks
 from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
-from memfit.plan.fit import fit, fit_budget, parse_allow
 from memfit.plan.planner import plan as make_plan
-from memfit.plan.recipe import Recipe
 from memfit.units import format_bytes
 from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
 
 if TYPE_CHECKING:
-    from memfit.plan.rank_fit import RankRecipe
+    from memfit.levers.rank_fit import RankRecipe
 
 __all__ = ["max_batch", "largest_batch", "MaxBatch", "BatchLimit"]
 
@@ -95,7 +95,7 @@ class MaxBatch:
     device: str = ""
     world_size: int | None = None
     """A distributed step's world size: the batch and budget are per rank, and :attr:`recipe`
-    is a :class:`memfit.plan.rank_fit.RankRecipe` (:func:`memfit.plan.rank_fit.max_batch_ranks`)."""
+    is a :class:`memfit.levers.rank_fit.RankRecipe` (:func:`memfit.levers.rank_fit.max_batch_ranks`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,7 @@ plan's recompute share plus its collectives' bytes at a nominal link rate
 communication adds). The fastest predicted wins; ties go to fewer levers.
 
 :func:`max_batch_ranks`: the largest per-rank batch whose rank step fits a per-rank budget,
-with and without recompute (the single-device search of :mod:`memfit.plan.max_batch` with
+with and without recompute (the single-device search of :mod:`memfit.levers.max_batch` with
 per-rank peaks), then :func:`fit_ranks` at that batch for its recipe.
 """
 
@@ -42,14 +42,14 @@ from typing import Any
 import torch
 
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.levers.fit import fit_budget
+from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest
+from memfit.levers.recipe import WhatIf, choice_fields, read_choice_fields
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, world_size_of
 from memfit.measure.ledger import Category, Ledger
 from memfit.measure.profile import Progress
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
-from memfit.plan.fit import fit_budget
-from memfit.plan.max_batch import BatchLimit, MaxBatch, _largest
-from memfit.plan.recipe import WhatIf, choice_fields, read_choice_fields
 from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
 from memfit.workload import Workload, batch_size_of, resize_batch, resize_targets, split_inputs
@@ -240,7 +240,7 @@ class RankRecipe:
             n = len(self.plan.checkpointed)
             lines += [
                 "import memfit",
-                "from memfit.plan.rank_fit import RankRecipe",
+                "from memfit.levers.rank_fit import RankRecipe",
                 f'recipe = RankRecipe.from_json(open("{path}").read())',
                 f"memfit.apply(model, recipe.plan)  # before parallelizing: recompute {n} module{'s' if n != 1 else ''}",
             ]

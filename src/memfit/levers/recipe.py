@@ -62,7 +62,7 @@ class WhatIf:
 
 def choice_fields(levers: Sequence[str], plan: Plan | None, what_if: Sequence[WhatIf]) -> dict[str, Any]:
     """The JSON of what a recipe chose (levers, plan, the options weighed): a single device's
-    :class:`Recipe` and a rank's (:class:`memfit.plan.rank_fit.RankRecipe`) write them alike."""
+    :class:`Recipe` and a rank's (:class:`memfit.levers.rank_fit.RankRecipe`) write them alike."""
     return {
         "levers": list(levers),
         "plan": plan.to_dict() if plan is not None else None,

@@ -348,7 +348,7 @@ def _submesh(mesh: Any, dims: str | tuple[str, ...] | None) -> Any:
 class FSDP2:
     """A ``parallelize`` applying FSDP2 as torchtitan does: ``fully_shard`` on each of
     ``blocks(model)`` (the decoder layers) and on the root, with a MixedPrecisionPolicy.
-    Plain settings, so that :func:`memfit.plan.rank_fit.fit_ranks` can weigh variants of
+    Plain settings, so that :func:`memfit.levers.rank_fit.fit_ranks` can weigh variants of
     them (``dataclasses.replace``) and say which ``fully_shard`` arguments to use."""
 
     blocks: Callable[[nn.Module], Sequence[nn.Module]]

@@ -24,18 +24,18 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
+from memfit.levers.max_batch import MaxBatch
+from memfit.levers.recipe import Recipe, WhatIf
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
 from memfit.measure.snapshot import SnapshotSummary
-from memfit.plan.max_batch import MaxBatch
-from memfit.plan.recipe import Recipe, WhatIf
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
+    from memfit.levers.rank_fit import RankRecipe
     from memfit.measure.distributed import RankProfiles
     from memfit.plan.distributed import WorldSizeFit
-    from memfit.plan.rank_fit import RankRecipe
 
 __all__ = [
     "render_profile",

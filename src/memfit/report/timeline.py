@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memfit.levers.recipe import Recipe
 from memfit.measure.allocator import AllocatorSettings, ledger_series
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase
 from memfit.measure.profile import Profile
 from memfit.measure.snapshot import TraceTimeline
 from memfit.plan.candidates import Option
-from memfit.plan.recipe import Recipe
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
