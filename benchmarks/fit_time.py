@@ -179,7 +179,7 @@ def compare(work: Any, paths: list[str], rounds: int) -> None:
         with open(path) as f:
             recipe = memfit.Recipe.from_json(f.read())
         model = copy.deepcopy(work.model)
-        run = recipe.apply(model)  # a new AdamW over the copy, as the zoo trains
+        run = memfit.apply_recipe(recipe, model)  # a new AdamW over the copy, as the zoo trains
         runs.append((path, recipe, run, []))
     for _ in range(rounds):
         for _path, _recipe, run, times in runs:

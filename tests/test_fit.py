@@ -281,7 +281,7 @@ def test_fit_micro_batches_when_recompute_cannot_reach():
     reference = copy.deepcopy(model)
     reference(*inputs).backward()
     fitted = copy.deepcopy(model)
-    run = recipe.apply(fitted, torch.optim.AdamW(fitted.parameters()))
+    run = memfit.apply_recipe(recipe, fitted, torch.optim.AdamW(fitted.parameters()))
     for micro in run.split(inputs):
         with run.autocast():
             loss = fitted(*micro) * run.loss_scale
@@ -317,7 +317,7 @@ def test_recompute_only_recipe_trains_bitwise_the_same():
     assert _close(recipe.predicted_peak_bytes, recipe.measured_peak_bytes)
     assert "recompute" in recipe.snippet() and "run.split" not in recipe.snippet()
     fitted = copy.deepcopy(model)
-    recipe.apply(fitted)
+    memfit.apply_recipe(recipe, fitted)
     loss = lambda out: out  # noqa: E731
     assert_bitwise(train(model, x, loss, 3), train(fitted, x, loss, 3))
     memfit.remove(fitted)
@@ -355,7 +355,7 @@ def test_opt_in_levers_are_used_only_when_allowed(optimizer_bound):
     assert_same(before, snapshot(model, opt))
     fitted = copy.deepcopy(model)
     fitted_opt = torch.optim.AdamW(fitted.parameters())
-    run = recipe.apply(fitted, fitted_opt)
+    run = memfit.apply_recipe(recipe, fitted, fitted_opt)
     assert run.optimizer is fitted_opt and all(g["foreach"] is True for g in fitted_opt.param_groups)
 
     recipe = memfit.fit(model, x, (peaks["bf16"] + peaks["foreach"]) // 2, optimizer=opt, allow=["bf16"])
@@ -365,7 +365,7 @@ def test_opt_in_levers_are_used_only_when_allowed(optimizer_bound):
     assert "run.cast(batch)" in recipe.snippet() or "run.split(batch)" in recipe.snippet()
     assert_same(before, snapshot(model, opt))
     fitted = copy.deepcopy(model)
-    run = recipe.apply(fitted)
+    run = memfit.apply_recipe(recipe, fitted)
     assert all(p.dtype == torch.bfloat16 for p in fitted.parameters())
     assert torch.isfinite(torch.tensor(run.step(x)))
 
@@ -399,7 +399,7 @@ def test_eight_bit_state_is_opt_in_and_applies_as_a_new_bitsandbytes_optimizer()
     fitted = copy.deepcopy(model)
     fitted_opt = torch.optim.AdamW(fitted.parameters(), lr=3e-4, betas=(0.8, 0.95), weight_decay=0.05)
     mine = snapshot(fitted, fitted_opt)
-    run = again.apply(fitted, fitted_opt)
+    run = memfit.apply_recipe(again, fitted, fitted_opt)
     assert isinstance(run.optimizer, bnb.optim.AdamW8bit) and run.optimizer is not fitted_opt
     group = run.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 0.05)
@@ -478,7 +478,7 @@ def test_offload_is_a_cuda_lever_that_trains_the_same():
     assert memfit.Recipe.from_json(offloading.to_json()).step.offload
 
     fitted = copy.deepcopy(model)
-    run = offloading.apply(fitted)
+    run = memfit.apply_recipe(offloading, fitted)
     packed = []
     offload_ctx = run.offload()
     pack = offload_ctx.pack_hook
@@ -683,7 +683,12 @@ def test_cli_fit_prints_the_table_and_writes_a_recipe(tmp_path, capsys):
     budget = f"{int(peak * 0.9)}B"  # a bare number is refused as ambiguous
     assert main(["fit", "gpt", "--batch-size", "2", *SMALL, "--budget", budget, "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "What if" in text and "(chosen)" in text and "left out" in text and "recipe.apply(model, optimizer)" in text
+    assert (
+        "What if" in text
+        and "(chosen)" in text
+        and "left out" in text
+        and "memfit.apply_recipe(recipe, model, optimizer)" in text
+    )
     recipe = memfit.Recipe.from_json(out.read_text())
     assert recipe.budget == budget and recipe.predicted_peak_bytes <= recipe.budget_bytes == int(budget[:-1])
     assert recipe.levers and set(recipe.levers) <= {"recompute", "microbatch"}

@@ -24,6 +24,7 @@ EXPECTED = {
     "MaxBatch",
     "BatchLimit",
     "Recipe",
+    "apply_recipe",
     "Workload",
     "Parallel",
     "load_target",

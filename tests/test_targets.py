@@ -125,7 +125,7 @@ def test_fit_chooses_micro_batches_and_the_recipe_runs_them():
     assert "microbatch" in recipe.levers and recipe.targets
     snippet = recipe.snippet()
     assert "run.split(batch, targets)" in snippet and "loss_fn(model(micro), micro_targets)" in snippet
-    run = recipe.apply(model, opt)
+    run = memfit.apply_recipe(recipe, model, opt)
     loss = run.step(x, F.cross_entropy, targets=y)
     assert loss == loss and len(run.split(x, y)) == recipe.micro_batches
     if recipe.plan is not None:

@@ -381,7 +381,7 @@ def test_a_recipe_carries_the_switch():
     )
     recipe = memfit.Recipe.from_json(recipe.to_json())
     assert recipe.plan.use_cache_off == ("",) and "use_cache=False" in recipe.snippet()
-    recipe.apply(model)
+    memfit.apply_recipe(recipe, model)
     assert _cache_of(model, inputs) is None
     memfit.remove(model)
     assert _cache_of(model, inputs) is not None

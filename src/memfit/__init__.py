@@ -8,7 +8,7 @@ Public API (everything else is internal)::
     memfit.apply(model, plan)                       # in place, reversible: memfit.remove(model)
     recipe = memfit.fit(model, inputs, "6GiB")      # the fastest levers that fit (recompute, micro-batches, ...)
     big = memfit.max_batch(model, inputs, "6GiB")   # the largest batch that fits, and its recipe
-    print(recipe.snippet()); run = recipe.apply(model, optimizer)
+    print(recipe.snippet()); run = memfit.apply_recipe(recipe, model, optimizer)
 """
 
 # ruff: noqa: E402
@@ -18,6 +18,7 @@ from memfit.measure import _fake_cuda
 _fake_cuda.preload()
 
 from memfit.apply import apply, remove
+from memfit.apply.recipe import apply_recipe
 from memfit.errors import (
     BudgetError,
     BudgetInfeasibleError,
@@ -65,6 +66,7 @@ __all__ = [
     # every lever
     "fit",
     "Recipe",
+    "apply_recipe",
     "max_batch",
     "MaxBatch",
     "BatchLimit",

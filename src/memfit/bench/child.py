@@ -154,10 +154,11 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
     inputs, targets = tree_map(lambda x: x.to(ns.device) if isinstance(x, torch.Tensor) else x, (work.inputs, work.targets))
     args, kwargs = split_inputs(inputs)
     if ns.method.startswith("fit:"):
+        from memfit.apply.recipe import apply_recipe
         from memfit.levers.recipe import Recipe
 
         with open(ns.method.split(":", 1)[1]) as f:
-            run = Recipe.from_json(f.read()).apply(work.model.to(ns.device), work.make_optimizer())
+            run = apply_recipe(Recipe.from_json(f.read()), work.model.to(ns.device), work.make_optimizer())
 
         def step() -> None:
             run.step(inputs, work.loss_fn, targets)

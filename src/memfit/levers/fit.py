@@ -779,7 +779,7 @@ def fit(
         candidates that ran), why each other lever was left out, ``notes`` (prediction
         and measurement that part, noisy timings) and ``search`` (how many combinations
         were considered, weighed, planned and timed). ``recipe.snippet()`` is
-        code for a training loop; ``recipe.apply(model, optimizer)`` applies it. The model,
+        code for a training loop; ``memfit.apply_recipe(recipe, model, optimizer)`` applies it. The model,
         its gradients and buffers, the optimizer and the RNG are left as they were.
 
     Raises:

@@ -1,24 +1,19 @@
 """The :class:`Recipe`: which memory levers :func:`memfit.fit` chose, what it predicted and
 measured, and what it weighed. Plain data, saved and loaded as versioned JSON; it prints
-as a code snippet for an existing training loop and applies in one call."""
+as a code snippet for an existing training loop. Putting it on a model is mechanism, not
+data: :func:`memfit.apply_recipe` (:mod:`memfit.apply.recipe`), which this module does not import."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memfit.errors import PlanError
 from memfit.measure.step import StepOptions
 from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
-    from memfit.apply.recipe import AppliedRecipe
 
 __all__ = ["Recipe", "WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS"]
 
@@ -154,12 +149,6 @@ class Recipe:
             return self.step.loss_scale
         return 1.0 / self.step.micro_batches
 
-    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> AppliedRecipe:
-        """Apply the recipe to ``model`` in place (see :func:`memfit.apply.recipe.apply_recipe`)."""
-        from memfit.apply.recipe import apply_recipe
-
-        return apply_recipe(self, model, optimizer)
-
     # -- transformers' TrainingArguments -----------------------------------------------------
 
     def training_arguments(self, gradient_accumulation_steps: int = 1) -> dict[str, Any]:
@@ -220,7 +209,7 @@ class Recipe:
             head,
             *([self._environment_line()] if "expandable_segments" in self.levers else []),
             f'recipe = memfit.Recipe.from_json(open("{path}").read())',
-            "run = recipe.apply(model, optimizer)  # in place" + self._apply_comment(),
+            "run = memfit.apply_recipe(recipe, model, optimizer)  # in place" + self._apply_comment(),
             "optimizer = run.optimizer" + self._optimizer_comment(),
         ]
         if scaler:
