@@ -35,9 +35,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memfit import zoo
-from memfit.cli import parse_sizes
 from memfit.measure import _hf_fake
 from memfit.measure.ledger import Category, Ledger
+from memfit.zoo import parse_sizes
 
 # the tracker's categories under memfit's names (its ACT and TEMP are "allocated in forward" and
 # "allocated in backward"; memfit's are "saved for backward" and "not saved": compared together)

@@ -17,9 +17,9 @@ import time
 
 from memfit import zoo
 from memfit.apply.checkpoint import apply_choices
-from memfit.cli import parse_sizes
 from memfit.measure.distributed import FakeGroup, profile_rank
 from memfit.plan.distributed import plan_ranks
+from memfit.zoo import parse_sizes
 
 
 def _every_layer(work):  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ from _table import emit  # benchmarks/_table.py, beside this script
 
 import memfit
 from memfit.bench.child import measure_step_peak
-from memfit.cli import parse_sizes
+from memfit.zoo import parse_sizes
 
 MiB = 2**20
 

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.target:
         import memfit
-        from memfit.cli import parse_sizes
+        from memfit.zoo import parse_sizes
 
         work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
         t0 = time.perf_counter()

@@ -20,7 +20,6 @@ Errors memfit raises for bad input print as one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import time
@@ -36,29 +35,15 @@ from memfit.errors import MemfitError, TargetError
 _SLOW_PLAN_S = 10.0
 """A plan that measured its own profile for longer than this says how to skip that next time."""
 
-__all__ = ["main", "parse_sizes"]
+__all__ = ["main"]
 
 EXIT_ERROR = 2
-
-
-def parse_sizes(items: list[str]) -> dict[str, Any]:
-    """``["n_layer=24", "dropout=0.0"]`` -> ``{"n_layer": 24, "dropout": 0.0}``."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise TargetError(f"--size takes KEY=VALUE (e.g. n_layer=24), got {item!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def _workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workload:
     """The target's workload; unless measured per rank, refused in one line when it is built on
     meta to be parallelized (Llama-3-8B: too big to build in this process)."""
-    work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))
+    work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=zoo.parse_sizes(ns.size))
     if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
         raise TargetError(
             f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
@@ -72,7 +57,7 @@ FAKE = {"fake": True, "fake-cuda": "cuda"}
 
 
 def _workload_at(ns: argparse.Namespace, batch_size: int) -> memfit.Workload:
-    return memfit.load_target(ns.target, batch_size=batch_size, sizes=parse_sizes(ns.size))
+    return memfit.load_target(ns.target, batch_size=batch_size, sizes=zoo.parse_sizes(ns.size))
 
 
 def _require_device(device: str) -> None:
@@ -548,7 +533,7 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
             ns.target,
             budgets,
             batch_size=ns.batch_size,
-            sizes=parse_sizes(ns.size),
+            sizes=zoo.parse_sizes(ns.size),
             device=ns.device,
             steps=ns.steps,
             compile=not ns.no_compile,
@@ -618,7 +603,7 @@ def _cmd_estimate(ns: argparse.Namespace, console: Console) -> int:
             dtypes=ns.dtypes,
             batch_size=ns.batch_size,
             seq_len=ns.seq_len,
-            sizes=parse_sizes(ns.size),
+            sizes=zoo.parse_sizes(ns.size),
             fake=FAKE[ns.device],
         )
     render_estimate(est, console)

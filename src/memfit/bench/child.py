@@ -145,9 +145,9 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from memfit.bench.methods import setup
-    from memfit.cli import parse_sizes
     from memfit.measure.step import train_step
     from memfit.workload import load_target, split_inputs
+    from memfit.zoo import parse_sizes
 
     torch.manual_seed(0)
     work = load_target(ns.target, batch_size=ns.batch_size, sizes=parse_sizes(ns.size))

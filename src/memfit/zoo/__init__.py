@@ -9,6 +9,7 @@ left as it was.
 
 from __future__ import annotations
 
+import ast
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -20,7 +21,7 @@ from memfit.errors import TargetError
 from memfit.workload import Workload
 from memfit.zoo import cnn, gpt, hf, small
 
-__all__ = ["build", "names", "describe", "DEFAULT"]
+__all__ = ["build", "names", "describe", "parse_sizes", "DEFAULT"]
 
 DEFAULT = "gpt"
 
@@ -63,6 +64,22 @@ def names() -> list[str]:
 
 def describe() -> dict[str, str]:
     return {name: e.about + (f" (needs [{e.extra}])" if e.extra else "") for name, e in _ZOO.items()}
+
+
+def parse_sizes(items: list[str]) -> dict[str, Any]:
+    """Sizes as the command line gives them (``--size KEY=VALUE``), for :func:`build`:
+    ``["n_layer=24", "dropout=0.0"]`` -> ``{"n_layer": 24, "dropout": 0.0}``; a value that is
+    not a Python literal stays a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise TargetError(f"--size takes KEY=VALUE (e.g. n_layer=24), got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 def build(name: str, batch_size: int | None = None, **sizes: Any) -> Workload:
