@@ -38,8 +38,9 @@ from memfit.measure.step import StepOptions
 from memfit.plan.budget import Budget, parse_budget
 from memfit.plan.planner import plan
 from memfit.plan.result import Choice, Plan
+from memfit.target import load_target
 from memfit.units import format_bytes, parse_bytes
-from memfit.workload import Parallel, Workload, load_target
+from memfit.workload import Parallel, Workload
 
 __version__ = "0.1.0"
 

@@ -146,7 +146,8 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
 
     from memfit.bench.methods import setup
     from memfit.measure.step import train_step
-    from memfit.workload import load_target, split_inputs
+    from memfit.target import load_target
+    from memfit.workload import split_inputs
     from memfit.zoo import parse_sizes
 
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from typing import Any
 import memfit
 from memfit.bench.child import run_child
 from memfit.bench.methods import BASELINES, SCENARIOS, applicable, describe, setup
-from memfit.workload import load_target
+from memfit.target import load_target
 
 __all__ = ["Row", "run_bench", "BENCH_FORMAT"]
 
