@@ -811,6 +811,30 @@ def test_largest_batch_search_is_exact_on_kinked_peaks():
         assert got == want
 
 
+def test_largest_of_refuses_naming_the_lowest_peak():
+    """The largest batch over lever sets; when none holds one multiple, the error names the
+    lowest peak there, per rank for a distributed step (max_batch and max_batch_ranks share it)."""
+    from memfit.levers.max_batch import BatchLimit, largest_of
+
+    def limit(levers, batch, fixed, per):
+        return BatchLimit(levers, batch, per, fixed, batch, 0, 2)
+
+    assert largest_of([limit((), 4, 100, 10), limit(("recompute",), 12, 50, 5)], 200, 4) == 12
+    none = [limit((), 0, 1 << 20, 1 << 10), limit(("recompute",), 0, 1 << 19, 1 << 11)]
+    with pytest.raises(memfit.BudgetInfeasibleError) as single:
+        largest_of(none, 1 << 10, 2)
+    fb = memfit.format_bytes
+    assert str(single.value) == (
+        f"budget {fb(1 << 10)} does not hold even a batch of 2: the lowest peak there is about {fb((1 << 19) + (1 << 12))} (recompute)"
+    )
+    assert single.value.min_peak_bytes == (1 << 19) + 2 * (1 << 11) and single.value.budget_bytes == 1 << 10
+    with pytest.raises(
+        memfit.BudgetInfeasibleError,
+        match=r"^budget 1.00 KiB per rank does not hold even a batch of 2 per rank at 8 ranks: the lowest peak there is about 516 KiB \(recompute\)$",
+    ):
+        largest_of(none, 1 << 10, 2, 8)
+
+
 def test_largest_on_a_ladder_is_exact_on_kinked_peaks():
     """Only the ladder's sizes (Lightning's powers of two): the largest that fits, whatever
     the bend, in few profiles when the peak is a line."""

@@ -112,6 +112,23 @@ class MaxBatch:
         }
 
 
+def largest_of(limits: Sequence[BatchLimit], budget: int, multiple: int, world_size: int | None = None) -> int:
+    """The largest batch over ``limits``; refused when not even a batch of ``multiple`` fits,
+    naming the lowest peak there (per rank of ``world_size`` ranks, for a distributed step)."""
+    batch = max(lim.max_batch for lim in limits)
+    if batch == 0:
+        low = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple)
+        at = low.fixed_bytes + low.bytes_per_sample * multiple
+        per, ranks = ("", "") if world_size is None else (" per rank", f" per rank at {world_size} ranks")
+        raise BudgetInfeasibleError(
+            f"budget {format_bytes(budget)}{per} does not hold even a batch of {multiple}{ranks}: "
+            f"the lowest peak there is about {format_bytes(at)} ({low.label})",
+            min_peak_bytes=at,
+            budget_bytes=budget,
+        )
+    return batch
+
+
 def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int, levers: tuple[str, ...] = ()) -> BatchLimit:
     """Largest multiple of ``multiple`` whose ``peak`` is within ``budget``, searched from
     the line through the peaks at ``start`` and twice it."""
@@ -278,15 +295,7 @@ def max_batch(
             with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as at:
                 limits.append(_largest(plain(at), target, example, multiple_of, levers))
 
-    batch = max(lim.max_batch for lim in limits)
-    if batch == 0:
-        lowest = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple_of)
-        raise BudgetInfeasibleError(
-            f"budget {format_bytes(target)} does not hold even a batch of {multiple_of}: the lowest peak there is about "
-            f"{format_bytes(lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of)} ({lowest.label})",
-            min_peak_bytes=lowest.fixed_bytes + lowest.bytes_per_sample * multiple_of,
-            budget_bytes=target,
-        )
+    batch = largest_of(limits, target, multiple_of)
 
     def answer(batch: int, recipe: Recipe | None, device: str) -> MaxBatch:
         return MaxBatch(

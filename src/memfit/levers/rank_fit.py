@@ -43,7 +43,7 @@ import torch
 
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.levers.fit import fit_budget
-from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest
+from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import WhatIf, choice_fields, read_choice_fields
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, world_size_of
 from memfit.measure.ledger import Category, Ledger
@@ -767,16 +767,7 @@ def max_batch_ranks(
         for planned in (False, True) if recompute else (False,):
             levers = (("recompute",) if planned else ()) + ((name,) if name else ())
             limits.append(_largest((recomputed if planned else plain)(work), target, example, multiple_of, levers))
-    batch = max(lim.max_batch for lim in limits)
-    if batch == 0:
-        low = min(limits, key=lambda lim: lim.fixed_bytes + lim.bytes_per_sample * multiple_of)
-        at = low.fixed_bytes + low.bytes_per_sample * multiple_of
-        raise BudgetInfeasibleError(
-            f"budget {format_bytes(target)} per rank does not hold even a batch of {multiple_of} per rank at {n} ranks: "
-            f"the lowest peak there is about {format_bytes(at)} ({low.label})",
-            min_peak_bytes=at,
-            budget_bytes=target,
-        )
+    batch = largest_of(limits, target, multiple_of, n)
     found = None
     if recipe:
         # The fastest recipe there. The recompute limits are the planned rank's lowest peaks;
