@@ -619,7 +619,7 @@ def test_a_recipe_off_its_prediction_is_judged_at_the_hosts_speed_then(then, now
     time) moves the prediction with it; one that did not leaves the gap standing."""
     from types import SimpleNamespace
 
-    from memfit.plan import fit as fit_module
+    from memfit.levers import fit as fit_module
 
     retimed = []
 
