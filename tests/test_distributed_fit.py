@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 
 from memfit import Workload  # noqa: E402
 from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError  # noqa: E402
-from memfit.levers.rank_fit import RankRecipe, fit_ranks, max_batch_ranks  # noqa: E402
+from memfit.levers.rank_fit import fit_ranks, max_batch_ranks  # noqa: E402
+from memfit.levers.recipe import RankRecipe  # noqa: E402
 from memfit.measure.distributed import FSDP2, ddp, profile_ranks  # noqa: E402
 from memfit.workload import Parallel  # noqa: E402
 

@@ -8,9 +8,8 @@ import memfit
 
 SRC = Path(memfit.__file__).parent
 
-# Known, type-only: MaxBatch's annotation names RankRecipe, which lives with the search
-# that imports max_batch. Moving RankRecipe beside Recipe (levers/recipe.py) removes it.
-KNOWN = {frozenset({"memfit.levers.max_batch", "memfit.levers.rank_fit"})}
+# None known: add one here only with the reason it cannot be helped.
+KNOWN: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -87,4 +86,5 @@ def test_no_import_circles():
     assert "memfit.levers.fit" in mods and "memfit.workload" in mods
     graph = _graph(mods)
     assert "memfit.zoo" in graph["memfit.target"]  # the walk sees imports
-    assert set(_cycles(graph)) == KNOWN, "an import circle among memfit's modules"
+    found = set(_cycles(graph))
+    assert found == KNOWN, f"import circles among memfit's modules: {sorted(sorted(c) for c in found - KNOWN)}"

@@ -41,7 +41,7 @@ from memfit.units import format_bytes
 from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
 
 if TYPE_CHECKING:
-    from memfit.levers.rank_fit import RankRecipe
+    from memfit.levers.recipe import RankRecipe
 
 __all__ = ["max_batch", "largest_batch", "MaxBatch", "BatchLimit"]
 
@@ -95,7 +95,7 @@ class MaxBatch:
     device: str = ""
     world_size: int | None = None
     """A distributed step's world size: the batch and budget are per rank, and :attr:`recipe`
-    is a :class:`memfit.levers.rank_fit.RankRecipe` (:func:`memfit.levers.rank_fit.max_batch_ranks`)."""
+    is a :class:`memfit.levers.recipe.RankRecipe` (:func:`memfit.levers.rank_fit.max_batch_ranks`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

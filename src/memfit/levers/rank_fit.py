@@ -33,10 +33,9 @@ per-rank peaks), then :func:`fit_ranks` at that batch for its recipe.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,29 +43,18 @@ import torch
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
-from memfit.levers.recipe import WhatIf, choice_fields, read_choice_fields
+from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, world_size_of
 from memfit.measure.ledger import Category, Ledger
 from memfit.measure.profile import Progress
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
-from memfit.plan.result import Plan, parse_json, read_versioned
+from memfit.plan.result import Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload, batch_size_of, resize_batch, resize_targets, split_inputs
 
 __all__ = ["fit_ranks", "max_batch_ranks", "RankRecipe", "RANK_LEVERS", "parse_rank_allow", "LINK_BYTES_PER_S"]
 
-RANK_RECIPE_FORMAT = "memfit.rank_recipe"
-RANK_RECIPE_VERSION = 1
-
-RANK_LEVERS: dict[str, str] = {
-    "recompute": "recompute activations in backward instead of keeping them (memfit's plan, applied before fully_shard)",
-    "reshard_after_forward": "FSDP2 reshard_after_forward=False on the root and the last blocks: their unsharded "
-    "parameters stay from forward to backward, which then all-gathers them no more (the same numerics)",
-    "reduce_bf16": "FSDP2 MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): gradients reduce-scattered in bfloat16 "
-    "(changes the numerics: opt in)",
-}
-"""The levers a per-rank fit weighs, with what each does."""
 OPT_IN_RANK_LEVERS = ("reduce_bf16",)
 _TIE = 0.05
 
@@ -154,167 +142,7 @@ def _reshards(fsdp: FSDP2, n_blocks: int) -> tuple[bool, tuple[bool, ...]]:
 
 def _describe_reshards(fsdp: FSDP2, n_blocks: int) -> str:
     root, blocks = _reshards(fsdp, n_blocks)
-    return _describe(root, blocks)
-
-
-def _describe(root: bool, blocks: Sequence[bool]) -> str:
-    """reshard_after_forward in words: where it is False."""
-    n = len(blocks)
-    kept = sum(1 for b in blocks if not b)
-    if root and not kept:
-        return "reshard_after_forward=True everywhere"
-    where = ["the root"] if not root else []
-    if kept == n:
-        where.append(f"all {n} blocks")
-    elif kept and tuple(blocks[n - kept :]) == (False,) * kept:
-        where.append(f"the last {kept} of {n} blocks")
-    elif kept:
-        where.append(f"{kept} of {n} blocks")
-    return "reshard_after_forward=False on " + " and ".join(where)
-
-
-# -- the recipe ------------------------------------------------------------------------------------
-
-
-@dataclass
-class RankRecipe:
-    """What :func:`fit_ranks` chose for each rank of a distributed step. Memory in bytes
-    (per rank), times in seconds (predicted: nothing runs on the fake process group)."""
-
-    budget_bytes: int
-    world_size: int
-    parallel: str
-    levers: tuple[str, ...]
-    """The levers used (keys of :data:`RANK_LEVERS`); empty when the step fits as it is."""
-    fsdp: dict[str, Any] | None
-    """The ``fully_shard`` arguments to use: ``blocks`` (module names, in order),
-    ``block_reshard_after_forward`` (one bool per block), ``root_reshard_after_forward``,
-    ``param_dtype``, ``reduce_dtype`` (dtype names; None: FSDP's default). None: the
-    workload's ``parallelize`` is not memfit's FSDP2, whose arguments fit cannot vary."""
-    plan: Plan | None
-    """What to recompute (apply before ``fully_shard``), or None."""
-    predicted_peak_bytes: int
-    """The highest verified peak among :attr:`rank_peak_bytes`."""
-    rank_peak_bytes: dict[int, int]
-    predicted_step_time_s: float
-    base_peak_bytes: int
-    """The step as it is (the workload's parallelize, no plan), highest rank."""
-    base_step_time_s: float
-    all_gathers: int
-    """All-gathers per step of the chosen configuration (rank's ledger), beside :attr:`base_all_gathers`."""
-    base_all_gathers: int
-    what_if: list[WhatIf] = field(default_factory=list)
-    left_out: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    budget: str = ""
-    device: str = "fake:cpu"
-    batch_size: int | None = None
-    fit_time_s: float = 0.0
-    times_predicted: bool = True
-    search: dict[str, int] = field(default_factory=dict)
-    """``profiles`` (exact fake-group profiles) and ``plans`` made."""
-
-    def summary(self) -> str:
-        words = []
-        if "reshard_after_forward" in self.levers and self.fsdp is not None:
-            words.append(_describe(self.fsdp["root_reshard_after_forward"], self.fsdp["block_reshard_after_forward"]))
-        if "reduce_bf16" in self.levers:
-            words.append("reduce in bfloat16")
-        if "recompute" in self.levers and self.plan is not None:
-            n = len(self.plan.checkpointed)
-            words.append(f"recompute ({n} module{'s' if n != 1 else ''})")
-        return " + ".join(words) or "no lever"
-
-    def snippet(self, path: str = "recipe.json") -> str:
-        """Lines for the training script: the plan applied before ``fully_shard``, and the
-        ``fully_shard`` calls with the chosen arguments; ``path``: the recipe's JSON."""
-        fits = "fits" if self.predicted_peak_bytes <= self.budget_bytes else "is over"
-        lines = [
-            f"# memfit fit, per rank of {self.world_size}: {self.summary()}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)} per rank ({fits} the budget {format_bytes(self.budget_bytes)}), "
-            f"{self.predicted_step_time_s:.3f} s/step predicted"
-        ]
-        if not self.levers:
-            return lines[0] + "\n# the step fits as it is on every rank: keep your parallelize and training loop\n"
-        if self.plan is not None and self.plan.checkpointed:
-            n = len(self.plan.checkpointed)
-            lines += [
-                "import memfit",
-                "from memfit.levers.rank_fit import RankRecipe",
-                f'recipe = RankRecipe.from_json(open("{path}").read())',
-                f"memfit.apply(model, recipe.plan)  # before parallelizing: recompute {n} module{'s' if n != 1 else ''}",
-            ]
-        if self.fsdp is None:
-            lines.append("# then parallelize the model as you do now")
-            return "\n".join(lines) + "\n"
-        f = self.fsdp
-        lines += [
-            "import torch",
-            "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
-            f"mp = MixedPrecisionPolicy(param_dtype={_torch_dtype(f['param_dtype'])}, reduce_dtype={_torch_dtype(f['reduce_dtype'])})",
-        ]
-        names, reshards = f["blocks"], f["block_reshard_after_forward"]
-        container = _container(names)
-        if container is not None:
-            lines.append(f'blocks = model.get_submodule("{container}")' if container else "blocks = list(model.children())")
-        else:
-            lines.append(f"blocks = [model.get_submodule(n) for n in {names!r}]")
-        kept = sum(1 for r in reshards if not r)
-        if all(reshards) or not any(reshards):
-            arg, comment = repr(bool(reshards and reshards[0])), ""
-        elif list(reshards) == [True] * (len(reshards) - kept) + [False] * kept:
-            arg = f"i < {len(reshards) - kept}"
-            which = "the last block keeps its" if kept == 1 else f"the last {kept} blocks keep their"
-            comment = f"  # {which} parameters unsharded from forward to backward"
-        else:
-            lines.append(f"reshard = {list(reshards)!r}")
-            arg, comment = "reshard[i]", ""
-        lines += [
-            "for i, block in enumerate(blocks):",
-            f"    fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward={arg}){comment}",
-            f"fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward={f['root_reshard_after_forward']})",
-        ]
-        return "\n".join(lines) + "\n"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data.update(choice_fields(self.levers, self.plan, self.what_if))
-        data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
-        return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> RankRecipe:
-        body = read_versioned(data, RANK_RECIPE_FORMAT, RANK_RECIPE_VERSION, "per-rank recipe")
-        try:
-            read_choice_fields(body, RANK_LEVERS, "per-rank recipe")
-            body["rank_peak_bytes"] = {int(r): int(b) for r, b in body["rank_peak_bytes"].items()}
-            return cls(**body)
-        except PlanError:
-            raise
-        except Exception as exc:  # a corrupt file: missing keys, wrong types
-            raise PlanError(f"per-rank recipe JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
-
-    @classmethod
-    def from_json(cls, text: str) -> RankRecipe:
-        return cls.from_dict(parse_json(text, "per-rank recipe"))
-
-
-def _torch_dtype(name: str | None) -> str:
-    return "None" if name is None else f"torch.{name}"
-
-
-def _container(names: list[str]) -> str | None:
-    """The module holding the blocks as its children ``0 .. n-1`` in order (a ModuleList's
-    name), if they are; None otherwise."""
-    if not names:
-        return None
-    prefixes = {n.rpartition(".")[0] for n in names}
-    if len(prefixes) != 1 or [n.rpartition(".")[2] for n in names] != [str(i) for i in range(len(names))]:
-        return None
-    return prefixes.pop()
+    return describe_reshards(root, blocks)
 
 
 # -- the search ------------------------------------------------------------------------------------

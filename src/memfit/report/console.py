@@ -33,7 +33,7 @@ from memfit.plan.result import Plan
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.levers.rank_fit import RankRecipe
+    from memfit.levers.recipe import RankRecipe
     from memfit.measure.distributed import RankProfiles
     from memfit.plan.distributed import WorldSizeFit
 
