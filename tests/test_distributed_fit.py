@@ -244,3 +244,17 @@ def test_reshard_after_forward_false_trains_bitwise_as_the_default():
     for r, got in enumerate(gloo_ranks(_real_rank, 2)):
         assert got["params"] > 0 and got["losses_equal"], f"rank {r}: {got}"
         assert got["grads_differ"] == [] and got["params_differ"] == [], f"rank {r}: {got}"
+
+
+def test_max_batch_ranks_never_answers_a_batch_without_its_recipe(monkeypatch):
+    """The lowest peaks said a batch fits, but no recipe verified on every rank fits it or
+    the two below: refused in one line, as memfit.max_batch does (not a batch with no recipe)."""
+    from memfit.levers import rank_fit
+
+    def never(*args, **kwargs):
+        raise BudgetInfeasibleError("no recipe", min_peak_bytes=1, budget_bytes=0)
+
+    monkeypatch.setattr(rank_fit, "fit_ranks", never)
+    with pytest.raises(BudgetInfeasibleError, match="or the two below it") as info:
+        max_batch_ranks(_llama(layers=1, seq_len=16, batch_size=2), 1_200_000, world_size=2, multiple_of=2)  # batch ~6
+    assert "\n" not in str(info.value)

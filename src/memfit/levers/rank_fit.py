@@ -617,8 +617,14 @@ def max_batch_ranks(
                 if batch <= multiple_of:
                     raise
                 batch -= multiple_of
-        if found is not None:
-            found.budget = str(budget)
+        else:  # never a batch without the recipe that was asked for (max_batch refuses alike)
+            raise BudgetInfeasibleError(
+                f"no per-rank recipe fits batch {batch + multiple_of} or the two below it when verified on every rank, "
+                "though the lowest peaks said so",
+                min_peak_bytes=target + 1,
+                budget_bytes=target,
+            )
+        found.budget = str(budget)
     return MaxBatch(
         budget_bytes=target,
         batch_size=batch,
