@@ -147,6 +147,13 @@ def main() -> None:
             f"measured {recipe.measured_step_time_s:.3f} s ({recipe.measured_step_time_s / recipe.predicted_step_time_s - 1:+.1%}); "
             f"as it is {recipe.base_step_time_s:.3f} s"
         )
+        speed = getattr(recipe, "host_speed", None)
+        if speed is not None:  # the step as it is timed again: the prediction at the host's speed then
+            now = recipe.predicted_step_time_s * speed
+            print(
+                f"host speed: the step as it is ran {speed - 1:+.1%} against fit's probe; at that speed predicted "
+                f"{now:.3f} s, measured {recipe.measured_step_time_s:.3f} s ({recipe.measured_step_time_s / now - 1:+.1%})"
+            )
         for note in getattr(recipe, "notes", []) or []:
             print(f"note: {note}")
         if getattr(recipe, "search", None):

@@ -952,7 +952,7 @@ def fit(
         options = search.options(best.combo)
         measured_time = best.measured.median if best.measured is not None else None
         measured_peak = best.measured.peak_bytes if best.measured is not None else None
-        host_speed = _host_speed(search, best, measured_time, notes)
+        host_speed, measured_time = _host_speed(search, best, measured_time, notes)
         # the prediction at the host's speed when the recipe was measured
         now = best.time_s * (host_speed or 1.0)
         if measured_time is not None and best.time_s > 0 and abs(measured_time / now - 1) > _PARTED:
@@ -1033,27 +1033,34 @@ def fit(
         )
 
 
-def _host_speed(search: _Search, best: _Candidate, measured_time: float | None, notes: list[str]) -> float | None:
-    """The chosen recipe measured more than 15% off its prediction: time the step as it is
-    again (unless the search just did) to tell a host whose speed changed since the probes
-    (a 2-core CPU's step moves 15% from one minute to the next even when nothing else runs)
-    from a prediction that failed. Returns the step as it is now over its probe's time."""
-    if measured_time is None or best.time_s <= 0:
-        return None
-    if abs(measured_time / best.time_s - 1) > _PARTED and search.drift is None:
-        search.report("the recipe measured off its prediction: the step as it is, again")
-        search.drift = search.host_drift()
-    drift = search.drift
-    if drift is None:
-        return None
+def _host_speed(
+    search: _Search, best: _Candidate, measured_time: float | None, notes: list[str]
+) -> tuple[float | None, float | None]:
+    """The chosen recipe measured more than 15% off its prediction: tell a host whose speed
+    changed since the probes (a 2-core CPU's step moves 15% from one minute to the next, and
+    a whole run of steps with it, even when nothing else runs here) from a prediction that
+    failed. The recipe is timed again between two timings of the step as it is, so both see
+    the same host. Returns (the step as it is then over its probe's time, the recipe's
+    median then); (None, ``measured_time``) when nothing was timed again."""
+    if measured_time is None or best.time_s <= 0 or abs(measured_time / best.time_s - 1) <= _PARTED:
+        return None, measured_time
+    search.report("the recipe measured off its prediction: it again, between two steps as it is")
+    before = search.host_drift()
+    again = search.run(best, _TIMED_STEPS, record=False)
+    after = search.host_drift()
+    if before is None or after is None or again is None or not again.seconds or math.isinf(again.median):
+        return None, measured_time
+    drift = (before + after) / 2
+    search.drift = drift
     now = best.time_s * drift
     base = search.times.base
     then = f" ({base.median:.3f} s then)" if base is not None else ""
     notes.append(
-        f"the step as it is ran {drift - 1:+.0%} against its time when fit's probes ran{then}: at the host's speed "
-        f"now the recipe is predicted {now:.3f} s/step and measured {measured_time:.3f} s ({measured_time / now - 1:+.0%})"
+        f"measured {measured_time:.3f} s/step against {best.time_s:.3f} s predicted, so timed again between two runs of "
+        f"the step as it is, which ran {before - 1:+.0%} and {after - 1:+.0%} against fit's probe{then}: at the host's "
+        f"speed then the recipe is predicted {now:.3f} s/step and measured {again.median:.3f} s ({again.median / now - 1:+.0%})"
     )
-    return drift
+    return drift, again.median
 
 
 @contextlib.contextmanager

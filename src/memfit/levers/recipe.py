@@ -94,7 +94,9 @@ class Recipe:
     measured_peak_bytes: int | None
     """Peak of the recipe's step run on the real model (recorder ledger; model restored after)."""
     measured_step_time_s: float | None
-    """Median of the recipe's real steps after a warm-up."""
+    """Median of the recipe's real steps after a warm-up; when that parted from the prediction
+    by more than 15%, the median of its steps timed again between two runs of the step as it
+    is (see :attr:`host_speed`)."""
     base_peak_bytes: int
     """The step as it is, without any lever."""
     base_step_time_s: float | None
@@ -129,10 +131,11 @@ class Recipe:
     times_predicted: bool = False
     """Step times only predicted (fake CUDA: nothing could be timed); the recipe was chosen by them."""
     host_speed: float | None = None
-    """The step as it is timed again after the recipe parted from its prediction, over its
-    time when the predictions were made (0.9: the host ran 10% faster by then); the
-    prediction at the host's speed then is ``predicted_step_time_s * host_speed``. None: not
-    timed again (prediction and measurement agreed)."""
+    """When the recipe's steps parted from its prediction by more than 15%: the step as it is,
+    timed just before and just after the recipe's steps were timed again, over its time when
+    the predictions were made (0.9: the host ran 10% faster by then); the prediction at the
+    host's speed then is ``predicted_step_time_s * host_speed``. None: not timed again
+    (prediction and measurement agreed)."""
     search: dict[str, int] = field(default_factory=dict)
     """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
     ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for
