@@ -262,8 +262,19 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
 
     monkeypatch.setattr(planner._Verifier, "run", count)
     monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())  # as in a process that did not measure them
+    # the fake copies measure each op kind on its own, for real (workspace.probe): the
+    # oneDNN scratch comes out as the real step measured it, and no real step runs
+    again = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
+    assert runs["real"] == 0 and (again.checkpointed, again.predicted_peak_bytes) == (
+        real.checkpointed,
+        real.predicted_peak_bytes,
+    )
+    # an op that cannot be probed (too big to materialise here) sends the runs to the real step
+    monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())
+    monkeypatch.setattr(workspace, "PROBE_LIMIT_BYTES", 0)
     again = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
     assert runs["real"] > 0 and again.predicted_peak_bytes == real.predicted_peak_bytes
+    monkeypatch.setattr(workspace, "PROBE_LIMIT_BYTES", 256 * 2**20)
     # A profile read from a file carries its workspaces: no real step runs at all.
     runs["real"] = 0
     monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())

@@ -369,13 +369,8 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     pictures = bool(ns.plot or ns.html)
     # the pictures show the profile the plan was made from: it is measured first and passed in
     started = time.perf_counter()
-    before = saved or (_profile(work, ns.device, console) if pictures or missing else None)
-    if missing:
-        Path(ns.profile).write_text(before.to_json())
-        console.print(
-            f"measured the step's profile in {time.perf_counter() - started:.1f} s and wrote {ns.profile}: "
-            f"`--profile {ns.profile}` plans this step again without it"
-        )
+    before = saved or (_profile(work, ns.device, console) if pictures and not missing else None)
+    measured: list[memfit.Profile] = []
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
             model,
@@ -388,7 +383,13 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             objective=ns.objective,
             progress=progress,
             profile=before,
+            # the profile the plan was made from: the step as its plans run it (KV cache off)
+            on_profile=measured.append if missing else None,
         )
+    if missing:
+        before = measured[0]
+        Path(ns.profile).write_text(before.to_json())
+        console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
     plan.budget = label
     console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
     render_plan(plan, console)

@@ -199,6 +199,16 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+@contextmanager
+def no_dispatch_modes() -> Iterator[None]:
+    """Inside, no dispatch mode is active (the recorder's, a FakeTensorMode): ops run on
+    real tensors as if called from outside the step (``torch.utils._python_dispatch``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
 class AllocationTrace:
     """Every allocation and free the device allocators make while it is active, including
     those inside kernels (oneDNN reorders and scratch, a kernel's own ``at::empty``), which

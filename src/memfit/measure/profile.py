@@ -655,12 +655,18 @@ def _held_bytes(ledger: Ledger) -> tuple[int, int]:
 _TIMED_STEPS = 2
 
 
-def record_step(box: Sandbox, scope: Scope, loss_fn: Any) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
-    """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module)."""
+def record_step(
+    box: Sandbox, scope: Scope, loss_fn: Any, *, probe: bool = False
+) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
+    """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module).
+    ``probe``: a fake CPU step measures the workspace of op kinds no real step measured by
+    running each once on real zeros (the recorder's ``probe``)."""
     # a plan applied (or being verified), named as the scope names modules: on the model it
     # hooks, which is the one inside a wrapper such as DDP's when the plan is verified per rank
     checkpointed = scope.model.__dict__.get(CHECKPOINTED) or {}
-    recorder = Recorder(scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None)
+    recorder = Recorder(
+        scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None, probe=probe
+    )
     _register_start(recorder, box)
     try:
         with recorder:

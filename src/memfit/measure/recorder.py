@@ -195,12 +195,15 @@ class Recorder(TorchDispatchMode):
         device: torch.device | None = None,
         checkpointed: Iterable[str] = (),
         fake: bool = False,
+        probe: bool = False,
     ) -> None:
         """``checkpointed``: modules running under a checkpoint (an applied plan, or one
         being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
         saved records. ``fake``: the step runs on fake tensors, whose kernels allocate
         nothing; their workspace comes from :data:`memfit.measure.workspace.TABLE`, which
-        real steps fill."""
+        real steps fill. ``probe``: on a fake CPU step, an op kind the table lacks is run
+        once for real on zeros of its shapes to measure it (:func:`memfit.measure.workspace.probe`)
+        instead of being left unmeasured."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
@@ -233,6 +236,9 @@ class Recorder(TorchDispatchMode):
         self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
         self.unmeasured_ops = 0
         self.attention_estimates = 0
+        self._probe = probe and fake and self.device_type == "cpu"
+        self.probed_ops = 0
+        """Op kinds measured by :func:`memfit.measure.workspace.probe` in this step."""
         # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
         # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
         # torch for the process: in the steady-state step memfit records (a warm-up step ran
@@ -504,6 +510,9 @@ class Recorder(TorchDispatchMode):
             # fake CUDA runs no kernel to measure: SDPA's backward temporaries from torch's sources
             known = _attention_backward_estimate(self._op, args)
             self.attention_estimates += 1
+        if known is None and self._trace is None and self._probe:
+            known = workspace.probe(func, args, kwargs, self.table)
+            self.probed_ops += known is not None
         if known is None and self._trace is None:
             self.unmeasured_ops += 1
             return None, None

@@ -108,5 +108,47 @@ class WorkspaceTable:
         self._text.clear()
 
 
+PROBE_LIMIT_BYTES = 256 * 2**20
+"""An op whose tensors hold more than this is not run for real to measure its workspace
+(:func:`probe`): a fake step is often one too big for this machine."""
+
+
+def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | None:
+    """Measure the workspace of one CPU op call made on fake tensors by running it once on
+    real zero-filled tensors of the same shapes, strides and dtypes (a workspace depends on
+    those, not on values: :func:`signature`), outside every dispatch mode; the table learns
+    it. None when it cannot be measured that way: tensors over :data:`PROBE_LIMIT_BYTES`,
+    or the op refusing zeros (an index out of range, say), or a profiler already running."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from memfit.measure import _torch_compat
+
+    leaves, _ = tree_flatten((args, kwargs))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" or t.layout is not torch.strided for t in tensors):
+        return None
+    if sum(t.untyped_storage().nbytes() for t in tensors) > PROBE_LIMIT_BYTES:
+        return None
+    sig = signature(func, args, kwargs)
+    tag = "memfit.workspace.probe"
+    try:
+        with _torch_compat.no_dispatch_modes():
+
+            def real(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return t
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
+
+            rargs, rkwargs = tree_map(real, (args, kwargs))
+            with torch.no_grad(), _torch_compat.AllocationTrace() as trace:
+                with torch.profiler.record_function(tag):
+                    out = func(*rargs, **rkwargs)  # held past the region: its outputs are its net
+            del out
+            peak, net = trace.peaks(tag, "cpu").get(tag, (0, 0))
+    except Exception:  # noqa: BLE001 - any refusal leaves the op unmeasured, as before
+        return None
+    return table.record(sig, workspace_bytes(peak, net))
+
+
 TABLE = WorkspaceTable()
 """The process's measurements: every real recorded step adds to it, every step reads it."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -181,7 +181,11 @@ class Verifier:
         self.runs += 1
         try:
             with Scope(self.model) as scope, self.box.active():
-                ledger, flops = record_step(self.box, scope, self.loss_fn)
+                # a fake copy standing in for the real step: an op kind the real profile never
+                # ran (transformers builds masks on fake tensors that it skips on real ones) is
+                # measured on its own, for real, rather than sending every run to the real step
+                probe = self._real is not None or self._open_real is not None
+                ledger, flops = record_step(self.box, scope, self.loss_fn, probe=probe)
         except Exception as exc:
             culprit = last_recompute()
             if culprit in choices:
@@ -247,6 +251,23 @@ def _fake_is_faster(prof: Profile) -> bool:
     return len(prof.ledger.ops) * _FAKE_S_PER_OP < prof.step_time_s
 
 
+def _timed_like(prof: Profile, timed: Profile) -> Profile:
+    """``prof`` (a fake profile of the same step) with ``timed``'s measured times: the
+    step's and every module's the two share."""
+    modules = {}
+    for name, m in prof.modules.items():
+        t = timed.modules.get(name)
+        modules[name] = replace(m, forward_time_s=t.forward_time_s, backward_time_s=t.backward_time_s) if t else m
+    return replace(
+        prof,
+        modules=modules,
+        time_source=timed.time_source,
+        step_time_s=timed.step_time_s,
+        step_times_s=timed.step_times_s,
+        device=timed.device,
+    )
+
+
 def _profile_fake(profile: Profile) -> bool | str:
     """The ``fake=`` that measured ``profile``: its plans are verified on the same device."""
     if not profile.fake:
@@ -268,6 +289,7 @@ def plan(
     step: StepOptions | None = None,
     targets: Any = None,
     op_overhead_s: float | None = None,
+    on_profile: Callable[[Profile], None] | None = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
 
@@ -292,6 +314,10 @@ def plan(
         op_overhead_s: seconds selective recompute's dispatch mode adds per op on this
             host; default measured on the model (two forwards) when the profile has times.
             :func:`memfit.fit` measures it once and plans many steps with it.
+        on_profile: called with the profile the plan is made from, before the search (the
+            step as the plans run it: with transformers' KV cache off where they turn it
+            off). Saved with ``to_json``, it is a ``profile=`` that plans this step again
+            without measuring it (``memfit plan --profile PATH`` writes it when PATH is new).
 
     Returns:
         A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
@@ -365,8 +391,7 @@ def plan(
             # are checked on a fake copy too, and the real step runs only if a run needs it.
             fake_verifier = open_verifier(True)
             stateful, use_cache_off = fake_verifier.stateful()
-            if profile.use_cache_off == use_cache_off:
-                verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
+            verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
         if verifier is None:
             verifier = open_verifier(on_fake)
             stateful, use_cache_off = verifier.stateful()
@@ -375,6 +400,15 @@ def plan(
             closing.enter_context(cache.switched_off(model, use_cache_off))
         if profile is not None and profile.use_cache_off == use_cache_off:
             prof = profile
+        elif profile is not None and verifier.box.fake_mode is not None and not on_fake:
+            # A saved real profile of the step as it is (memfit.profile keeps transformers'
+            # KV cache on) while the plans' step runs with the cache off: that step on a fake
+            # copy (kernel workspaces from the saved profile), timed by the saved profile's
+            # measurements: the cache changes what the step keeps, not what it computes.
+            fake_prof = _profile(
+                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=True, progress=progress, step=options, targets=targets
+            )
+            prof = _timed_like(fake_prof, profile)
         else:
             # (a profile given was measured with the cache on: memfit.profile measures the
             # step as it is; the plan's step runs with it off, and is measured so)
@@ -390,6 +424,8 @@ def plan(
                 targets=targets,
             )
 
+        if on_profile is not None:
+            on_profile(prof)
         if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
             # Plans are verified on fake copies from here on: the same ledger (kernel
             # workspaces taken from what the real profile measured) at a fraction of a real
