@@ -232,3 +232,15 @@ def test_a_plan_from_a_saved_profile_probes_ops_only_fake_steps_run(monkeypatch,
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     # with the probe, the ops only the fake copy runs are measured on their own: no real step
     assert (real_steps == []) is probe
+
+
+def test_probing_a_random_op_leaves_the_generator_as_it_was():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    state = torch.random.get_rng_state()
+    with FakeTensorMode() as mode:
+        args = (mode.from_tensor(x), 0.5, True)
+        assert workspace.probe(torch.ops.aten.native_dropout.default, args, {}, workspace.TABLE) is not None
+    assert torch.equal(torch.random.get_rng_state(), state)

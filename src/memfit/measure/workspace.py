@@ -140,7 +140,8 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
 
             rargs, rkwargs = tree_map(real, (args, kwargs))
-            with torch.no_grad(), _torch_compat.AllocationTrace() as trace:
+            # a random op (dropout's bernoulli_) must not move the generator the step draws from
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _torch_compat.AllocationTrace() as trace:
                 with torch.profiler.record_function(tag):
                     out = func(*rargs, **rkwargs)  # held past the region: its outputs are its net
             del out
