@@ -299,3 +299,12 @@ def test_progress_goes_to_stderr_and_lines_only_off_a_terminal(tty, monkeypatch)
     with rc.progress_bar(Console(file=out), "planning x") as progress:
         progress("warm-up step", 0, 3)
     assert out.getvalue() == ""
+
+
+def test_fit_shows_the_prediction_at_the_hosts_speed_when_it_was_timed_again():
+    recipe = make_recipe(make_plan())
+    plain = " ".join(render(rc.render_fit, recipe, title="gpt").split())
+    assert "predicted 0.823 s, measured 0.861 s" in plain and "host's speed" not in plain
+    recipe.host_speed = 1.2
+    flat = " ".join(render(rc.render_fit, recipe, title="gpt").split())
+    assert "predicted 0.823 s (0.988 s at the host's speed then), measured 0.861 s" in flat
