@@ -634,9 +634,7 @@ def test_a_recipe_off_its_prediction_is_judged_at_the_hosts_speed_then(now, agai
         timed.append("recipe")
         return StepTimes(seconds=[again] * steps, forward_backward=[again] * steps)
 
-    search = SimpleNamespace(
-        drift=None, host_drift=host_drift, run=run, report=lambda what: None, times=SimpleNamespace(base=None)
-    )
+    search = SimpleNamespace(host_drift=host_drift, run=run, report=lambda what: None, times=SimpleNamespace(base=None))
     best = SimpleNamespace(time_s=1.0)
     notes: list[str] = []
     speed, measured = fit_module._host_speed(search, best, 0.6 if now < 1 else 1.3, notes)

@@ -228,7 +228,7 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
     prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
     assert any(b.category.value == "kernel_workspace" for b in prof.ledger.blocks)  # the case this is about
     swapped: list[bool] = []
-    instead_of, falling_back = planner._Verifier.instead_of, planner._Verifier.falling_back
+    instead_of, falling_back = planner.Verifier.instead_of, planner.Verifier.falling_back
 
     def spy(self, real, off):
         swapped.append(True)
@@ -238,8 +238,8 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
         swapped.append(True)
         return falling_back(self, open_real)
 
-    monkeypatch.setattr(planner._Verifier, "instead_of", spy)
-    monkeypatch.setattr(planner._Verifier, "falling_back", spy_back)
+    monkeypatch.setattr(planner.Verifier, "instead_of", spy)
+    monkeypatch.setattr(planner.Verifier, "falling_back", spy_back)
     monkeypatch.setattr(planner, "_FAKE_S_PER_OP", float("inf"))
     real = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=prof)
     assert not swapped
@@ -253,14 +253,14 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
         real.extra_flops,
     )
     runs = {"real": 0}
-    run = planner._Verifier.run
+    run = planner.Verifier.run
 
     def count(self, chosen):
         if self._real is None and self.box.fake_mode is None:
             runs["real"] += 1
         return run(self, chosen)
 
-    monkeypatch.setattr(planner._Verifier, "run", count)
+    monkeypatch.setattr(planner.Verifier, "run", count)
     monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())  # as in a process that did not measure them
     # the fake copies measure each op kind on its own, for real (workspace.probe): the
     # oneDNN scratch comes out as the real step measured it, and no real step runs
@@ -278,8 +278,8 @@ def test_plans_verified_on_fake_copies_are_the_real_verifications(monkeypatch):
     # A profile read from a file carries its workspaces: no real step runs at all.
     runs["real"] = 0
     monkeypatch.setattr(workspace, "TABLE", workspace.WorkspaceTable())
-    opened = planner._Verifier.warmed
-    monkeypatch.setattr(planner._Verifier, "warmed", lambda *a: pytest.fail("the real step was opened"))
+    opened = planner.Verifier.warmed
+    monkeypatch.setattr(planner.Verifier, "warmed", lambda *a: pytest.fail("the real step was opened"))
     saved = memfit.Profile.from_dict(json.loads(prof.to_json()))
     loaded = memfit.plan(work.model, work.inputs, 0.5, loss_fn=work.loss_fn, optimizer=opt, profile=saved)
     assert runs["real"] == 0 and opened

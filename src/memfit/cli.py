@@ -731,8 +731,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--batch-size", type=int, help="batch size of the example inputs")
         p.add_argument(
             "--size",
-            action="extend",
-            nargs="+",
+            action="append",  # several after one --size too: main() hands argparse one per --size=
             default=[],
             metavar="KEY=VALUE",
             help="zoo model size, e.g. n_layer=24 (several after one --size, or --size again)",
@@ -918,9 +917,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-size", type=int, default=1, help="sequences in the step (default 1)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    p.add_argument(
-        "--size", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16"
-    )
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. num_hidden_layers=16")
     p.add_argument(
         "--device",
         choices=["fake", "fake-cuda"],
@@ -947,7 +944,8 @@ def _parser() -> argparse.ArgumentParser:
 def _end_size_lists(argv: list[str]) -> tuple[list[str], list[str]]:
     """``argv`` with each KEY=VALUE after ``--size`` passed as ``--size=KEY=VALUE``, and the values
     without '=' that ended a --size list. argparse's ``nargs='+'`` would swallow the target after
-    the sizes (``--size n_layer=2 gpt``); one value per ``--size=`` leaves it a positional."""
+    the sizes (``--size n_layer=2 gpt``); one value per ``--size=`` (``action='append'``) leaves
+    it a positional."""
     out: list[str] = []
     ended: list[str] = []
     i = 0

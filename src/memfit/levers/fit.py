@@ -409,9 +409,6 @@ class _Search:
         self.plans: dict[_Combo, Plan | int] = {}
         self.fake_profiles = 0
         self.chosen_by = "the measured times"
-        self.drift: float | None = None
-        """The step as it is timed again late in the search, over its probe's time: how much
-        the host's speed changed since the predictions were made (None: not timed again)."""
 
     def options(self, combo: _Combo) -> StepOptions:
         k = combo.micro_batches
@@ -545,8 +542,7 @@ class _Search:
         # the whole batch's FLOPs and bytes, and launch every op k times.
         prof = self.profile(replace(self.options(combo), micro_batches=1, loss_scale=None))
         if self.times.fallback is None:  # the (simulated) GPU's rates: the profile names it
-            gpu = prof.device_fit.gpu if prof.device_fit is not None else None
-            self.times.fallback = DeviceRates.for_device("cuda" if self.fake_cuda else str(self.device), gpu)
+            self.times.fallback = DeviceRates.for_device("cuda" if self.fake_cuda else str(self.device), prof.gpu)
         ops = len(prof.ledger.ops) * combo.micro_batches
         nbytes = sum(b.nbytes for b in prof.ledger.blocks if b.born >= 0)
         flops = prof.step_flops
@@ -1051,7 +1047,6 @@ def _host_speed(
     if before is None or after is None or again is None or not again.seconds or math.isinf(again.median):
         return None, measured_time
     drift = (before + after) / 2
-    search.drift = drift
     now = best.time_s * drift
     base = search.times.base
     then = f" ({base.median:.3f} s then)" if base is not None else ""
@@ -1158,7 +1153,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
         # First, whether the host itself slowed down since the probes ran (a shared
         # machine): the step as it is, again. Then the predictions still rank correctly.
         search.report("the first candidate measured slower than predicted: the step as it is, again")
-        drift = search.drift = search.host_drift()  # fit's notes say what it showed
+        drift = search.host_drift()
     if trusted and pick.measured_s > pick.time_s * (drift or 1.0) * (1 + _PARTED):
         search.report("the first candidate measured slower than predicted: weighing more")
         queue.weigh(up_to=pick.measured_s)

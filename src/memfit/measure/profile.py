@@ -155,6 +155,12 @@ class Profile:
     for fake profiles."""
 
     @property
+    def gpu(self) -> gpus.GpuSpec | None:
+        """The GPU the step was judged against (:attr:`device_fit`'s; fake CUDA's simulated
+        one), whose rates cost it; None without one."""
+        return self.device_fit.gpu if self.device_fit is not None else None
+
+    @property
     def allocated_peak_bytes(self) -> int | None:
         """``max_memory_allocated`` over the step on CUDA (blocks rounded to 512 B); ``None`` on CPU."""
         return self.cuda_memory.allocated_peak_bytes if self.cuda_memory else None

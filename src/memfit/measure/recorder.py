@@ -237,8 +237,6 @@ class Recorder(TorchDispatchMode):
         self.unmeasured_ops = 0
         self.attention_estimates = 0
         self._probe = probe and fake and self.device_type == "cpu"
-        self.probed_ops = 0
-        """Op kinds measured by :func:`memfit.measure.workspace.probe` in this step."""
         # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
         # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
         # torch for the process: in the steady-state step memfit records (a warm-up step ran
@@ -512,7 +510,6 @@ class Recorder(TorchDispatchMode):
             self.attention_estimates += 1
         if known is None and self._trace is None and self._probe:
             known = workspace.probe(func, args, kwargs, self.table)
-            self.probed_ops += known is not None
         if known is None and self._trace is None:
             self.unmeasured_ops += 1
             return None, None

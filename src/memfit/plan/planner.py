@@ -201,9 +201,6 @@ class Verifier:
         return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
 
 
-_Verifier = Verifier  # its former name, which tests patch
-
-
 def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:
     """What a budget bounds for a recorded step, and its tensor peak: on CUDA the reserved and
     allocated peaks of its allocations and frees replayed through the caching allocator model
@@ -594,8 +591,7 @@ def _costing(prof: Profile) -> Costing:
     measured = {n: (m.forward_time_s if timed else None) for n, m in prof.modules.items()}
     forward_time, repeats_spread = pooled_times(prof.ledger, measured)
     calls = {n: m.calls for n, m in prof.modules.items()}
-    # on (fake) CUDA the rates of the GPU the profile was judged against
-    rates = DeviceRates.for_device(prof.device, prof.device_fit.gpu if prof.device_fit is not None else None)
+    rates = DeviceRates.for_device(prof.device, prof.gpu)  # on (fake) CUDA, the GPU the step was judged against
     if not timed:
         return forward_time, calls, rates, ""
     steps = prof.step_times_s
