@@ -489,3 +489,23 @@ def test_fake_profile_of_a_transformers_llama_builds_no_mask_a_real_step_skips()
     real = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt)
     fake = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=opt, fake=True)
     assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+
+
+def test_a_saved_profile_with_the_cache_on_plans_the_step_with_it_off_on_fake_copies(monkeypatch):
+    """``memfit profile --json`` saves the step as it is (transformers' KV cache on); plans
+    run it off. From such a file the step with the cache off is profiled on a fake copy and
+    timed by the saved profile: no real step, and the same step the planner measures itself."""
+    import json
+
+    from memfit.plan import planner
+
+    model, inputs, loss = _gpt2()
+    saved = memfit.Profile.from_dict(json.loads(memfit.profile(model, inputs, loss_fn=loss).to_json()))
+    real = memfit.plan(model, inputs, 0.5, loss_fn=loss)  # measures its own profile, the cache off
+    assert saved.use_cache_off != real.use_cache_off  # the case this is about
+    monkeypatch.setattr(planner, "_fake_is_faster", lambda prof: not prof.fake)  # a tiny step's ops are small
+    monkeypatch.setattr(planner.Verifier, "warmed", lambda *a: pytest.fail("the real step was opened"))
+    fast = memfit.plan(model, inputs, 0.5, loss_fn=loss, profile=saved)
+    assert fast.use_cache_off == real.use_cache_off
+    assert fast.none_peak_bytes == real.none_peak_bytes and fast.predicted_peak_bytes <= fast.budget_bytes
+    assert fast.step_time_s == saved.step_time_s  # timed by the saved profile
