@@ -56,6 +56,11 @@ def main() -> None:
         print(
             f"| {budget:g} | {t_fast:.1f} s | {t_real:.1f} s | {'yes' if same else 'no'} | {peak:,} B (predicted {error:+.3%}) |"
         )
+        if not same:  # each plan is costed by its own profile's timings: a near tie can go either way
+            for name, p in (("saved", fast), ("real", real)):
+                choice = ", ".join(f"{m} ({c.mode})" for m, c in p.checkpointed.items())
+                cost = f"{p.extra_compute_s * 1e3:.0f} ms" if p.extra_compute_s is not None else "-"
+                print(f"  {name}: {p.predicted_peak_bytes:,} B, predicted extra {cost}: {choice}")
 
 
 if __name__ == "__main__":
