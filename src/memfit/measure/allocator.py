@@ -1110,11 +1110,11 @@ def _start_placement(ledger) -> tuple[list, dict[int, list]]:
     return before, during
 
 
-def _step_events(ledger, k: int, successor: dict, during: dict | None) -> list[Alloc | Free]:
+def _step_events(ledger, k: int, successor: dict, during: dict | None, *, ticks: bool = False) -> list:
     """Step ``k`` of the loop: the ledger's allocations and frees, its own blocks named ``(k, id)``.
     A block alive at the start that the step frees is the one the step before left in its place
     (``successor``; else the start's own, ``("start", id)``). ``during``: the first step, which
-    makes those start blocks at their ticks."""
+    makes those start blocks at their ticks. ``ticks``: ``(tick, event)`` pairs."""
     from memfit.measure.ledger import START_TICK, Category
 
     start = {b.id for b in ledger.blocks if b.born == START_TICK}
@@ -1133,7 +1133,7 @@ def _step_events(ledger, k: int, successor: dict, during: dict | None) -> list[A
     for tick, made in (during or {}).items():
         timed.extend((tick, -1, b.id, Alloc(("start", b.id), b.nbytes)) for b in made)
     timed.sort(key=lambda t: (t[0], t[1], t[2] if t[1] < 0 else 0))
-    return [t[3] for t in timed]
+    return [(t[0], t[3]) for t in timed] if ticks else [t[3] for t in timed]
 
 
 def _successors(ledger) -> tuple[dict[int, int], list[int]]:
@@ -1176,29 +1176,48 @@ def replay_training(
     step replayed from an empty cache with its start in some other order places blocks where
     the program never did (a small CNN's allocated peak moved by 1.2% with the order)."""
     alloc = CachingAllocator(settings, capacity=capacity)
+    steps, steady = _loop(alloc, ledger, max_steps)
+    return TrainingReplay(alloc.stats(), steps, steady)
+
+
+def _loop(
+    alloc: CachingAllocator, ledger, max_steps: int, last: int | None = None, on_tick: Callable[[int], None] | None = None
+) -> tuple[int, bool]:
+    """:func:`replay_training` on ``alloc``: the steps it ran and whether they became steady.
+    ``last``: run exactly this many steps, calling ``on_tick(START_TICK)`` as the last begins and
+    ``on_tick(tick)`` after each of its events (for :func:`ledger_series`)."""
+    from memfit.measure.ledger import START_TICK
+
     live: dict[Hashable, Block] = {}
 
-    def run(events: Iterable[Alloc | Free]) -> None:
-        for ev in events:
+    def run(events: Iterable, on_tick=None) -> None:
+        for item in events:
+            tick, ev = item if on_tick is not None else (None, item)
             if isinstance(ev, Alloc):
                 live[ev.id] = alloc.malloc(ev.size, ev.stream)
             else:
                 b = live.pop(ev.id, None)
                 if b is not None:
                     alloc.free(b)
+            if on_tick is not None:
+                on_tick(tick)
 
     before, during = _start_placement(ledger)
     successor, leftover = _successors(ledger)
     run(Alloc(("start", b.id), b.nbytes) for b in before)
     state, steady, k = None, False, 0
-    while k < max(max_steps, 1) and not steady:
+    limit = max(max_steps, 1) if last is None else last
+    while k < limit and (not steady or last is not None):
         k += 1
         if k > 1:
             run(Free((k - 1, i)) for i in leftover)
-        run(_step_events(ledger, k, successor, during if k == 1 else None))
+        hook = on_tick if k == last else None
+        if hook is not None:
+            hook(START_TICK)
+        run(_step_events(ledger, k, successor, during if k == 1 else None, ticks=hook is not None), hook)
         now = _state(alloc, live)
         steady, state = now == state, now
-    return TrainingReplay(alloc.stats(), k, steady)
+    return k, steady
 
 
 # -- allocated and reserved over a ledger's ticks (for pictures) --------------------------------
@@ -1208,7 +1227,7 @@ def replay_training(
 class LedgerSeries:
     """What the allocator model holds over a ledger's ticks: ``allocated[t]`` and ``reserved[t]``
     are the bytes in blocks and in segments right after tick ``t`` (one allocation or free), so
-    with the start's they reach the replay's peaks (``stats``)."""
+    with the start's they reach the measured step's peaks (``stats``: the whole replayed loop's)."""
 
     allocated: list[int]
     reserved: list[int]
@@ -1219,29 +1238,26 @@ class LedgerSeries:
 
 
 def ledger_series(ledger, settings: AllocatorSettings | None = None, *, capacity: int | None = None) -> LedgerSeries:
-    """:func:`replay_ledger`, recording the allocator's state at every tick (same events, same
-    order, so the series' maxima are :func:`replay_ledger`'s peaks)."""
+    """The measured step's ticks as :func:`replay_training` replays it (the last of the loop's
+    steps, after the construction and the earlier steps): the allocator's state after every tick,
+    and at the step's start. ``stats`` are the whole loop's, :func:`replay_training`'s (the series'
+    maxima are the measured step's, which is where a steady loop peaks)."""
     from memfit.measure.ledger import START_TICK
 
-    tick_of: dict[Hashable, tuple[int, int | None]] = {b.id: (b.born, b.died) for b in ledger.blocks}
+    steps = replay_training(ledger, settings, capacity=capacity).steps
     n = len(ledger.ticks)
     allocated, reserved = [-1] * n, [-1] * n
     alloc = CachingAllocator(settings, capacity=capacity)
-    live: dict[Hashable, Block] = {}
-    start: tuple[int, int] | None = None
-    for ev in ledger_events(ledger):
-        born, died = tick_of[ev.id]
-        tick = born if isinstance(ev, Alloc) else died
-        if tick != START_TICK and start is None:
-            start = (alloc.allocated, alloc.reserved)
-        if isinstance(ev, Alloc):
-            live[ev.id] = alloc.malloc(ev.size, ev.stream)
-        else:
-            alloc.free(live.pop(ev.id))
-        if tick != START_TICK:
+    marks: list[tuple[int, int]] = []
+
+    def on_tick(tick: int) -> None:
+        if tick == START_TICK:  # the measured step begins: what the loop holds then
+            marks.append((alloc.allocated, alloc.reserved))
+        elif 0 <= tick < n:
             allocated[tick], reserved[tick] = alloc.allocated, alloc.reserved
-    if start is None:
-        start = (alloc.allocated, alloc.reserved)
+
+    _loop(alloc, ledger, steps, last=steps, on_tick=on_tick)
+    start = marks[0]
     prev = start
     for t in range(n):  # a tick without a block of the allocator's (host graph memory) holds what the one before did
         if allocated[t] < 0:
