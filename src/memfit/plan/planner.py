@@ -27,7 +27,7 @@ from torch import nn
 from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.allocator import AllocatorSettings, replay_ledger
+from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
@@ -208,7 +208,7 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
     fitted to the unplanned step's), else the ledger's peak twice."""
     if settings is None:
         return ledger.peak_bytes, ledger.peak_bytes
-    stats = replay_ledger(ledger, settings)
+    stats = replay_training(ledger, settings).stats  # as profile's CudaMemory: the loop's steps, not one cold step
     return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 

@@ -921,7 +921,8 @@ def _cuda(prof: Profile) -> tuple[list[tuple[str, list[int], int]], list[str]]:
             f"{format_bytes(cm.reserved_peak_bytes)} reserved"
         )
     lines = [
-        ("allocated", s.allocated, s.stats.allocated_peak_bytes),
+        # the measured step's own highest (an earlier step of the replayed loop may have placed blocks higher)
+        ("allocated", s.allocated, max([s.start_allocated_bytes, *s.allocated])),
         ("reserved", s.reserved, s.stats.reserved_peak_bytes),
     ]
     return lines, [note]
