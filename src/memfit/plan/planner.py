@@ -567,6 +567,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         objective=s.objective,
         timing_note=found.timing_note,
         planning_time_s=time.perf_counter() - started,
+        step=prof.step,
     )
 
 
