@@ -220,7 +220,9 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return {"step_time_s": statistics.median(times), "step_times_s": times}
     if ns.measure == "flops":
-        with FlopCounterMode(display=False) as counter:
+        from memfit.measure._torch_compat import CORRECTED_FLOPS
+
+        with FlopCounterMode(display=False, custom_mapping=CORRECTED_FLOPS) as counter:
             step()
         return {"step_flops": int(counter.get_total_flops())}
     if ns.device == "cuda":
