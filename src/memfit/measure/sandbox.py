@@ -76,6 +76,7 @@ class Sandbox:
             self.optimizer,
             on_phase,
             micro_batches=o.micro_batches,
+            accumulate=o.accumulate,
             loss_scale=o.loss_scale,
             autocast=o.autocast_dtype,
             scaler=self.scaler,

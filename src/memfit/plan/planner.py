@@ -33,7 +33,7 @@ from memfit.measure.profile import Profile, Progress, _profile, check_step, reco
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
-from memfit.measure.timing import selective_overhead_s
+from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import Budget, parse_budget
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
@@ -567,6 +567,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         objective=s.objective,
         timing_note=found.timing_note,
         planning_time_s=time.perf_counter() - started,
+        step=prof.step,
     )
 
 
@@ -574,7 +575,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
 # identical repeats further apart than _NOISY_REPEATS: the host was too busy for measured
 # times to rank options (zoo gpt on a quiet 2-core CPU: 0.05 and 0.08; beside a busy
 # neighbour up to 2.7 and 0.4; ViT-S/16 up to 1.6 and 1.9).
-_NOISY_STEPS = 0.25
+_NOISY_STEPS = NOISY_STEPS
 _NEAR = 0.05
 _NOISY_REPEATS = 0.5
 
