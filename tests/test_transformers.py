@@ -562,3 +562,18 @@ def test_a_saved_profile_with_the_cache_on_plans_the_step_with_it_off_on_fake_co
     assert fast.use_cache_off == real.use_cache_off
     assert fast.none_peak_bytes == real.none_peak_bytes and fast.predicted_peak_bytes <= fast.budget_bytes
     assert fast.step_time_s == saved.step_time_s  # timed by the saved profile
+
+
+@pytest.mark.parametrize("name", ["bart", "gpt2"])
+def test_a_plan_on_fake_tensors_checks_the_switch_on_a_real_step(name):
+    """Fake tensors carry no values: the check runs a real step of the user's model (outside
+    the fake mode, restored after). BART's cache stays on, GPT-2's goes off."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = CACHE_MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = snapshot(model, opt)
+    plan = memfit.plan(model, inputs, 0.0, loss_fn=loss_fn, optimizer=opt, fake=True)
+    assert_same(before, snapshot(model, opt))
+    assert plan.use_cache_off == (() if name in ROUNDS else ("",))
+    kept = [why for why in plan.excluded.values() if "KV cache on" in why]
+    assert bool(kept) == (name in ROUNDS) and all("changes the gradient of" in why for why in kept), kept
