@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from memfit.measure.determinism import Finding
+
 __all__ = [
     "Category",
     "Phase",
@@ -178,6 +180,10 @@ class Ledger:
     """Fake CUDA steps: SDPA backward calls whose :attr:`Category.WORKSPACE` block is an
     estimate of the kernel's own temporaries (:func:`memfit.measure.gpu.attention_backward_bytes`),
     not a measurement."""
+    nondeterministic: list[Finding] = field(default_factory=list)
+    """Ops of the step whose result differs from run to run even without memfit, on this
+    device, at these sizes and settings (:mod:`memfit.measure.determinism`), once per
+    (op, phase, module)."""
     first_use: dict[int, int] = field(default_factory=dict)
     """Blocks alive at the start (``START_TICK``) that the step first touched at a tick, by id:
     what the step made for itself the first time it ran and kept (a cuBLAS workspace, made at a
@@ -284,6 +290,7 @@ class Ledger:
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
             "attention_estimates": self.attention_estimates,
             "first_use": [[i, t] for i, t in self.first_use.items()],
+            "nondeterministic": [f.to_dict() for f in self.nondeterministic],
         }
 
     @classmethod
@@ -306,6 +313,7 @@ class Ledger:
             cublas_workspace_bytes=int(data.get("cublas_workspace_bytes", 0)),
             attention_estimates=int(data.get("attention_estimates", 0)),
             first_use={int(i): int(t) for i, t in data.get("first_use", [])},
+            nondeterministic=[Finding.from_dict(f) for f in data.get("nondeterministic", [])],
         )
 
 

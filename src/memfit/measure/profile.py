@@ -27,7 +27,7 @@ from torch import nn
 from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import gpu as gpus
-from memfit.measure import workspace
+from memfit.measure import determinism, workspace
 from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
@@ -228,6 +228,12 @@ class Profile:
         return {"tick": tick, "phase": t.phase.value, "module": t.module, "op": t.op}
 
     @property
+    def reproducibility_note(self) -> str:
+        """Empty, or why this step is not bitwise equal to itself from run to run, memfit
+        or not (:mod:`memfit.measure.determinism`): its plans cannot train bitwise alike either."""
+        return determinism.note(self.ledger.nondeterministic)
+
+    @property
     def total_flops(self) -> int:
         root = self.modules.get("")
         return root.forward_flops + root.backward_flops if root else 0
@@ -254,6 +260,8 @@ class Profile:
             "host_peak_bytes": self.ledger.host_peak_bytes,
             "unmeasured_ops": self.ledger.unmeasured_ops,
             "use_cache_off": list(self.use_cache_off),
+            "nondeterministic": [f.to_dict() for f in self.ledger.nondeterministic],
+            "reproducibility_note": self.reproducibility_note,
         }
         if self.device_fit is not None:
             fit = self.device_fit

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _distributed, _optim8bit, _torch_compat, gpu, workspace
+from memfit.measure import _distributed, _optim8bit, _torch_compat, determinism, gpu, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -247,6 +247,8 @@ class Recorder(TorchDispatchMode):
         # start that only the step revealed (Ledger.first_use)
         self._first_use: dict[int, int] = {}
         self._recording = False
+        # (op, phase, module) -> what the step's note says of it (memfit.measure.determinism)
+        self._nondeterministic: dict[tuple[str, str, str | None], determinism.Finding] = {}
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -419,6 +421,7 @@ class Recorder(TorchDispatchMode):
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
         if self._cublas_bytes and self._op in CUBLAS_OPS:
             self._cublas_workspace()
+        self._check_determinism(func, args, kwargs)
         scratch, tag = self._open_workspace(func, args, kwargs)
         if tag is None:
             out = self._call(func, args, kwargs)
@@ -452,6 +455,16 @@ class Recorder(TorchDispatchMode):
             if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
+
+    def _check_determinism(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Note an op whose result varies from run to run of this very step (it is the
+        step's, not memfit's: the note says so where a user would suspect memfit's plans)."""
+        rule = determinism.check(self._op, self.device_type, args, kwargs)
+        if rule is None:
+            return
+        key = (rule.label, self.scope.phase.value, self.scope.module)
+        if key not in self._nondeterministic:
+            self._nondeterministic[key] = determinism.finding(rule, *key[1:])
 
     def _give_role(self, role: Category, tensors: list[torch.Tensor]) -> None:
         """Blocks a collective allocates or communicates through are its buffers: those born
@@ -648,4 +661,5 @@ class Recorder(TorchDispatchMode):
             cublas_workspace_bytes=self._cublas_bytes,
             attention_estimates=self.attention_estimates,
             first_use={index[i]: at(t) for i, t in self._first_use.items() if i in index},
+            nondeterministic=list(self._nondeterministic.values()),
         )

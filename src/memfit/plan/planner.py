@@ -594,6 +594,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         budget=str(budget),
         objective=s.objective,
         timing_note=found.timing_note,
+        reproducibility_note=prof.reproducibility_note,
         planning_time_s=time.perf_counter() - started,
         step=prof.step,
     )

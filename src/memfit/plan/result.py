@@ -137,6 +137,10 @@ class Plan:
     fake process group (:attr:`predicted_peak_bytes` is the highest)."""
     step: StepOptions = field(default_factory=StepOptions)
     """How the step the plan was verified on runs (micro-batches, accumulation, autocast, ...)."""
+    reproducibility_note: str = ""
+    """Why the step is not bitwise equal to itself from run to run, with or without the plan
+    (:attr:`memfit.Profile.reproducibility_note`); empty for a reproducible step, whose
+    planned training is bitwise equal to unplanned."""
 
     @property
     def extra_compute_fraction(self) -> float | None:
@@ -154,6 +158,8 @@ class Plan:
             # Left out when empty: such a plan stays readable by a memfit from before the
             # field, while one that needs the cache off is refused there, not applied wrongly.
             del data["use_cache_off"]
+        if not self.reproducibility_note:
+            del data["reproducibility_note"]  # as use_cache_off: plans read as before
         for key in ("world_size", "rank_peak_bytes"):
             if data[key] is None:
                 del data[key]  # one process's plans read as before

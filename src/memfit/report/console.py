@@ -424,6 +424,9 @@ def render_profile(
             "of those kinds and shapes ran in this process to measure it"
         )
 
+    if profile.reproducibility_note:
+        console.print(f"[yellow]note:[/] {escape(profile.reproducibility_note)}")
+
     # (times=False: the caller found the host too busy to time, and says so once itself)
     timed = profile.time_source == "measured" and times
     if profile.step.inference:
@@ -703,6 +706,8 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
     if plan.timing_note and times:
         console.print(f"[yellow]note:[/] {plan.timing_note}")
+    if plan.reproducibility_note:
+        console.print(f"[yellow]note:[/] {escape(plan.reproducibility_note)}")
     if plan.rank_peak_bytes:
         peaks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(plan.rank_peak_bytes.items()))
         console.print(
