@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Finding", "Rule", "TABLE", "check", "finding", "note", "GRAIN_SIZE"]
+__all__ = ["Finding", "Rule", "TABLE", "backward_site", "check", "finding", "forward_site", "note", "GRAIN_SIZE"]
 
 GRAIN_SIZE = 32768
 """``at::internal::GRAIN_SIZE`` (aten/src/ATen/Parallel.h): below it, a CPU kernel does not
@@ -219,6 +219,38 @@ def check(op: str, device: str | None, args: tuple, kwargs: dict) -> Rule | None
                 return rule
         except (AttributeError, IndexError, TypeError, RuntimeError):  # an unexpected signature: not ours to judge
             continue
+    return None
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def forward_site(op: str, args: tuple) -> tuple | None:
+    """For a forward op whose backward is a call :data:`TABLE` may cover (``x[idx]``: index,
+    whose backward is ``index_put(zeros_like(x), idx, grad, accumulate=True)``; ``take``:
+    ``put_``), the key that backward call has (:func:`backward_site`). A backward op runs
+    where the scope's module is only the deepest module whose backward is under way, often
+    another one; this names the module whose forward made it."""
+    try:
+        if op == "index":
+            return ("index_put", _shape(args[0]), tuple(_shape(i) for i in args[1]))
+        if op == "take":
+            return ("put", _shape(args[0]), _shape(args[1]))
+    except (IndexError, TypeError):
+        pass
+    return None
+
+
+def backward_site(op: str, args: tuple) -> tuple | None:
+    """The :func:`forward_site` key of a backward call, or None."""
+    try:
+        if op in ("index_put", "index_put_", "_index_put_impl_"):
+            return ("index_put", _shape(args[0]), tuple(_shape(i) for i in args[1]))
+        if op in ("put", "put_"):
+            return ("put", _shape(args[0]), _shape(args[1]))
+    except (IndexError, TypeError):
+        pass
     return None
 
 

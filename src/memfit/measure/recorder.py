@@ -249,6 +249,7 @@ class Recorder(TorchDispatchMode):
         self._recording = False
         # (op, phase, module) -> what the step's note says of it (memfit.measure.determinism)
         self._nondeterministic: dict[tuple[str, str, str | None], determinism.Finding] = {}
+        self._sites: dict[tuple, dict[str, None]] = defaultdict(dict)  # determinism.forward_site -> modules (ordered)
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -421,7 +422,7 @@ class Recorder(TorchDispatchMode):
             self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
         if self._cublas_bytes and self._op in CUBLAS_OPS:
             self._cublas_workspace()
-        self._check_determinism(func, args, kwargs)
+        self._check_determinism(func, args, kwargs, in_tensors)
         scratch, tag = self._open_workspace(func, args, kwargs)
         if tag is None:
             out = self._call(func, args, kwargs)
@@ -456,13 +457,24 @@ class Recorder(TorchDispatchMode):
                 self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
         return out
 
-    def _check_determinism(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _check_determinism(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> None:
         """Note an op whose result varies from run to run of this very step (it is the
-        step's, not memfit's: the note says so where a user would suspect memfit's plans)."""
+        step's, not memfit's: the note says so where a user would suspect memfit's plans),
+        under the module whose forward made it when it is a backward op."""
+        phase = self.scope.phase
+        if phase is Phase.FORWARD:
+            site = determinism.forward_site(self._op, args)
+            if site is not None and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+                self._sites[site][self.scope.module or ""] = None
         rule = determinism.check(self._op, self.device_type, args, kwargs)
         if rule is None:
             return
-        key = (rule.label, self.scope.phase.value, self.scope.module)
+        module = self.scope.module
+        if phase is Phase.BACKWARD:
+            made_by = self._sites.get(determinism.backward_site(self._op, args))  # type: ignore[arg-type]
+            if made_by:
+                module = ", ".join(m or "(root)" for m in made_by)
+        key = (rule.label, phase.value, module)
         if key not in self._nondeterministic:
             self._nondeterministic[key] = determinism.finding(rule, *key[1:])
 
