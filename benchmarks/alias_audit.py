@@ -11,9 +11,9 @@ op sequences are aligned by op name and compared call by call. Modes: ``train`` 
 backward, optimizer step), ``no_grad`` and ``inference`` (the model in eval mode, forward and loss
 under ``torch.no_grad()`` / ``torch.inference_mode()``, as memfit's eval step).
 
-With ``--recorder`` the fake side's aliasing is read as memfit's recorder books it (an output
-whose new storage the recorder files under an input's block counts as aliasing the input): the
-column that says whether the fix holds.
+With ``--recorder`` both sides are read as memfit's recorder books them (an output whose storage
+the recorder files under an input's block counts as aliasing that input): what the ledgers see,
+the columns that say whether memfit's fake ledger follows the real one.
 
 The table printed: op, mode, real aliases?, fake aliases?, calls, models. Without ``--all`` only
 the rows where real and fake disagree (and ops one side ran that the other did not).
@@ -158,15 +158,15 @@ def _where(key: int | None, ins: list[int | None]) -> str:
 
 
 class RecorderLog(AliasLog):
-    """The fake side as memfit's recorder books it: an output whose storage the recorder
-    counts as an input's block (``Recorder._block_of``) aliases that input."""
+    """A side as memfit's recorder books it: an output whose storage the recorder counts as
+    an input's block (``Recorder._block_of``) aliases that input."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool) -> None:
         super().__init__()
         from memfit.measure.recorder import Recorder
         from memfit.measure.scope import Scope
 
-        self.recorder = Recorder(Scope(), count_flops=False, fake=True)
+        self.recorder = Recorder(Scope(), count_flops=False, fake=fake)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -256,14 +256,15 @@ def main() -> None:
     for name in names:
         for mode in ns.modes.split(","):
             try:
-                real = run(builders[name](), mode, None, AliasLog())
-                fake = run(builders[name](), mode, where, RecorderLog() if ns.recorder else AliasLog())
+                real = run(builders[name](), mode, None, RecorderLog(False) if ns.recorder else AliasLog())
+                fake = run(builders[name](), mode, where, RecorderLog(True) if ns.recorder else AliasLog())
             except Exception as exc:  # a model a mode cannot run: say so, go on
                 print(f"# {name} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 continue
             compare(real, fake, rows, name, mode)
-    side = f"fake{' cuda' if ns.fake_cuda else ''}{' (recorder)' if ns.recorder else ''}"
-    print(f"| op | mode | real aliases? | {side} aliases? | calls | differ | only real/fake | models |")
+    side = f"fake{' cuda' if ns.fake_cuda else ''}"
+    how = " (as the recorder books it)" if ns.recorder else ""
+    print(f"| op | mode | real{how} aliases? | {side}{how} aliases? | calls | differ | only real/fake | models |")
     print("|---|---|---|---|---|---|---|---|")
     for (op, mode), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if not ns.all and not (row["differ"] or row["only_real"] or row["only_fake"]):

@@ -25,7 +25,14 @@ import torch
 
 from memfit.measure import _torch_compat
 
-__all__ = ["returned_inputs"]
+__all__ = ["returned_inputs", "FRESH_INPUT_OPS"]
+
+FRESH_INPUT_OPS = frozenset({"aten::lift_fresh"})
+"""Ops whose input is a tensor the step has just made where no mode sees it: ``torch.tensor()``
+builds its data, then hands it to lift_fresh, which returns it (a fake mode makes a fake copy
+instead). Its storage is an allocation of the step, born there, on real tensors as on fake
+ones: not something alive before the step, the rule for other outputs sharing an input memfit
+has not seen."""
 
 
 def _storage_id(t: torch.Tensor) -> int | None:
@@ -49,6 +56,25 @@ def _flat(out: Any) -> list[torch.Tensor | None]:
     return flat
 
 
+_SELF_ALIAS: dict[Any, bool] = {}
+
+
+def _aliases_self(func: Any) -> bool:
+    """Whether the op's schema says its outputs are views of its first argument (``Tensor(a)
+    self -> Tensor(a)``, as ``alias``, ``detach``, ``view``) without writing to it."""
+    known = _SELF_ALIAS.get(func)
+    if known is None:
+        schema = func._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        known = (
+            first is not None
+            and not first.is_write
+            and any(r.alias_info is not None and r.alias_info.before_set == first.before_set for r in schema.returns)
+        )
+        _SELF_ALIAS[func] = known
+    return known
+
+
 def returned_inputs(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(output, input)`` pairs of a fake op call ``out = func(*args, **kwargs)``: outputs with
     a storage of their own where the real kernel returns that input's. Empty for the usual op
@@ -57,11 +83,20 @@ def returned_inputs(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Ten
     by_storage = {k: t for t in inputs if (k := _storage_id(t)) is not None}
     outputs = _flat(out)
     fresh = [t for t in outputs if t is not None and _storage_id(t) not in by_storage]
-    if not fresh or func.is_view:
+    if not fresh:
         return []
     kernel = _torch_compat.composite_kernel(func)
     if kernel is None:
-        return []
+        # A view of a real tensor the step keeps outside the model (a constant; the
+        # recorder's own detach of a saved one): the fake mode makes it a view of the fake
+        # tensor it converts that one to, whose storage is another than the real one's.
+        # (Ops that only may alias, ``to`` or ``reshape``, are composite: asked above.)
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None or _torch_compat.is_fake(source) or func.overloadpacket._qualified_op_name in FRESH_INPUT_OPS:
+            return []
+        if not (func.is_view or _aliases_self(func)):
+            return []
+        return [(t, source) for t in fresh]
     try:
         real = _flat(kernel(*args, **kwargs))
     except Exception:  # noqa: BLE001 - a kernel that cannot run on fake tensors tells nothing

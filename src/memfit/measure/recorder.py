@@ -78,12 +78,6 @@ bookkeeping instead of saved records."""
 # hook returns, fake tensors' device queries): not the step's, and they record no node.
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
 
-# Ops whose input is a tensor the step has just made where no mode sees it: ``torch.tensor()``
-# builds its data, then hands it to lift_fresh, which returns it (a fake mode makes a fake
-# copy instead). Its storage is an allocation of the step, born there, not something alive
-# before the step (the rule for other outputs sharing an input memfit has not seen).
-FRESH_INPUT_OPS = frozenset({"aten::lift_fresh"})
-
 
 def _metadata_only(func: Any) -> bool:
     """Whether ``func`` only asks a tensor about itself: prim.device, and the sym_size
@@ -329,13 +323,17 @@ class Recorder(TorchDispatchMode):
     def _as_real_kernel(self, func: Any, args: tuple, kwargs: dict, ins: list[torch.Tensor], out: Any, inputs: set[int]) -> None:
         """Fake steps: an output the real kernel returns as one of its inputs (eval dropout,
         :mod:`memfit.measure.aliasing`) is that input's memory, as on a real step: its block,
-        or for an input memfit has not seen, something alive before the step (``inputs``,
-        the ids of the inputs' storages, takes the output's)."""
+        made now for an input memfit has not seen, something alive before the step (a real
+        step's rule for an output sharing such an input's storage: ``inputs``, the ids of the
+        inputs' storages, takes the output's)."""
         for t, source in aliasing.returned_inputs(func, args, kwargs, ins, out):
-            s = _storage(t)
-            if s is not None:
-                inputs.add(id(s))
-                self._alias([source], [t])
+            s, src = _storage(t), _storage(source)
+            if s is None or src is None:
+                continue
+            inputs.add(id(s))
+            if self._block_of(source) is None and src.nbytes() and id(src) not in self._elsewhere:
+                self._add(src, source.device, Category.OTHER, at_start=True)
+            self._alias([source], [t])
 
     def _add_graph(self, nbytes: int, saver: str | None = None) -> int:
         self.records.append(_Record(nbytes, Category.GRAPH, self.scope.phase, self.scope.module, self._tick()))
@@ -455,7 +453,7 @@ class Recorder(TorchDispatchMode):
                 continue
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
-            before = id(s) in inputs and qualified not in FRESH_INPUT_OPS
+            before = id(s) in inputs and qualified not in aliasing.FRESH_INPUT_OPS
             self._add(s, t.device, Category.OTHER if before else None, at_start=before)
         role = _distributed.COLLECTIVE_ROLES.get(qualified)
         if role is not None:
