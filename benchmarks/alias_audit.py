@@ -163,23 +163,26 @@ class RecorderLog(AliasLog):
 
     def __init__(self, fake: bool) -> None:
         super().__init__()
+        self.fake = fake
+
+    def attach(self, box: Any) -> None:
+        """Record ``box``'s step, what is alive at its start registered as memfit.profile does."""
+        from memfit.measure.ledger import Category
         from memfit.measure.recorder import Recorder
         from memfit.measure.scope import Scope
 
-        self.recorder = Recorder(Scope(), count_flops=False, fake=fake)
+        self.recorder = Recorder(Scope(box.model), count_flops=False, fake=self.fake)
+        start = [*box.model.parameters(), *box.model.buffers(), *_tensors((*box.args, *box.kwargs.values()))]
+        self.recorder.register_start(start, Category.OTHER)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         r = self.recorder
         in_tensors = _tensors((*args, *kwargs.values()))
-        for t in in_tensors:  # everything from before the step is a block (as register_start)
-            s = _key(t)
-            if s is not None and s not in r._live and t.untyped_storage().nbytes():
-                r._add(t.untyped_storage(), t.device, None, at_start=True)
+        ins = [r._block_of(t) for t in in_tensors]  # the inputs' blocks before the op
         out = r.__torch_dispatch__(func, types, args, kwargs)
         if _skip(func):
             return out
-        ins = [r._block_of(t) for t in in_tensors]
         outs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         sigs = []
         for t, k in zip(outs, (_key(t) for t in outs)):
@@ -195,6 +198,8 @@ def run(work: Workload, mode: str, where: str | None, log: AliasLog) -> list[tup
     args, kwargs = split_inputs(work.inputs)
     opt = work.make_optimizer()
     with step_sandbox(where, work.model, args, kwargs, opt, targets=work.targets) as box, box.active():
+        if isinstance(log, RecorderLog):
+            log.attach(box)
         with log:
             if mode == "train":
                 box.step(work.loss_fn)
