@@ -125,3 +125,31 @@ def test_returned_inputs_asks_the_real_kernel():
             assert bool(pairs) is expect, func
             if expect:
                 assert pairs == [(out, x)]
+
+
+def test_bert_eval_step_on_fake_tensors_is_the_real_one():
+    """End to end: transformers' BERT (eager attention, whose probabilities go through
+    dropout) in memfit's eval step. On fake tensors each dropout held a copy of its input:
+    the softmax's, at the peak's size. The peak itself ties on the CPU ledger (the softmax's
+    input and output were alive just before), so the whole curve is compared: memory after
+    every tick."""
+    pytest.importorskip("transformers")
+    from memfit import zoo
+
+    work = zoo.build(
+        "bert-base",
+        batch_size=2,
+        seq_len=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=64,
+        attn_implementation="eager",
+    )
+    step = StepOptions(inference=True)
+    real = memfit.profile(work.model, work.inputs, step=step)
+    fake = memfit.profile(work.model, work.inputs, step=step, fake=True)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.ledger.curve() == real.ledger.curve()
+    assert _ledger_rows(fake) == _ledger_rows(real)
