@@ -75,11 +75,13 @@ def _aliases_self(func: Any) -> bool:
     return known
 
 
-def returned_inputs(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def returned_inputs(
+    func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(output, input)`` pairs of a fake op call ``out = func(*args, **kwargs)``: outputs with
-    a storage of their own where the real kernel returns that input's. Empty for the usual op
-    (no composite kernel, or every output already an input's, or the kernel refusing fake
-    arguments, as a data-dependent one does)."""
+    a storage of their own where the real kernel returns that input's (and views of a real
+    tensor the fake mode converted). Empty for the usual op (every output already an input's,
+    no composite kernel, or the kernel refusing fake arguments, as a data-dependent one does)."""
     by_storage = {k: t for t in inputs if (k := _storage_id(t)) is not None}
     outputs = _flat(out)
     fresh = [t for t in outputs if t is not None and _storage_id(t) not in by_storage]
