@@ -141,3 +141,6 @@ def test_composite_kernel_is_the_cpp_one():
     with torch.inference_mode():
         assert dropout(x, 0.5, False) is x
         assert torch.ops.aten.dropout.default.decompose(x, 0.5, False) is not x
+    # and only asks it where the fake mode may take a Python decomposition of torch's
+    assert _torch_compat.python_decomposition(torch.ops.aten.dropout.default)
+    assert not _torch_compat.python_decomposition(torch.ops.aten.linear.default)

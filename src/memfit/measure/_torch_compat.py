@@ -28,6 +28,7 @@ __all__ = [
     "uses_batch_statistics",
     "written_arguments",
     "composite_kernel",
+    "python_decomposition",
     "AllocationTrace",
 ]
 
@@ -214,6 +215,23 @@ def composite_kernel(func: Any) -> Any:
 
         _COMPOSITE[func] = kernel
     return kernel
+
+
+_PYTHON_DECOMPOSED: dict[Any, bool] = {}
+
+
+def python_decomposition(func: Any) -> bool:
+    """Whether FakeTensorMode may run the op through one of torch's Python decompositions
+    (``OpOverload.py_kernels``, ``torch._decomp.decomposition_table``) rather than the C++
+    kernel a real tensor runs: the only ops whose fake outputs can alias otherwise than the
+    real ones. Remembered per op."""
+    known = _PYTHON_DECOMPOSED.get(func)
+    if known is None:
+        from torch._decomp import decomposition_table
+
+        known = torch._C.DispatchKey.CompositeImplicitAutograd in func.py_kernels or func in decomposition_table
+        _PYTHON_DECOMPOSED[func] = known
+    return known
 
 
 @contextmanager
