@@ -128,3 +128,19 @@ def test_allocation_trace_sees_inside_a_kernel():
     peak, net = trace.peaks("memfit.test#", "cpu")["memfit.test#0"]
     out = y.numel() * 4
     assert net >= out and peak - net >= out, (peak, net)
+
+
+def test_composite_kernel_is_the_cpp_one():
+    # memfit.measure.aliasing runs an op's C++ CompositeImplicitAutograd kernel (OpOverload's
+    # private _op_dk) to learn whether the real kernel returns an input: eval dropout does,
+    # where FakeTensorMode's Python decomposition (OpOverload.decompose) clones.
+    dropout = _torch_compat.composite_kernel(torch.ops.aten.dropout.default)
+    assert dropout is not None
+    assert _torch_compat.composite_kernel(torch.ops.aten.add.Tensor) is None  # a kernel of its own
+    x = torch.randn(3)
+    with torch.inference_mode():
+        assert dropout(x, 0.5, False) is x
+        assert torch.ops.aten.dropout.default.decompose(x, 0.5, False) is not x
+    # and only asks it where the fake mode may take a Python decomposition of torch's
+    assert _torch_compat.python_decomposition(torch.ops.aten.dropout.default)
+    assert not _torch_compat.python_decomposition(torch.ops.aten.linear.default)

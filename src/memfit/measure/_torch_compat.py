@@ -27,6 +27,8 @@ __all__ = [
     "updates_running_stats",
     "uses_batch_statistics",
     "written_arguments",
+    "composite_kernel",
+    "python_decomposition",
     "AllocationTrace",
 ]
 
@@ -191,6 +193,45 @@ def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         if arg.alias_info is not None and arg.alias_info.is_write:
             out.append(kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i])
     return out
+
+
+_COMPOSITE: dict[Any, Any] = {}
+
+
+def composite_kernel(func: Any) -> Any:
+    """The C++ ``CompositeImplicitAutograd`` kernel of an aten op (what a real tensor runs
+    where no backend kernel exists: ``dropout``, ``to``, ``linear``), callable on the op's
+    arguments; None for an op without one. FakeTensorMode runs such an op through a Python
+    decomposition of torch's instead when it has one (``OpOverload.decompose``), which may
+    copy where the C++ kernel returns its input. Remembered per op."""
+    kernel = _COMPOSITE.get(func)
+    if kernel is None and func not in _COMPOSITE:
+        key = torch._C.DispatchKey.CompositeImplicitAutograd
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+            op_dk = func._op_dk
+
+            def kernel(*args: Any, **kwargs: Any) -> Any:
+                return op_dk(key, *args, **kwargs)
+
+        _COMPOSITE[func] = kernel
+    return kernel
+
+
+_PYTHON_DECOMPOSED: dict[Any, bool] = {}
+
+
+def python_decomposition(func: Any) -> bool:
+    """Whether FakeTensorMode may run the op through one of torch's Python decompositions
+    (``OpOverload.py_kernels``, ``torch._decomp.decomposition_table``) rather than the C++
+    kernel a real tensor runs: the only ops whose fake outputs can alias otherwise than the
+    real ones. Remembered per op."""
+    known = _PYTHON_DECOMPOSED.get(func)
+    if known is None:
+        from torch._decomp import decomposition_table
+
+        known = torch._C.DispatchKey.CompositeImplicitAutograd in func.py_kernels or func in decomposition_table
+        _PYTHON_DECOMPOSED[func] = known
+    return known
 
 
 @contextmanager

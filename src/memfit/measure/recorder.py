@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _distributed, _optim8bit, _torch_compat, determinism, gpu, workspace
+from memfit.measure import _distributed, _optim8bit, _torch_compat, aliasing, determinism, gpu, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -237,6 +237,7 @@ class Recorder(TorchDispatchMode):
         self.unmeasured_ops = 0
         self.attention_estimates = 0
         self._probe = probe and fake and self.device_type == "cpu"
+        self._fake = fake
         # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
         # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
         # torch for the process: in the steady-state step memfit records (a warm-up step ran
@@ -310,8 +311,8 @@ class Recorder(TorchDispatchMode):
             self.records[idx].died = self._tick()
 
     def _alias(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """The outputs' storages are the first input's block (see ``_distributed.ALIAS_OPS``):
-        it dies when the last of them does."""
+        """The outputs' storages are the first input's block (see ``_distributed.ALIAS_OPS``
+        and :meth:`_as_real_kernel`): it dies when the last of them does."""
         idx = self._block_of(inputs[0]) if inputs else None
         if idx is None:
             return
@@ -321,6 +322,21 @@ class Recorder(TorchDispatchMode):
                 self._live[id(s)] = idx
                 self._aliases[idx] = self._aliases.get(idx, 0) + 1
                 self._finalizers.append(weakref.finalize(s, self._free, id(s)))
+
+    def _as_real_kernel(self, func: Any, args: tuple, kwargs: dict, ins: list[torch.Tensor], out: Any, inputs: set[int]) -> None:
+        """Fake steps: an output the real kernel returns as one of its inputs (eval dropout,
+        :mod:`memfit.measure.aliasing`) is that input's memory, as on a real step: its block,
+        made now for an input memfit has not seen, something alive before the step (a real
+        step's rule for an output sharing such an input's storage: ``inputs``, the ids of the
+        inputs' storages, takes the output's)."""
+        for t, source in aliasing.returned_inputs(func, args, kwargs, ins, out):
+            s, src = _storage(t), _storage(source)
+            if s is None or src is None:
+                continue
+            inputs.add(id(s))
+            if self._block_of(source) is None and src.nbytes() and id(src) not in self._elsewhere:
+                self._add(src, source.device, Category.OTHER, at_start=True)
+            self._alias([source], [t])
 
     def _add_graph(self, nbytes: int, saver: str | None = None) -> int:
         self.records.append(_Record(nbytes, Category.GRAPH, self.scope.phase, self.scope.module, self._tick()))
@@ -433,13 +449,16 @@ class Recorder(TorchDispatchMode):
         qualified = func.overloadpacket._qualified_op_name
         if qualified in _distributed.ALIAS_OPS:
             self._alias(in_tensors, out_tensors)
+        if self._fake:
+            self._as_real_kernel(func, args, kwargs, in_tensors, out, inputs)
         for t in out_tensors:
             s = _storage(t)
             if s is None or id(s) in self._live or id(s) in self._elsewhere or not s.nbytes():
                 continue
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
-            self._add(s, t.device, Category.OTHER if id(s) in inputs else None, at_start=id(s) in inputs)
+            before = id(s) in inputs and qualified not in aliasing.FRESH_INPUT_OPS
+            self._add(s, t.device, Category.OTHER if before else None, at_start=before)
         role = _distributed.COLLECTIVE_ROLES.get(qualified)
         if role is not None:
             self._give_role(role[0], in_tensors + out_tensors if role[1] else out_tensors)
