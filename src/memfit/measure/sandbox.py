@@ -90,11 +90,12 @@ class Sandbox:
     def active(self) -> Iterator[None]:
         """Enter the fake mode (if any) so factory calls inside the step make fake tensors, and
         let transformers find positions it made itself unpacked, as a real step does (it
-        cannot read fake ones: :mod:`memfit.measure._hf_fake`)."""
+        cannot read fake ones: :mod:`memfit.measure._hf_fake`). torch's log of a fake kernel
+        that fails is dropped here: the error itself propagates, and memfit names it."""
         if self.fake_mode is None:
             yield
         else:
-            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs):
+            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs), _torch_compat.quiet_fake_kernel_log():
                 yield
 
 
