@@ -153,12 +153,26 @@ def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
     return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
-# FlopCounterMode counts 0 for the CPU flash-attention kernels; memfit counts them with
-# torch's own SDPA formulas (same maths as the CUDA kernels it does count).
+def _grouped_mm_flops(mat_a, mat_b, offs=None, *args, out_val=None, **kwargs) -> int:
+    """2 x M x N x K over the groups: each output element is a K-long dot product, except
+    a 2-D by 2-D call, whose groups split K itself (the experts' weight gradients)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.size(0) * mat_a.size(1) * mat_b.size(1)
+    size, _, _ = _grouped_mm_layout(mat_a, mat_b, offs, None)
+    n = 1
+    for d in size:
+        n *= d
+    return 2 * n * mat_a.size(-1)
+
+
+# FlopCounterMode counts 0 for the CPU flash-attention kernels and for grouped GEMMs (MoE
+# experts); memfit counts them with torch's own SDPA formulas (same maths as the CUDA kernels
+# it does count) and a GEMM's 2MNK.
 _EXTRA_FLOPS: dict[Any, Any] = {}
 for _name, _fn in (
     ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_forward),
     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward),
+    ("_grouped_mm", _grouped_mm_flops),
 ):
     _packet = getattr(torch.ops.aten, _name, None)
     if _packet is not None:
