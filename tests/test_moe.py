@@ -93,3 +93,37 @@ def test_a_moe_step_profiles_and_plans_on_fake_cuda(shim_cache, tmp_path):
     assert "Traceback" not in done.stdout + done.stderr and "fake:cuda:0" in done.stdout
     data = json.loads(prof.read_text())
     assert data["device"] == "fake:cuda:0" and "_grouped_mm" in {op[1] for op in data["ledger"]["ops"]}
+
+
+class _RealOnlyBackward(torch.autograd.Function):
+    """An op whose backward runs on real tensors and raises on fake ones, as a fake kernel
+    that refuses what the real kernel runs does (torch's _grouped_mm in fp32 on main)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _torch_compat.is_fake(grad):
+            raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32\nsecond line")
+        return grad * 2
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _RealOnlyBackward.apply(self.fc(x))
+
+
+def test_a_fake_backward_that_fails_is_one_line_where_the_real_one_runs():
+    model, x = _Net(), torch.randn(4, 8)
+    assert memfit.profile(model, x, loss_fn=lambda y: y.sum()).peak_bytes > 0
+    with pytest.raises(memfit.MemfitError) as err:
+        memfit.profile(model, x, loss_fn=lambda y: y.sum(), fake=True)
+    message = str(err.value)
+    assert message.startswith("the backward on fake tensors raised RuntimeError: Expected inputs of BF16")
+    assert "\n" not in message and "measure on real tensors" in message
