@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-import memfit
 from memfit.measure import _torch_compat
 from memfit.measure.inputs import input_bytes, map_shared
 
