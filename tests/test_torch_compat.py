@@ -144,3 +144,69 @@ def test_composite_kernel_is_the_cpp_one():
     # and only asks it where the fake mode may take a Python decomposition of torch's
     assert _torch_compat.python_decomposition(torch.ops.aten.dropout.default)
     assert not _torch_compat.python_decomposition(torch.ops.aten.linear.default)
+
+
+_GROUPED_CASES = [
+    # (mat_a, mat_b, offs): transformers' experts (2-D tokens by 3-D weights, transposed as
+    # it passes them), their weight gradients (2-D by 2-D), batched (3-D by 3-D), 3-D by 2-D
+    ((10, 8), (3, 5, 8), [3, 7, 10]),
+    ((8, 12), (5, 12), [4, 8, 12]),
+    ((3, 4, 8), (3, 5, 8), None),
+    ((3, 4, 8), (5, 8), [2, 3, 4]),
+]
+
+
+def _grouped_args(a_shape, b_shape, offs):
+    a = torch.randn(*a_shape)
+    b = torch.randn(*b_shape).transpose(-2, -1)  # (.., K, N) with K contiguous, as the kernel wants
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        a = torch.randn(a_shape[1], a_shape[0]).t()  # 2-D by 2-D groups split K: a is (M, K) K-major
+    return a, b, None if offs is None else torch.tensor(offs, dtype=torch.int32)
+
+
+def test_grouped_mm_is_faked_in_fp32_as_the_cpu_kernel_lays_it_out():
+    # torch's meta kernel of aten._grouped_mm takes bf16 only (the CUDA fast path's rule);
+    # the CPU kernel runs fp32 (transformers' MoE experts). memfit's fake mode fakes it with
+    # the real kernel's size, 16-byte-padded strides and storage, and counts its FLOPs.
+    if not hasattr(torch, "_grouped_mm"):
+        return  # torch before 2.8 has no grouped GEMM: nothing to fake
+    for a_shape, b_shape, offs in _GROUPED_CASES:
+        a, b, o = _grouped_args(a_shape, b_shape, offs)
+        real = torch._grouped_mm(a, b, offs=o)
+        mode = _torch_compat.new_fake_mode()
+        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+        fo = None if o is None else mode.from_tensor(o)
+        with mode:
+            fake = torch._grouped_mm(fa, fb, offs=fo)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), (a_shape, b_shape)
+        assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+        with _Ops() as ops:
+            torch._grouped_mm(a, b, offs=o)
+        k = a.shape[-1]
+        m_n = real.numel() if a.dim() == 3 or b.dim() == 3 else a.shape[0] * b.shape[1]
+        assert ops.flops["_grouped_mm"] == 2 * m_n * k
+
+
+def test_fake_kernel_failures_are_logged_only_outside_memfit_fake_steps(caplog):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fail() -> None:
+        mode = FakeTensorMode()  # torch's own: its _grouped_mm rule refuses fp32
+        a = mode.from_tensor(torch.randn(4, 8))
+        b = mode.from_tensor(torch.randn(2, 8, 8))
+        try:
+            with mode:
+                torch._grouped_mm(a, b, offs=mode.from_tensor(torch.tensor([2, 4], dtype=torch.int32)))
+        except RuntimeError:
+            return
+        raise AssertionError("torch's fake kernel of _grouped_mm now takes fp32: memfit's rule may go")
+
+    if not hasattr(torch, "_grouped_mm"):
+        return
+    with caplog.at_level("ERROR", logger="torch._subclasses.fake_tensor"):
+        fail()
+        assert any("failed while attempting to run meta" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with _torch_compat.quiet_fake_kernel_log():
+            fail()
+        assert not caplog.records

@@ -74,16 +74,14 @@ def _require_device(device: str) -> None:
 
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
     """The model and inputs on ``device``; the workload's targets are moved with them."""
-    import torch
-    from torch.utils._pytree import tree_map
-
+    from memfit.measure.inputs import map_shared
     from memfit.workload import check_not_meta
 
     _require_device(device)
     check_not_meta(work.model, work.inputs, work.targets)  # torch cannot move a meta tensor anywhere
     model = work.model.to(device)
-    inputs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.inputs)
-    work.targets = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, work.targets)
+    # together: inputs and targets that share storage (labels=ids) stay one tensor there
+    inputs, work.targets = map_shared(lambda x: x.to(device), (work.inputs, work.targets))
     return model, inputs
 
 
@@ -458,9 +456,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     pictures = bool(ns.plot or ns.html)
-    # the pictures show the profile the plan was made from: it is measured first and passed in
+    # the pictures show the profile the plan was made from: the plan hands it over (the step
+    # as its plans run it), rather than a profile made first, which would run the step's
+    # measurement twice and be checked against the step after minutes of work
     started = time.perf_counter()
-    before = saved or (_profile(work, ns.device, console, step=step) if pictures and not missing else None)
+    before = saved
     measured: list[memfit.Profile] = []
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
@@ -476,10 +476,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             profile=before,
             step=step,
             # the profile the plan was made from: the step as its plans run it (KV cache off)
-            on_profile=measured.append if missing else None,
+            on_profile=measured.append if missing or (pictures and saved is None) else None,
         )
-    if missing:
+    if before is None and measured:
         before = measured[0]
+    if missing:
         Path(ns.profile).write_text(before.to_json())
         console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
     plan.budget = label

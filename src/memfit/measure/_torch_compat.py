@@ -7,6 +7,7 @@ instead of failing deep inside a profile.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from torch.utils import flop_counter
 
 __all__ = [
     "new_fake_mode",
+    "quiet_fake_kernel_log",
     "is_fake",
     "op_flops",
     "CORRECTED_FLOPS",
@@ -33,12 +35,100 @@ __all__ = [
 ]
 
 
-def new_fake_mode() -> Any:
-    """A FakeTensorMode that also accepts real tensors a model keeps outside its parameters
-    and buffers (constant masks, say): they are turned into fake ones where used."""
+def _grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any, out_dtype: Any) -> tuple[list, list, Any]:
+    """Size, strides and dtype of ``aten._grouped_mm``'s output, as ATen's kernels make it
+    (``create_grouped_gemm_output_tensor``, GroupedMMUtils.h, on the CPU as on CUDA): the
+    last dimension's stride padded to 16 bytes for TMA. Measured on this box's CPU kernel:
+    (10, 8) @ 3 x (8, 5) fp32 -> size (10, 5), strides (8, 1), 308 bytes of storage."""
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    dtype = out_dtype or mat_a.dtype
+    align = max(1, 16 // dtype.itemsize)
+    padded = (size[-1] + align - 1) // align * align
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+    return size, stride, dtype
+
+
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+
+
+def _grouped_mm_rule(mode: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """A fake ``aten._grouped_mm`` for the dtypes ATen's real kernels take but torch's meta
+    kernel refuses: torch 2.8-2.13's meta checks the CUDA fast path's bf16-only rule, while
+    the CPU kernel and CUDA's fallback run fp32 and fp16 (transformers' MoE experts in fp32
+    on the CPU). bf16 keeps torch's rule. None: not this op, or torch's rule applies."""
+    if _GROUPED_MM is None or not args:
+        return None
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    call = {**dict(zip(names, args)), **kwargs}
+    a, b = call["mat_a"], call["mat_b"]
+    if a.dtype == torch.bfloat16 or a.dtype != b.dtype or not a.is_floating_point() or call.get("bias") is not None:
+        return None
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3) or ((a.dim() == 2 or b.dim() == 2) and call.get("offs") is None):
+        return None  # torch's own rule says what is wrong
+    size, stride, dtype = _grouped_mm_layout(a, b, call.get("offs"), call.get("out_dtype"))
+    empty = torch.ops.aten.empty_strided.default
+    return mode.dispatch_base(empty, types, (size, stride), {"dtype": dtype, "device": a.device})
+
+
+def _fake_mode_class() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    class MemfitFakeMode(FakeTensorMode):
+        """FakeTensorMode with memfit's rules for ops whose torch fake kernel refuses calls
+        the real kernel runs (:func:`_grouped_mm_rule`); every other op as torch fakes it."""
+
+        def dispatch_base(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+            return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs)
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            if func is _GROUPED_MM and _GROUPED_MM is not None:
+                out = _grouped_mm_rule(self, types, args, kwargs or {})
+                if out is not None:
+                    return out
+            return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs)
+
+    return MemfitFakeMode
+
+
+_FAKE_MODE_CLASS: Any = None
+
+
+def new_fake_mode() -> Any:
+    """A FakeTensorMode that also accepts real tensors a model keeps outside its parameters
+    and buffers (constant masks, say): they are turned into fake ones where used. It fakes
+    ``aten._grouped_mm`` (MoE experts) in every dtype its real kernels run."""
+    global _FAKE_MODE_CLASS
+    if _FAKE_MODE_CLASS is None:
+        _FAKE_MODE_CLASS = _fake_mode_class()
+    return _FAKE_MODE_CLASS(allow_non_fake_inputs=True)
+
+
+class _DropFakeKernelFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta for")
+
+
+@contextmanager
+def quiet_fake_kernel_log() -> Iterator[None]:
+    """Inside, torch's ``torch._subclasses.fake_tensor`` logger drops its "failed while
+    attempting to run meta for <op>" records (an ERROR with the kernel's whole traceback,
+    ~22 lines): the exception itself still propagates, and memfit names it in one line.
+    Only these records, only while memfit's fake step runs."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    drop = _DropFakeKernelFailures()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def composable_state_keys() -> frozenset[str]:
@@ -65,12 +155,26 @@ def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
     return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
-# FlopCounterMode counts 0 for the CPU flash-attention kernels; memfit counts them with
-# torch's own SDPA formulas (same maths as the CUDA kernels it does count).
+def _grouped_mm_flops(mat_a, mat_b, offs=None, *args, out_val=None, **kwargs) -> int:
+    """2 x M x N x K over the groups: each output element is a K-long dot product, except
+    a 2-D by 2-D call, whose groups split K itself (the experts' weight gradients)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.size(0) * mat_a.size(1) * mat_b.size(1)
+    size, _, _ = _grouped_mm_layout(mat_a, mat_b, offs, None)
+    n = 1
+    for d in size:
+        n *= d
+    return 2 * n * mat_a.size(-1)
+
+
+# FlopCounterMode counts 0 for the CPU flash-attention kernels and for grouped GEMMs (MoE
+# experts); memfit counts them with torch's own SDPA formulas (same maths as the CUDA kernels
+# it does count) and a GEMM's 2MNK.
 _EXTRA_FLOPS: dict[Any, Any] = {}
 for _name, _fn in (
     ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_forward),
     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward),
+    ("_grouped_mm", _grouped_mm_flops),
 ):
     _packet = getattr(torch.ops.aten, _name, None)
     if _packet is not None:

@@ -361,6 +361,14 @@ def step_errors(sandbox: Sandbox, scope: Scope) -> Iterator[None]:
     except Exception as exc:
         if scope.phase is Phase.OPTIMIZER:
             raise _optimizer_error(sandbox.optimizer, exc) from exc
+        if scope.phase is Phase.BACKWARD and sandbox.fake_mode is not None:
+            # on fake tensors, most often a fake kernel refusing a call its real kernel runs
+            # (torch's rules lag its kernels): one line, not autograd's traceback
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise WorkloadError(
+                f"the backward on fake tensors raised {type(exc).__name__}: {first} (a fake kernel may refuse what "
+                "the real op runs: measure on real tensors)"
+            ) from exc
         if scope.phase is not Phase.FORWARD:
             raise
         name = scope.module

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.errors import WorkloadError
 from memfit.measure import _fake_cuda, _hf_fake, _optim8bit, _torch_compat
+from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
@@ -50,19 +51,16 @@ class Sandbox:
     options: StepOptions = StepOptions()
     scaler: Any = None
     targets: Any = None
-    # fake sandboxes: how a real input (and a real target) becomes one of this sandbox's
-    # tensors, so :meth:`use_inputs` can run the same warm copy at another batch
-    input_copy: Callable[[torch.Tensor], torch.Tensor] | None = None
-    target_copy: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # fake sandboxes: how real inputs and targets become this sandbox's tensors, so
+    # :meth:`use_inputs` can run the same warm copy at another batch
+    copy_inputs: Callable[[tuple, dict, Any], tuple[tuple, dict, Any]] | None = None
 
     def use_inputs(self, args: tuple, kwargs: dict, targets: Any = None) -> None:
         """Run the next steps on other (real) inputs, copied as the first ones were: a fake
         copy of the step warmed once can then be recorded at many batch sizes."""
-        if self.input_copy is None or self.target_copy is None:
+        if self.copy_inputs is None:
             raise TypeError("use_inputs is for fake sandboxes (a real one steps on the inputs it is given)")
-        copy_in, copy_target = self.input_copy, self.target_copy
-        self.args, self.kwargs = tree_map(lambda x: copy_in(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        self.targets = tree_map(lambda t: copy_target(t) if isinstance(t, torch.Tensor) else t, targets)
+        self.args, self.kwargs, self.targets = self.copy_inputs(args, kwargs, targets)
 
     def step(self, loss_fn: Any, on_phase: Callable[[Phase], None] = lambda phase: None) -> float:
         """One training step on the sandbox's objects, as its options say (call it inside
@@ -90,11 +88,12 @@ class Sandbox:
     def active(self) -> Iterator[None]:
         """Enter the fake mode (if any) so factory calls inside the step make fake tensors, and
         let transformers find positions it made itself unpacked, as a real step does (it
-        cannot read fake ones: :mod:`memfit.measure._hf_fake`)."""
+        cannot read fake ones: :mod:`memfit.measure._hf_fake`). torch's log of a fake kernel
+        that fails is dropped here: the error itself propagates, and memfit names it."""
         if self.fake_mode is None:
             yield
         else:
-            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs):
+            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs), _torch_compat.quiet_fake_kernel_log():
                 yield
 
 
@@ -250,15 +249,13 @@ def real_sandbox(
 
 def _copy_step(
     model: nn.Module,
-    args: tuple,
-    kwargs: dict,
     optimizer: torch.optim.Optimizer,
     tensor: Callable[[torch.Tensor], torch.Tensor],
     scalar: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[nn.Module, tuple, dict, torch.optim.Optimizer]:
-    """A copy of the model, inputs and optimizer (state included) whose tensors are
-    ``tensor(t)`` (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied.
-    (Targets are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)"""
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A copy of the model and optimizer (state included) whose tensors are ``tensor(t)``
+    (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied. (Inputs and targets
+    are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)"""
     memo: dict[int, Any] = {}
     copies: dict[nn.Parameter, nn.Parameter] = {}
     for p in model.parameters():
@@ -291,8 +288,7 @@ def _copy_step(
             for k, v in st.items()
         }
     _torch_compat.pin_optimizer_impl(new_opt, optimizer)
-    new_args, new_kwargs = tree_map(lambda x: tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    return new_model, new_args, new_kwargs, new_opt
+    return new_model, new_opt
 
 
 def _caster(dtype: torch.dtype | None, base: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -310,7 +306,8 @@ def _cast_sandbox(
     """Real tensors, cast to ``options.param_dtype``, on a copy: the cast is lossy, so the
     user's own parameters could not be put back bitwise by casting again."""
     tensor = _caster(options.cast_dtype, lambda t: t.detach().clone())
-    new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, tensor, lambda t: t.detach().clone())
+    new_model, new_opt = _copy_step(model, optimizer, tensor, lambda t: t.detach().clone())
+    new_args, new_kwargs = map_shared(tensor, (args, kwargs))  # inputs that share storage stay shared
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -395,14 +392,23 @@ def fake_sandbox(
         with mode:
             return ft.to(dtype)
 
-    new_model, new_args, new_kwargs, new_opt = _copy_step(model, args, kwargs, optimizer, fake, lambda t: _fake_state(mode, t))
+    def copy_inputs(a: tuple, k: dict, t: Any) -> tuple[tuple, dict, Any]:
+        # Together, so that inputs and targets sharing storage (``labels=ids``) stay one
+        # block, as in the real step: copied one by one to fake CUDA they would be two.
+        a, k, t = map_shared(fake_target, (a, k, t))
+        if dtype is not None:
+            with mode:
+                a, k = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (a, k))
+        return a, k, t
+
+    new_model, new_opt = _copy_step(model, optimizer, fake, lambda t: _fake_state(mode, t))
     if to is not None:
         _torch_compat.pin_cuda_optimizer_impl(new_opt, optimizer)
-    new_targets = tree_map(lambda t: fake_target(t) if isinstance(t, torch.Tensor) else t, targets)
+    new_args, new_kwargs, new_targets = copy_inputs(args, kwargs, targets)
     cpu_rng = torch.get_rng_state()
     try:
         box = Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets)
-        box.input_copy, box.target_copy = fake, fake_target
+        box.copy_inputs = copy_inputs
         yield _prepare(box)
     finally:
         torch.set_rng_state(cpu_rng)  # fake dropout does not draw, but be sure

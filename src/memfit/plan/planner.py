@@ -28,6 +28,7 @@ from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.allocator import AllocatorSettings, replay_training
+from memfit.measure.inputs import input_bytes
 from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
@@ -249,17 +250,11 @@ def _input_bytes(prof: Profile) -> int:
     return sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.INPUT)
 
 
-def _step_input_bytes(args: tuple, kwargs: dict, targets: Any) -> int:
-    """Bytes of the step's input tensors, each storage once, as the ledger counts them."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, _ = tree_flatten((args, kwargs, targets))
-    storages = {}
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            storages[(s.data_ptr(), s.device)] = s.nbytes()
-    return sum(storages.values())
+def _step_input_bytes(prof: Profile, args: tuple, kwargs: dict, targets: Any) -> int:
+    """Bytes of the step's input tensors as ``prof``'s ledger would count them: each storage
+    once (``{"input_ids": ids, "labels": ids}`` is one), on fake CUDA as the copies there."""
+    copied_to = torch.device("cuda") if prof.device.startswith("fake:cuda") else None
+    return input_bytes((args, kwargs, targets), copied_to=copied_to)
 
 
 def _fake_is_faster(prof: Profile) -> bool:
@@ -371,11 +366,11 @@ def plan(
     if (
         profile is not None
         and profile.step.cast_dtype is None
-        and _input_bytes(profile) != _step_input_bytes(args, kwargs, targets)
+        and _input_bytes(profile) != _step_input_bytes(profile, args, kwargs, targets)
     ):
         raise PlanError(
             f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
-            f"{_step_input_bytes(args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
+            f"{_step_input_bytes(profile, args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
         )
     if step is not None and not isinstance(step, StepOptions):
         raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
@@ -411,12 +406,17 @@ def plan(
         # (memfit.apply.cache): the step measured and planned from here on is the one the
         # plan trains.
         verifier = None
+        verify_note = ""
         if profile is not None and not on_fake and _fake_is_faster(profile):
             # A real profile given (saved, say) whose plans verify on fake copies: the modules
             # are checked on a fake copy too, and the real step runs only if a run needs it.
             fake_verifier = open_verifier(True)
-            stateful, use_cache_off = fake_verifier.stateful(real_check)
-            verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
+            try:
+                stateful, use_cache_off = fake_verifier.stateful(real_check)
+                verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
+            except Exception as exc:  # noqa: BLE001 - the real step below says so if it fails too
+                fake_verifier.close()
+                verify_note = _fake_refused(exc)
         if verifier is None:
             verifier = open_verifier(on_fake)
             stateful, use_cache_off = verifier.stateful(real_check)
@@ -455,7 +455,12 @@ def plan(
             # Plans are verified on fake copies from here on: the same ledger (kernel
             # workspaces taken from what the real profile measured) at a fraction of a real
             # step's time when the step's ops are large.
-            verifier = open_verifier(True).instead_of(verifier, use_cache_off)
+            fake_verifier = open_verifier(True)
+            try:
+                verifier = fake_verifier.instead_of(verifier, use_cache_off)
+            except Exception as exc:  # noqa: BLE001 - the real step ran: the fake copy is what failed
+                fake_verifier.close()
+                verify_note = _fake_refused(exc)
         timed = prof.time_source == "measured"
         costing = _costing(prof)
         # On CUDA the budget bounds what the caching allocator reserves: every verified run
@@ -474,7 +479,14 @@ def plan(
 
         found = search(Search(prof, verifier, model, spec, objective, excluded, overhead=overhead, costing=costing), report)
     report("done", 2, 2)
-    return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
+    return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started, verify_note=verify_note)
+
+
+def _fake_refused(exc: BaseException) -> str:
+    """The one line a plan carries when fake copies of a step that runs for real could not
+    run it (a fake kernel refusing what the real op runs): plans are verified on the real step."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"fake tensors could not run this step ({type(exc).__name__}: {first}): plans verified on the real step"
 
 
 def check_objective(objective: str) -> None:
@@ -567,9 +579,10 @@ def search(s: Search, report: Progress) -> Found:
     return Found(s, chosen, run, min_peak, target, cands, note)
 
 
-def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, started: float) -> Plan:
+def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, started: float, verify_note: str = "") -> Plan:
     """The :class:`Plan` of a finished :func:`search`; ``budget`` as the user gave it,
-    ``started`` the ``time.perf_counter()`` planning began at."""
+    ``started`` the ``time.perf_counter()`` planning began at, ``verify_note`` why its runs
+    were made on the real step (:attr:`Plan.verify_note`)."""
     s = found.search
     prof, run, settings = s.prof, found.run, s.verifier.settings
     timed = prof.time_source == "measured"
@@ -595,6 +608,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         objective=s.objective,
         timing_note=found.timing_note,
         reproducibility_note=prof.reproducibility_note,
+        verify_note=verify_note,
         planning_time_s=time.perf_counter() - started,
         step=prof.step,
     )

@@ -130,6 +130,9 @@ class Plan:
     timing_note: str = ""
     """Why the measured times were set aside, when they were (too noisy to rank options):
     ``extra_compute_s`` is then the cost model's estimate."""
+    verify_note: str = ""
+    """Why plans were verified on the real step rather than on fake copies of it, when a
+    fake copy could not run it (a fake kernel refusing what the real op runs)."""
     world_size: int | None = None
     """A distributed step's ranks (:func:`memfit.plan_ranks`); None: one process."""
     rank_peak_bytes: dict[int, int] | None = None
@@ -163,6 +166,8 @@ class Plan:
         for key in ("world_size", "rank_peak_bytes"):
             if data[key] is None:
                 del data[key]  # one process's plans read as before
+        if not self.verify_note:
+            del data["verify_note"]  # readable by a memfit from before the field
         if self.rank_peak_bytes is not None:
             data["rank_peak_bytes"] = {str(r): b for r, b in sorted(self.rank_peak_bytes.items())}
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
