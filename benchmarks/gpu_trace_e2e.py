@@ -23,6 +23,10 @@ What the traced span is, per recording script, and how the prediction covers the
   warm-up steps left cached. memfit's ``reserved_peak_bytes`` replays one step from an empty
   cache; ``warm`` below also replays the warm-up the script ran (the first step creating the
   optimizer state mid-step, then steady steps) before the measured step, through the same model.
+* The same script's ``--pattern forward-only``: ``model.eval()``, under ``torch.inference_mode()``
+  5 warm-up forwards whose output is dropped, then one recorded forward. The trace starts with the
+  parameters, the token tensors and cuBLAS's workspace alive and the warm-up's segments cached;
+  memfit's step is ``StepOptions(inference=True)``, and ``warm`` replays the 5 forwards first.
 
 The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
 ``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
@@ -61,6 +65,33 @@ CASES = [
     # per element at 128 and 256 tokens, 2 B at 512 and 1024, with float32 log_softmax copies beside them)
     for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, "bfloat16"))
 ]
+# --- issue 23 item 5 (corpus): cases appended in one block ---
+# The same script's --pattern forward-only: model.eval(), under torch.inference_mode() 5 warm-up
+# forwards whose output is dropped, reset_peak_memory_stats(), then one recorded forward. The
+# --autocast flag again read from the trace: the logits are 4 B per element at 128, 256 and 1024
+# tokens (fp32; the 1024-token scores are fp32 16x1024x1024 blocks of 256 MiB, no bf16 copies of
+# the weights), 2 B at 512 (bf16, beside bf16 casts of every weight).
+CASES += [
+    {
+        "name": f"medium ctx{n} {'bf16 autocast' if dtype else 'fp32'} eval",
+        "repo": _W[0],
+        "commit": _W[1],
+        "trace": f"results/medium_{n}_inference_memory_snapshot.pickle",
+        "code": "cs336-basics",
+        "family": "decoder LM",
+        "dims": {**_MEDIUM, "context_length": n},
+        "batch": 4,
+        "autocast": dtype,
+        "warmup": 5,
+        "inference": True,
+        # the trace holds one 8,519,680 B block from before it began: cuBLAS's default workspace
+        # below compute capability 9 (Hopper's is 32 MiB); any 8.x GPU answers the same here
+        "gpu": "A100-80GB",
+        "span": "forward-only",
+        "output_module": "lm_head",
+    }
+    for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, None))
+]
 
 CHILD = r"""
 import json, sys
@@ -80,8 +111,14 @@ model = BasicsTransformerLM(**d)
 optimizer = AdamW(model.parameters())
 x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
-step = memfit.StepOptions(autocast=case["autocast"]) if case["autocast"] else None
-prof = memfit.profile(model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step)
+inference = case.get("inference", False)
+step = memfit.StepOptions(autocast=case["autocast"], inference=inference)
+if inference:  # the script calls the model and drops what it returns: no loss, no targets
+    prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
+else:
+    prof = memfit.profile(
+        model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu")
+    )
 led = prof.ledger
 
 # The recording script's warm-up before the traced step, through the same allocator model: the
@@ -115,8 +152,10 @@ def run(evs):
 # The script keeps `output` (the logits) until the next step's forward has returned
 # (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
 # drops it after backward. The logits: the largest tensor the forward made in the model's last module.
+# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps.
 last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
 logits = max(last_module, key=lambda b: b.nbytes).id
+holds_output = not inference
 rebound = next(
     i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
 )
@@ -133,7 +172,7 @@ def step(k, hold_previous):
             hold_previous = False
         if isinstance(e, Alloc):
             out.append(Alloc((k, e.id), e.size))
-        elif e.id == logits:
+        elif e.id == logits and holds_output:
             continue
         elif e.id in successor:
             out.append(Free((k - 1, successor[e.id])))
@@ -143,8 +182,9 @@ def step(k, hold_previous):
 
 run([Alloc((0, i), blocks[i].nbytes) for i in starting if i not in successor])
 for k in range(1, case["warmup"] + 1):
-    run(step(k, hold_previous=k > 1))
-run([Free((case["warmup"], logits))])  # del output, loss
+    run(step(k, hold_previous=holds_output and k > 1))
+if holds_output:
+    run([Free((case["warmup"], logits))])  # del output, loss
 alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
 alloc.reserved_at_allocated_peak = alloc.reserved
 run(step(case["warmup"] + 1, hold_previous=False))
