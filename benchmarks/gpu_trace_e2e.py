@@ -59,6 +59,7 @@ CASES = [
         "autocast": dtype,
         "warmup": 5,
         "span": "full-training-step",
+        "gpu": "A100-80GB",  # the trace holds two 8,519,680 B cuBLAS workspaces (forward's and backward's thread)
         "output_module": "lm_head",
     }
     # the script's --autocast flag is not in the trace: read from it (the logits lm_head allocates are 4 B
@@ -92,6 +93,34 @@ CASES += [
     }
     for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, None))
 ]
+# MAGMA27's benchmarking_script.py at "ep5" (the CS336 small configuration as it sets it: d_model 768,
+# d_ff 3072, 12 layers, 12 heads, vocab 10,000, batch 32 x 256, fp32): 5 warm-up passes
+# `lm_head = model(data); loss = cross_entropy(lm_head, target); loss.backward()` with no optimizer
+# and no zero_grad (gradients accumulate), then one recorded pass. The trace's own sizes: the logits
+# are 32*256*10,000*4 = 327,680,000 B; the 72 blocks of 9,437,184 B are the 12 layers' w1/w2/w3 and
+# their gradients (768*3,072*4), alive from the start; the last warm-up's logits are freed when the
+# recorded forward returns (`lm_head` is rebound then, nothing `del`s it); two 8,519,680 B cuBLAS workspaces.
+CASES += [
+    {
+        "name": "small ctx256 fp32 5 passes accumulating",
+        "repo": "MAGMA27/assignment2-systems",
+        "commit": "15883f2b1d6bc52439d8935e280bce430151f361",
+        "trace": "memory_snapshot.pickle",
+        "code": "cs336-basics",
+        "family": "decoder LM",
+        "dims": {"vocab_size": 10000, "context_length": 256, "d_model": 768, "d_ff": 3072, "num_layers": 12,
+                 "num_heads": 12, "rope_theta": 10000},
+        "batch": 32,
+        "autocast": None,
+        "warmup": 5,
+        "optimizer": None,
+        "set_to_none": False,
+        "del_output": False,
+        "gpu": "A100-80GB",
+        "span": "forward + loss + backward, gradients accumulating",
+        "output_module": "lm_head",
+    }
+]
 
 CHILD = r"""
 import json, sys
@@ -108,11 +137,16 @@ case = json.loads(sys.argv[1])
 d = case["dims"]
 torch.manual_seed(0)
 model = BasicsTransformerLM(**d)
-optimizer = AdamW(model.parameters())
+if case.get("optimizer", "AdamW") == "AdamW":
+    optimizer = AdamW(model.parameters())
+else:
+    # The script steps no optimizer; memfit's step always runs one. Plain SGD with lr 0 (no momentum,
+    # no weight decay) keeps no state and updates in place (_foreach_add_): it allocates nothing.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 inference = case.get("inference", False)
-step = memfit.StepOptions(autocast=case["autocast"], inference=inference)
+step = memfit.StepOptions(autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True))
 if inference:  # the script calls the model and drops what it returns: no loss, no targets
     prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
 else:
@@ -183,11 +217,13 @@ def step(k, hold_previous):
 run([Alloc((0, i), blocks[i].nbytes) for i in starting if i not in successor])
 for k in range(1, case["warmup"] + 1):
     run(step(k, hold_previous=holds_output and k > 1))
-if holds_output:
+# Without `del output` before the traced step, the last warm-up's logits live into it.
+held = holds_output and not case.get("del_output", True)
+if holds_output and not held:
     run([Free((case["warmup"], logits))])  # del output, loss
 alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
 alloc.reserved_at_allocated_peak = alloc.reserved
-run(step(case["warmup"] + 1, hold_previous=False))
+run(step(case["warmup"] + 1, hold_previous=held))
 warm = alloc.stats()
 print(json.dumps({
     "peak_bytes": prof.peak_bytes,
