@@ -54,6 +54,8 @@ CASES = [
         "commit": _W[1],
         "trace": f"results/medium_{n}_training_memory_snapshot.pickle",
         "code": "cs336-basics",
+        "family": "decoder LM",
+        "script": "cs336_systems/nsys_profile.py",
         "dims": {**_MEDIUM, "context_length": n},
         "batch": 4,
         "autocast": dtype,
@@ -80,6 +82,7 @@ CASES += [
         "trace": f"results/medium_{n}_inference_memory_snapshot.pickle",
         "code": "cs336-basics",
         "family": "decoder LM",
+        "script": "cs336_systems/nsys_profile.py",
         "dims": {**_MEDIUM, "context_length": n},
         "batch": 4,
         "autocast": dtype,
@@ -108,6 +111,7 @@ CASES += [
         "trace": "memory_snapshot.pickle",
         "code": "cs336-basics",
         "family": "decoder LM",
+        "script": "cs336_systems/benchmarking_script.py",
         "dims": {"vocab_size": 10000, "context_length": 256, "d_model": 768, "d_ff": 3072, "num_layers": 12,
                  "num_heads": 12, "rope_theta": 10000},
         "batch": 32,
@@ -287,10 +291,12 @@ def main() -> int:
     ns = ap.parse_args()
     sys.path.insert(0, SRC)
     mib = 1 << 20
+    # allocated: block sizes, as torch.cuda.max_memory_allocated counts them (requests rounded to the
+    # allocator's 512 B and split rules), on both sides; reserved: the segments cudaMalloc'd
     rows = [
-        "| trace (repo @ commit: path) | step | recorded allocated | recorded reserved | memfit profile: allocated | err | "
-        "reserved | err | the script's loop replayed: allocated | err | reserved | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | family | setup source (repo @ commit: script) | trace | recorded allocated | recorded reserved | "
+        "memfit profile: allocated | err | reserved | err | the script's loop replayed: allocated | err | reserved | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in CASES:
         if ns.only and ns.only not in case["name"]:
@@ -300,8 +306,10 @@ def main() -> int:
             pred = predicted(ns.mirrors, case, Path(t), ns.deps)
         ra, rr = rec["allocated_peak_bytes"], rec["reserved_peak_bytes"]
         cells = [
-            f"{case['repo']} @ {case['commit'][:8]}: {case['trace']}",
             case["name"],
+            case["family"],
+            f"{case['repo']} @ {case['commit'][:8]}: {case['script']}",
+            case["trace"],
             f"{ra / mib:,.1f} MiB",
             f"{rr / mib:,.1f} MiB",
         ]
