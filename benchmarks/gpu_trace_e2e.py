@@ -27,6 +27,14 @@ What the traced span is, per recording script, and how the prediction covers the
   5 warm-up forwards whose output is dropped, then one recorded forward. The trace starts with the
   parameters, the token tensors and cuBLAS's workspace alive and the warm-up's segments cached;
   memfit's step is ``StepOptions(inference=True)``, and ``warm`` replays the 5 forwards first.
+* MAGMA27/assignment2-systems ``cs336_systems/benchmarking_script.py``: 5 warm-up passes (forward,
+  cross_entropy, backward) with no ``zero_grad`` and no optimizer, then one traced pass. The trace
+  starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
+  (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
+  ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+
+Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B) say
+pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
 
 The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
 ``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
