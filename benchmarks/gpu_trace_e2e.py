@@ -76,6 +76,29 @@ CASES = [
     # per element at 128 and 256 tokens, 2 B at 512 and 1024, with float32 log_softmax copies beside them)
     for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, "bfloat16"))
 ]
+# JasperSolt/EoR_NN counterfactuals.py (the trace's own frames: regressors/latent_cnn.py lines 59-70 as at
+# this commit): a trained CNN (lcnn, cnn_config.yaml: 30 channels in, 256 x 256, convs 16/32/64 with
+# BatchNorm and max-pool, linear 200/100/20/1), frozen, and Adam (lr 0.005) on a copy of its input
+# image. The trace's own sizes confirm it: conv0's weight 17,280 B (16 x 30 x 3 x 3 floats), linear0's
+# 51,200 B (200 x 64), the image 7,864,320 B (30 x 256 x 256), two cuBLAS workspaces of 8,519,680 B
+# (torch's default before Hopper), one 7,864,320 B Adam temporary (_multi_tensor_adam). The recording
+# began after the model was on the GPU and had run a forward (get_samples) and spans the image's copy
+# to the GPU and 10 steps (the first creates Adam's state). Not modelled: the script's
+# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (small transient tensors in backward).
+CASES.append(
+    {
+        "name": "small CNN, Adam on its input image",
+        "kind": "eor_counterfactual",
+        "repo": "JasperSolt/EoR_NN",
+        "commit": "6686e9f4bc5edcc86209915a0d5fe694b836b8b7",
+        "trace": "snapshot.pickle",
+        "code": "regressors",
+        "family": "CNN",
+        "script": "counterfactuals.py",
+        "path": ".",
+        "gpu": "A100-80GB",
+    }
+)
 # --- issue 23 item 5 (corpus): cases appended in one block ---
 # The same script's --pattern forward-only: model.eval(), under torch.inference_mode() 5 warm-up
 # forwards whose output is dropped, reset_peak_memory_stats(), then one recorded forward. The
@@ -248,6 +271,79 @@ print(json.dumps({
 """
 
 
+EOR_CHILD = r"""
+import json, sys, types
+import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
+import torch
+from torch import nn, optim
+from dataclasses import replace
+from memfit.measure import _fake_cuda
+from memfit.measure.allocator import replay_training
+from memfit.measure.gpu import GPUS
+from memfit.measure.ledger import Category
+
+case = json.loads(sys.argv[1])
+# latent_cnn.py imports, for its training functions, modules the model class does not use (h5py, pandas)
+sys.modules.setdefault("omegaconf", types.SimpleNamespace(OmegaConf=None))
+sys.modules["EoR_Dataset"] = types.SimpleNamespace(SimpleEORImageDataset=None)
+sys.modules["util"] = types.ModuleType("util")
+sys.modules["util.plotting"] = types.SimpleNamespace(plot_loss=None)
+from regressors.latent_cnn import lcnn
+
+_fake_cuda.set_gpu(GPUS[case["gpu"]])
+ns = lambda **k: types.SimpleNamespace(**k)
+cfg = ns(
+    model=ns(conv_channels=[16, 32, 64], downsample=[True] * 3, global_maxpool=True, linear_features=[200, 100, 20]),
+    data=ns(zlength=30, boxlength=256),
+)
+
+
+class Counterfactual(nn.Module):
+    # The image Adam optimizes is the step's parameter (memfit steps a model's parameters); it is
+    # the module's own, so .to() order puts it after the CNN's, as the script copies it to the GPU last.
+    def __init__(self, cnn, x_prime):
+        super().__init__()
+        self.cnn = cnn
+        self.x_prime = nn.Parameter(x_prime)
+
+    def forward(self, x):
+        return self.cnn(self.x_prime), self.x_prime, x
+
+
+def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs
+    y_prime, x_prime, x = out
+    total = ((x_prime - x) ** 2).mean() - (y_prime - y) ** 2
+    ((x_prime - x) ** 2).mean().detach()
+    (-((y_prime - y) ** 2)).detach()
+    return total
+
+
+torch.manual_seed(0)
+cnn = lcnn(cfg)  # train mode, as get_model leaves it
+for p in cnn.parameters():
+    p.requires_grad = False
+x = torch.randn(1, 30, 256, 256)
+y = cnn(x).detach()
+model = Counterfactual(cnn, x + torch.randn_like(x))
+optimizer = optim.Adam([model.x_prime], lr=0.005)
+prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda")
+led = prof.ledger
+# The script ran the model once before the loop (get_samples: y = model(x)), so the forward's cuBLAS
+# workspace was made before the loop, not at the first step's first matmul: the rest is memfit's replay.
+forward_ws = min(i for i, t in led.first_use.items() if led.blocks[i].category is Category.WORKSPACE)
+warm = replay_training(replace(led, first_use={i: t for i, t in led.first_use.items() if i != forward_ws}), prof.cuda_memory.settings)
+print(json.dumps({
+    "peak_bytes": prof.peak_bytes,
+    "allocated_peak_bytes": prof.allocated_peak_bytes,
+    "reserved_peak_bytes": prof.reserved_peak_bytes,
+    "warm_allocated_peak_bytes": warm.stats.allocated_peak_bytes,
+    "warm_reserved_peak_bytes": warm.stats.reserved_peak_bytes,
+    "peak_phase": prof.peak["phase"],
+}))
+"""
+CHILDREN = {"cs336": CHILD, "eor_counterfactual": EOR_CHILD}
+
+
 def _git(mirror: Path, *args: str) -> bytes:
     return subprocess.run(["git", "--git-dir", str(mirror), *args], check=True, capture_output=True).stdout
 
@@ -278,9 +374,10 @@ def predicted(mirrors: Path, case: dict, tmp: Path, deps: str | None) -> dict:
     code.mkdir()
     archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], case["code"])
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
-    path = [SRC, str(code / case["code"])] + ([deps] if deps else [])
+    path = [SRC, str(code / case.get("path", case["code"]))] + ([deps] if deps else [])
     env = {**os.environ, "MEMFIT_FAKE_CUDA": "1", "PYTHONPATH": os.pathsep.join(path)}
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case)], env=env, capture_output=True, text=True)
+    child = CHILDREN[case.get("kind", "cs336")]
+    done = subprocess.run([sys.executable, "-c", child, json.dumps(case)], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{case['name']}: the fake-CUDA step failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

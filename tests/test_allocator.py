@@ -425,3 +425,87 @@ def test_cli_what_if_keeps_the_recorded_settings_it_does_not_change(tmp_path):
     assert what_if["reserved_peak_bytes"] == replay_trace(snap, asked).stats.reserved_peak_bytes
     assert main(["snapshot", str(path), "--expandable-segments", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["what_if"][0]["allocator_settings"] == recorded.to_dict()
+
+
+# -- a step replayed as the training loop runs it ------------------------------------------------
+
+
+def _loop_ledger():
+    """Parameters P; AdamW-like state S (start); a step: activation A in forward, freed in
+    backward; an optimizer temporary T; a cuBLAS workspace W first used at tick 1."""
+    from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Tick
+
+    ticks = [Tick(Phase.FORWARD, "m", "mm"), Tick(Phase.FORWARD, "m", "mm"), Tick(Phase.BACKWARD, "m", "mm_bw"),
+             Tick(Phase.OPTIMIZER, None, "_foreach_sqrt"), Tick(Phase.OPTIMIZER, None, "_foreach_sqrt")]
+    blocks = [
+        Block(0, 6 * MiB, Category.PARAMETER, Phase.START, None, START_TICK, None),
+        Block(1, 6 * MiB, Category.OPTIMIZER, Phase.START, None, START_TICK, None),
+        Block(2, 3 * MiB, Category.INPUT, Phase.START, None, START_TICK, None),
+        Block(3, 5 * MiB, Category.ACTIVATION, Phase.FORWARD, "m", 0, 2),
+        Block(4, 2 * MiB, Category.WORKSPACE, Phase.START, None, START_TICK, None),
+        Block(5, 6 * MiB, Category.TEMPORARY, Phase.OPTIMIZER, None, 3, 4),
+    ]
+    return Ledger(blocks, ticks, first_use={4: 1})
+
+
+def test_first_step_makes_optimizer_state_and_workspaces_where_the_program_does():
+    from memfit.measure.allocator import _start_placement, _step_events, _successors
+
+    led = _loop_ledger()
+    before, during = _start_placement(led)
+    assert [b.id for b in before] == [0, 2]  # model, then inputs: made before the loop
+    assert {t: [b.id for b in bs] for t, bs in during.items()} == {3: [1], 1: [4]}
+    first = _step_events(led, 1, *_successors(led)[:1], during)
+    names = [(type(e).__name__, e.id) for e in first]
+    # the workspace at its first use (after the activation), the state at the first optimizer tick
+    assert names == [("Alloc", (1, 3)), ("Alloc", ("start", 4)), ("Free", (1, 3)), ("Alloc", ("start", 1)),
+                     ("Alloc", (1, 5)), ("Free", (1, 5))]
+    steady = _step_events(led, 2, {}, None)
+    assert [(type(e).__name__, e.id) for e in steady] == [("Alloc", (2, 3)), ("Free", (2, 3)), ("Alloc", (2, 5)), ("Free", (2, 5))]
+
+
+def test_replay_training_runs_until_the_allocator_repeats_itself():
+    from memfit.measure.allocator import replay_training
+
+    run = replay_training(_loop_ledger())
+    assert run.steady and run.steps == 2  # the second step leaves the allocator as the first did
+    # P and the input at construction (a 20 MiB segment, 11 MiB left), the activation and the
+    # workspace split from what is left; the state (6 MiB) fits in neither the activation's freed
+    # 5 MiB nor the last 4: a second segment, which the temporary shares. Peak: P, input,
+    # workspace, state and temporary (the activation is freed before the optimizer)
+    assert run.stats.reserved_peak_bytes == 40 * MiB
+    assert run.stats.allocated_peak_bytes == (6 + 3 + 2 + 6 + 6) * MiB
+    assert replay_training(_loop_ledger(), max_steps=1).steps == 1
+
+
+def test_start_state_is_placed_in_program_order():
+    """The blocks alive at the step's start come in the order ``model.to(device)`` makes them
+    (nn.Module._apply: children first, each module's parameters then its buffers), then the
+    inputs: a root's own parameter after its children's, BatchNorm's buffers beside its weights
+    (model.parameters() then model.buffers() would put the root's first and every buffer last)."""
+    import torch
+
+    import memfit
+    from memfit.measure.allocator import _start_placement
+    from memfit.measure.ledger import START_TICK, Category
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(7))
+            self.lin = torch.nn.Linear(3, 5)
+            self.bn = torch.nn.BatchNorm1d(5)
+
+        def forward(self, x):
+            return self.bn(self.lin(x)) * self.scale[:5]
+
+    model = Scaled()
+    prof = memfit.profile(model, torch.randn(4, 3))
+    P, B, I = Category.PARAMETER, Category.BUFFER, Category.INPUT
+    start = [b for b in sorted(prof.ledger.blocks, key=lambda b: b.id) if b.born == START_TICK]
+    got = [(b.category, b.nbytes) for b in start if b.category in (P, B, I)]
+    # lin.weight, lin.bias, bn.weight, bn.bias, bn.running_mean, running_var, num_batches_tracked, scale, x
+    assert got == [(P, 60), (P, 20), (P, 20), (P, 20), (B, 20), (B, 20), (B, 8), (P, 28), (I, 48)]
+    # and the allocator model makes them before the first step in that order
+    before, _ = _start_placement(prof.ledger)
+    assert [b.id for b in before] == [b.id for b in start if b.category in (P, B, I)]

@@ -31,6 +31,7 @@ from memfit import (
     MemfitError,
     Plan,
     PlanError,
+    StepOptions,
     WorkloadError,
     parse_budget,
 )
@@ -427,8 +428,22 @@ def test_corrupt_plan_json(text, match):
 
 
 def test_plan_json_from_a_newer_memfit():
-    with pytest.raises(PlanError, match=r"plan format version 2 is newer than this memfit reads \(1\); upgrade memfit"):
-        Plan.from_json(_plan_json(version=2))
+    with pytest.raises(PlanError, match=r"plan format version 3 is newer than this memfit reads \(2\); upgrade memfit"):
+        Plan.from_json(_plan_json(version=3))
+
+
+def test_plan_json_records_its_step_and_reads_version_1():
+    step = StepOptions(accumulate=4, set_to_none=False, autocast="bfloat16")
+    data = dataclasses.replace(make_plan(fc1=Choice("full")), step=step).to_dict()
+    assert data["version"] == 2 and data["step"]["accumulate"] == 4 and data["step"]["set_to_none"] is False
+    assert Plan.from_dict(data).step == step
+    # a version 1 plan (memfit before the step was recorded) was verified on the usual step
+    old = {k: v for k, v in data.items() if k != "step"} | {"version": 1}
+    assert Plan.from_dict(old).step == StepOptions()
+    with pytest.raises(PlanError, match="step must hold memfit.StepOptions fields"):
+        Plan.from_dict(data | {"step": {"accumulate": 0}})
+    with pytest.raises(PlanError, match="step must hold memfit.StepOptions fields"):
+        Plan.from_dict(data | {"step": {"no_such": 1}})
 
 
 # -- the CLI --------------------------------------------------------------------------------------

@@ -85,8 +85,14 @@ def test_named_scenarios_point_at_real_modules():
     for model_name, method, _ in SCENARIOS.values():
         work = build(model_name, batch_size=2, **sizes[model_name])
         model = setup(method, work.model)  # raises if a named module is missing
+        if method.startswith("modules:"):  # each named module now runs under a checkpoint
+            names = method.split(":", 1)[1].split(",")
+            assert all("forward" in model.get_submodule(n).__dict__ for n in names), method
+        else:  # transformers' own recipe, switched on
+            assert model.is_gradient_checkpointing, method
         out = model(**work.inputs)
         out.loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_scenario_needs_its_model(capsys):

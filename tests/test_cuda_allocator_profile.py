@@ -71,6 +71,26 @@ def test_fake_cuda_profile_has_the_allocators_peaks(default_profile):
     assert (back.allocated_peak_bytes, back.reserved_peak_bytes) == (alloc, res)
 
 
+def test_reserved_peak_replays_the_loop_by_default(default_profile):
+    """The profile's peaks are the training loop's (replay_training: construction in program
+    order, a first step that makes AdamW's state, steady steps until the allocator repeats
+    itself), not one step replayed from an empty cache: the JSON says how many steps."""
+    from memfit.measure.allocator import AllocatorSettings, replay_ledger, replay_training
+    from memfit.measure.ledger import Ledger
+
+    data, _ = default_profile
+    ledger = Ledger.from_dict(data["ledger"])
+    run = replay_training(ledger, AllocatorSettings())
+    assert data["cuda_memory"]["replayed_steps"] == run.steps >= 2 and run.steady
+    assert (data["allocated_peak_bytes"], data["reserved_peak_bytes"]) == (
+        run.stats.allocated_peak_bytes,
+        run.stats.reserved_peak_bytes,
+    )
+    # a cuBLAS workspace per thread that ran a matmul, made by the step at its first matmul
+    assert len([i for i in ledger.first_use if ledger.blocks[i].category.value == "kernel_workspace"]) == 2
+    assert replay_ledger(ledger).reserved_peak_bytes > 0  # the one-step replay is still there, not the default
+
+
 def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_profile, tmp_path):
     base, _ = default_profile
     done = _profile(shim_cache, tmp_path, "expandable_segments:True")

@@ -267,11 +267,30 @@ def test_keyword_inputs_and_dataclass_outputs():
     assert prof.modules[""].backward_time_s > 0  # backward entered through the dataclass output
 
 
-def test_default_loss_uses_output_loss_or_sum():
+def test_default_loss_uses_output_loss_or_sum(monkeypatch):
+    import memfit.workload as workload
+
+    losses = []
+    real = workload.default_loss
+
+    def spy(output):
+        loss = real(output)
+        losses.append((output, loss))
+        return loss
+
+    monkeypatch.setattr(workload, "default_loss", spy)
     work = zoo.build("gpt", n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=64, batch_size=2)
-    memfit.profile(work.model, work.inputs)  # GPTOutput.loss
-    memfit.profile(nn.Linear(4, 4), torch.randn(2, 4))  # sum of a tensor
-    memfit.profile(KwargsModel(), torch.randn(2, 16))  # sum over a dataclass
+    cases = [
+        (work.model, work.inputs, lambda out: out.loss),  # GPTOutput.loss, as it is
+        (nn.Linear(4, 4), torch.randn(2, 4), lambda out: out.sum()),  # sum of a tensor
+        (KwargsModel(), torch.randn(2, 16), lambda out: out.logits.sum()),  # sum over a dataclass's one tensor
+    ]
+    for model, inputs, expected in cases:
+        losses.clear()
+        memfit.profile(model, inputs)
+        assert losses, f"{type(model).__name__}: the step did not take the default loss"
+        for output, loss in losses:  # every step the profile ran trained on that loss
+            assert loss.shape == () and torch.equal(loss, expected(output)), type(model).__name__
 
 
 def test_json_round_trip(tiny):

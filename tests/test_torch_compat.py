@@ -76,6 +76,12 @@ def test_optimizer_implementation_choice():
     fake_opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
     _torch_compat.pin_optimizer_impl(fake_opt, opt)
     assert isinstance(fake_opt.param_groups[0]["foreach"], bool)
+    # the copy takes the implementation the user's optimizer takes, whichever torch picks here
+    assert fake_opt.param_groups[0]["foreach"] is _torch_compat.uses_foreach(opt)
+    # a flag the user set is theirs: left as it is
+    flagged = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], foreach=True)
+    _torch_compat.pin_optimizer_impl(flagged, torch.optim.AdamW([p], foreach=False))
+    assert flagged.param_groups[0]["foreach"] is True
 
 
 def test_foreach_choice_is_read():

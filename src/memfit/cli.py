@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -133,7 +134,7 @@ def _profile(
     device: str,
     console: Console,
     *,
-    inference: bool = False,
+    step: memfit.StepOptions | None = None,
     gpu: Any = None,
     capacity: int | None = None,
 ) -> memfit.Profile:
@@ -143,7 +144,6 @@ def _profile(
     fake = FAKE.get(device, False)
     model, inputs = _on_device(work, "cpu" if fake else device)
     optimizer = work.make_optimizer()
-    step = memfit.StepOptions(inference=True) if inference else None
     with progress_bar(console, f"profiling {work.name}") as progress:
         return memfit.profile(
             model,
@@ -157,6 +157,93 @@ def _profile(
             gpu=gpu,
             capacity=capacity,
         )
+
+_DTYPE_CHOICES = ("bfloat16", "float16")
+
+
+def _count_flag(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise MemfitError(f"{flag} takes a positive integer, got {text!r}")
+    return n
+
+
+def _choice_flag(flag: str, text: str | None, choices: tuple[str, ...]) -> str | None:
+    if text is not None and text not in choices:
+        raise MemfitError(f"{flag} takes one of {', '.join(choices)}, got {text!r}")
+    return text
+
+
+def _step_options(ns: argparse.Namespace) -> memfit.StepOptions | None:
+    """The step options the command line gives (:func:`_step_args`), checked before any work:
+    None when it gives none (the usual step, or a saved profile's). Bad values are one line."""
+    loss_scale = None
+    if ns.loss_scale is not None:
+        try:
+            loss_scale = float(ns.loss_scale)
+        except ValueError:
+            loss_scale = float("nan")
+        if not (loss_scale > 0 and loss_scale != float("inf")):
+            raise MemfitError(f"--loss-scale takes a positive number (0.25), got {ns.loss_scale!r}")
+    foreach = _choice_flag("--foreach", ns.foreach, ("on", "off"))
+    given = dict(
+        micro_batches=_count_flag("--micro-batches", ns.micro_batches),
+        accumulate=_count_flag("--accumulate", ns.accumulate),
+        loss_scale=loss_scale,
+        autocast=_choice_flag("--autocast", ns.autocast, _DTYPE_CHOICES),
+        grad_scaler=ns.grad_scaler or None,
+        set_to_none=False if ns.keep_grads else None,
+        param_dtype=_choice_flag("--param-dtype", ns.param_dtype, _DTYPE_CHOICES),
+        foreach=None if foreach is None else foreach == "on",
+        optimizer_8bit=ns.optimizer_8bit or None,
+        offload=ns.offload or None,
+        inference=getattr(ns, "eval", False) or None,
+    )
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    try:
+        return memfit.StepOptions(**given)
+    except MemfitError as exc:  # the options' own checks, said in the flags' names
+        text = str(exc).replace("an inference step", "--eval (an inference step)")
+        for field, flag in _STEP_FLAGS.items():
+            text = re.sub(rf"(?<![(\w-]){re.escape(field)}\b", flag, text)  # not StepOptions(offload=...)
+        raise MemfitError(text) from None
+
+
+_STEP_FLAGS = {
+    "set_to_none=False": "--keep-grads",
+    "micro_batches": "--micro-batches",
+    "grad_scaler": "--grad-scaler",
+    "optimizer_8bit": "--optimizer-8bit",
+    "param_dtype": "--param-dtype",
+    "loss_scale": "--loss-scale",
+    "accumulate": "--accumulate",
+    "foreach": "--foreach",
+    "offload": "--offload",
+}
+"""StepOptions' field names as the command line spells them, for its errors."""
+
+
+def _step_label(step: memfit.StepOptions | None) -> str:
+    """What the command line asked of the step, for titles: ``" (accumulate 4, keep grads)"``."""
+    if step is None:
+        return ""
+    default = memfit.StepOptions()
+    said = [
+        f"{name.replace('_', ' ')} {value}" if not isinstance(value, bool) else name.replace("_", " ")
+        for name, value in step.to_dict().items()
+        if value != getattr(default, name) and name not in ("set_to_none", "inference", "foreach")
+    ]
+    said += ["zero_grad(set_to_none=False)"] if not step.set_to_none else []
+    said += [f"foreach {'on' if step.foreach else 'off'}"] if step.foreach is not None else []
+    said += ["evaluation"] if step.inference else []
+    return f" ({', '.join(said)})" if said else ""
 
 
 def _write_pictures(ns: argparse.Namespace, console: Console, timeline: Any) -> None:
@@ -196,8 +283,8 @@ def _cmd_profile_ranks(ns: argparse.Namespace, console: Console) -> int:
         raise TargetError(
             f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
         )
-    if ns.eval or ns.gpu or ns.capacity:
-        raise TargetError("--world-size does not take --eval, --gpu or --capacity yet; drop them")
+    if ns.eval or ns.gpu or ns.capacity or _step_options(ns) is not None:
+        raise TargetError("--world-size does not take --eval, --gpu, --capacity or step options yet; drop them")
     ranks = _ranks(ns.ranks, ns.world_size)
     work = _workload(ns, per_rank=True)
     with progress_bar(console, f"profiling {work.name} per rank") as progress:
@@ -246,12 +333,13 @@ def _cmd_profile(ns: argparse.Namespace, console: Console) -> int:
         return _cmd_profile_ranks(ns, console)
     if ns.ranks is not None:
         raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    step = _step_options(ns)
     gpu, capacity = _gpu_args(ns)
     _require_device(ns.device)  # before building the model
     work = _workload(ns)
-    prof = _profile(work, ns.device, console, inference=ns.eval, gpu=gpu, capacity=capacity)
+    prof = _profile(work, ns.device, console, step=step, gpu=gpu, capacity=capacity)
     prof.meta.update({"target": ns.target, **work.meta})
-    title = f"{work.name} (evaluation)" if ns.eval else work.name
+    title = work.name + _step_label(step)
     render_profile(prof, console, title=title, top=ns.top)
     if ns.json:
         Path(ns.json).write_text(prof.to_json())
@@ -347,8 +435,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
     raw, label = _budget(ns)
+    step = _step_options(ns)
     if ns.world_size is not None or ns.min_world_size:
         memfit.parse_budget(raw)  # bad budgets fail before any work
+        if step is not None:
+            raise TargetError("plans per rank do not take step options (--micro-batches, --accumulate, ...) yet; drop them")
         return _cmd_plan_ranks(ns, console, raw, label)
     if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.node_size)):
         raise TargetError(
@@ -369,7 +460,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     pictures = bool(ns.plot or ns.html)
     # the pictures show the profile the plan was made from: it is measured first and passed in
     started = time.perf_counter()
-    before = saved or (_profile(work, ns.device, console) if pictures and not missing else None)
+    before = saved or (_profile(work, ns.device, console, step=step) if pictures and not missing else None)
     measured: list[memfit.Profile] = []
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
@@ -383,6 +474,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             objective=ns.objective,
             progress=progress,
             profile=before,
+            step=step,
             # the profile the plan was made from: the step as its plans run it (KV cache off)
             on_profile=measured.append if missing else None,
         )
@@ -391,8 +483,15 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         Path(ns.profile).write_text(before.to_json())
         console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
     plan.budget = label
-    console.print(f"[bold]{work.name}[/] on [bold]{plan.device}[/]")
+    console.print(f"[bold]{work.name}[/]{_step_label(step)} on [bold]{plan.device}[/]", highlight=False)
     render_plan(plan, console)
+    passes = plan.step.micro_batches * plan.step.accumulate
+    if passes > 1:
+        console.print(
+            f"note: this step runs every module {passes} times (a forward per pass) and memfit plans modules called "
+            "once: plan one pass with --keep-grads (the passes after the first start with gradients), or let "
+            "`memfit fit` weigh micro-batches"
+        )
     if not ns.profile and not fake and time.perf_counter() - started > _SLOW_PLAN_S:
         console.print(
             "tip: most of that was measuring the step (four steps); `--profile PATH` keeps the profile, "
@@ -405,7 +504,7 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         from memfit.plan.planner import profile_candidates
         from memfit.report.timeline import plan_timeline
 
-        after = _applied_profile(work, model, inputs, plan, fake)
+        after = _applied_profile(work, model, inputs, plan, fake, plan.step)
         title = f"memfit plan {ns.target}, budget {label}, on {plan.device}"
         _write_pictures(ns, console, plan_timeline(before, after, plan, profile_candidates(before, plan.excluded), title))
     return 0
@@ -621,11 +720,39 @@ def _cmd_zoo(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+class _DemoTiming:
+    """The demo's step times, shown while the host is steady enough to time them. Once two
+    timings of the same step disagree by more than :data:`~memfit.measure.timing.NOISY_STEPS`
+    (a loaded machine: 15.4 s in one section, 53.0 s in the next), no time is shown from
+    there on, and why is said once, plainly, where the first would have been."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.seen: list[float] = []
+        self.noisy = False
+        self.said = False
+
+    def judge(self, seconds: Any, note: str = "") -> bool:
+        """Take more timings of the unplanned step (and the planner's own verdict, ``note``):
+        True while times may be shown."""
+        from memfit.measure.timing import too_noisy
+
+        self.seen += [s for s in seconds if s]
+        self.noisy = self.noisy or bool(note) or too_noisy(self.seen)
+        return not self.noisy
+
+    def say(self) -> None:
+        from memfit.report.console import render_untimed
+
+        if self.noisy and not self.said and self.seen:
+            render_untimed(self.console, self.seen)
+            self.said = True
+
+
 def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
     import tempfile
 
     from memfit.bench.child import measure_step_peak
-    from memfit.measure.timing import median_step_time
     from memfit.report.console import (
         progress_bar,
         render_before_after,
@@ -635,12 +762,15 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
         status,
     )
 
+    timing = _DemoTiming(console)
     console.rule(f"[bold]1. Where the memory of a training step goes: zoo '{zoo.DEFAULT}' on cpu")
     work = zoo.build(zoo.DEFAULT)
     optimizer = work.make_optimizer()
     with progress_bar(console, f"profiling {work.name}") as progress:
         prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=optimizer, progress=progress)
-    render_profile(prof, console, title=f"{work.name} (batch {work.meta['batch_size']})")
+    shown = timing.judge(prof.step_times_s)
+    render_profile(prof, console, title=f"{work.name} (batch {work.meta['batch_size']})", times=shown)
+    timing.say()
     with status(console, "measuring the same step in a fresh process (RSS high-water mark)"):
         measured = measure_step_peak(zoo.DEFAULT)
     render_groundtruth(prof, measured, console)
@@ -650,7 +780,8 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
         plan = memfit.plan(
             work.model, work.inputs, "50%", loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, progress=progress
         )
-    render_plan(plan, console, top=8)
+    render_plan(plan, console, top=8, times=timing.judge((), plan.timing_note))
+    timing.say()
 
     console.rule("[bold]3. Applied to the model, measured")
     with tempfile.TemporaryDirectory() as tmp:
@@ -658,30 +789,23 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
         path.write_text(plan.to_json())
         with status(console, "measuring the planned step in a fresh process"):
             planned = measure_step_peak(zoo.DEFAULT, plan_path=str(path))
-    with status(console, "timing steps without and with the plan"):
-        before_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)
-        memfit.apply(work.model, plan)
-        after_s = median_step_time(work.model, work.inputs, work.loss_fn, optimizer, steps=3)
-        memfit.remove(work.model)
-    after_peak = plan.start_bytes + planned["step_peak_bytes"]
+    before_s, after_s, shown = _demo_step_times(work, optimizer, plan, console, timing)
     render_before_after(
         [
             ("no plan", prof.peak_bytes, prof.start_bytes + measured["step_peak_bytes"], before_s),
-            (f"plan at 50% ({memfit.format_bytes(plan.budget_bytes)})", plan.predicted_peak_bytes, after_peak, after_s),
+            (
+                f"plan at 50% ({memfit.format_bytes(plan.budget_bytes)})",
+                plan.predicted_peak_bytes,
+                plan.start_bytes + planned["step_peak_bytes"],
+                after_s,
+            ),
         ],
         console,
+        times=shown,
     )
+    timing.say()
     console.print("measured peak = tensors alive at the start + the step's RSS rise over it (fresh process)")
-
-    big = 8 * work.meta["batch_size"]
-    console.rule(f"[bold]4. A step too big to try: batch {big} on fake tensors (no memory used)")
-    big_work = zoo.build(zoo.DEFAULT, batch_size=big)
-    big_prof = _profile(big_work, "fake", console)
-    console.print(
-        f"batch {big}: step peak [bold]{memfit.format_bytes(big_prof.peak_bytes)}[/] "
-        f"({memfit.format_bytes(big_prof.step_peak_bytes)} above the start), peak during {big_prof.peak['phase']}; "
-        f"activations at the peak {memfit.format_bytes(big_prof.breakdown['activations'])}"
-    )
+    _demo_big_batch(work, console)
     if ns.json:
         Path(ns.json).write_text(
             json.dumps(
@@ -691,10 +815,48 @@ def _cmd_demo(ns: argparse.Namespace, console: Console) -> int:
                     "plan": plan.to_dict(),
                     "planned_measured": planned,
                     "step_time_s": {"no_plan": before_s, "plan": after_s},
+                    "timing_too_noisy": timing.noisy,
                 }
             )
         )
     return 0
+
+
+def _demo_step_times(
+    work: memfit.Workload, optimizer: Any, plan: memfit.Plan, console: Console, timing: _DemoTiming
+) -> tuple[float, float, bool]:
+    """Steps timed without and with the plan: their medians, and whether times may be shown
+    (the unplanned steps agree with each other and with the profile's, the planned ones too:
+    else a "+x%" would be the host's load, not the plan's cost)."""
+    import statistics
+
+    from memfit.measure.timing import time_steps, too_noisy
+    from memfit.report.console import status
+
+    with status(console, "timing steps without and with the plan"):
+        before = time_steps(work.model, work.inputs, work.loss_fn, optimizer, steps=3).seconds
+        memfit.apply(work.model, plan)
+        try:
+            after = time_steps(work.model, work.inputs, work.loss_fn, optimizer, steps=3).seconds
+        finally:
+            memfit.remove(work.model)
+    shown = timing.judge(before)
+    if too_noisy(after):
+        timing.noisy, shown = True, False
+    return statistics.median(before), statistics.median(after), shown
+
+
+def _demo_big_batch(work: memfit.Workload, console: Console) -> None:
+    """The demo's last section: a batch too big to try, profiled on fake tensors."""
+    big = 8 * work.meta["batch_size"]
+    console.rule(f"[bold]4. A step too big to try: batch {big} on fake tensors (no memory used)")
+    big_work = zoo.build(zoo.DEFAULT, batch_size=big)
+    big_prof = _profile(big_work, "fake", console)
+    console.print(
+        f"batch {big}: step peak [bold]{memfit.format_bytes(big_prof.peak_bytes)}[/] "
+        f"({memfit.format_bytes(big_prof.step_peak_bytes)} above the start), peak during {big_prof.peak['phase']}; "
+        f"activations at the peak {memfit.format_bytes(big_prof.breakdown['activations'])}"
+    )
 
 
 def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
@@ -707,6 +869,47 @@ def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
     )
     if capacity:
         p.add_argument("--capacity", metavar="BYTES", help="device memory to judge the step against ('24GiB'); default the GPU's")
+
+
+def _step_args(p: argparse.ArgumentParser) -> None:
+    """A flag for every :class:`memfit.StepOptions` field that changes the step's memory, so a
+    step written by hand (gradient accumulation, autocast, ...) is measured as it runs."""
+    g = p.add_argument_group("the training step (memfit.StepOptions; default: one pass, zero_grad(set_to_none=True))")
+    g.add_argument(
+        "--accumulate",
+        metavar="K",
+        help="gradient accumulation as a loop writes it: K forward+backward passes over the whole batch, no zero_grad "
+        "between them, then one optimizer step (each pass holds the whole batch's activations)",
+    )
+    g.add_argument(
+        "--micro-batches",
+        metavar="K",
+        help="split the batch into K micro-batches, forward+backward each (gradients accumulate), then one optimizer step",
+    )
+    g.add_argument(
+        "--loss-scale",
+        metavar="X",
+        help="factor on each pass's loss (default 1/(micro-batches x accumulate), none for a single pass)",
+    )
+    g.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="the loop calls zero_grad(set_to_none=False): gradients stay allocated between steps (the step starts with them)",
+    )
+    g.add_argument("--autocast", metavar="DTYPE", help="forward and loss under torch.autocast: bfloat16 or float16")
+    g.add_argument("--grad-scaler", action="store_true", help="backward and optimizer step through torch.amp.GradScaler")
+    g.add_argument(
+        "--param-dtype", metavar="DTYPE", help="parameters, optimizer state and inputs cast to bfloat16 or float16 (a copy)"
+    )
+    g.add_argument("--foreach", metavar="on|off", help="set the optimizer's foreach flag (default: as it is)")
+    g.add_argument(
+        "--optimizer-8bit", action="store_true", help="the optimizer replaced by its bitsandbytes 8-bit counterpart"
+    )
+    g.add_argument(
+        "--offload",
+        action="store_true",
+        help="tensors saved for backward go to pinned host memory (save_on_cpu; a CUDA step)",
+    )
 
 
 def _positive(text: str) -> int:
@@ -765,6 +968,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks", metavar="R,R|all", help="with --world-size: the ranks to measure (default 0)")
     _gpu_options(p)
+    _step_args(p)
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("plan", help="choose what to recompute so a training step fits a memory budget")
@@ -815,6 +1019,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --min-world-size: try the multiples of K (a node's GPUs) up to --max-world-size, not powers of two",
     )
     picture_args(p, "the step without and with the plan (profiled again with it applied)")
+    _step_args(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("fit", help="the fastest combination of memory levers (recompute, micro-batches, ...) that fits a budget")

@@ -3,14 +3,18 @@
     python -m memfit.bench.child TARGET --method M --measure memory|time|flops
         [--batch-size N] [--size K=V] [--device cpu|cuda] [--steps 5]
 
-It prints one JSON object. Methods are those of :mod:`memfit.bench.methods`, and
+It prints one JSON object, on its own stdout: the workload's own output (a ``print`` in the
+user's model or setup, a C library's) goes to stderr, so the JSON is the only thing there. Methods are those of :mod:`memfit.bench.methods`, and
 ``fit:PATH``: the :class:`~memfit.Recipe` saved at PATH (``memfit fit --json``) applied to
 the model and optimizer, each step run as the recipe says (micro-batches, autocast, the
 8-bit optimizer, ...).
 
 memory: on CPU the process's resident-set high-water mark, with
-``MALLOC_MMAP_THRESHOLD_=65536`` (set by :func:`run_child`) so every tensor of 64 KiB or
-more is its own mapping, returned to the OS when freed, and RSS follows live tensor bytes.
+``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor of 64 KiB or more is its own mapping,
+returned to the OS when freed, and RSS follows live tensor bytes. glibc reads the variable
+when the process starts, so a child started without it (``python -m memfit.bench.child``
+by hand) runs itself again with it (without it, freed tensors stay in the heap and the peak
+read 7-24% high).
 After a warm-up step (which creates the optimizer state) freed heap pages are returned to
 the OS (glibc ``malloc_trim``) and the high-water mark is reset by writing ``5`` to
 ``/proc/self/clear_refs``; the step's peak over its start is
@@ -84,10 +88,9 @@ def run_child(
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
-    if lines:
+    if proc.stdout.strip():  # the child's stdout holds its JSON alone (the workload's output goes to stderr)
         try:
-            return json.loads(lines[-1])
+            return json.loads(proc.stdout)
         except json.JSONDecodeError:
             pass
     tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
@@ -119,6 +122,29 @@ def measure_step_peak(
     return out
 
 
+def _with_mmap_threshold(ns: argparse.Namespace) -> None:
+    """Run this command again, in this process, with ``MALLOC_MMAP_THRESHOLD_`` set when a
+    CPU memory measurement was started without it: glibc's allocator reads it once, at the
+    process's start, so setting it now would change nothing."""
+    if ns.measure != "memory" or ns.device != "cpu" or os.environ.get("MALLOC_MMAP_THRESHOLD_") == _MMAP_THRESHOLD:
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "memfit.bench.child", *sys.argv[1:]], env)
+
+
+def _json_out() -> Any:
+    """The process's stdout kept for the JSON alone: file descriptor 1 (Python's ``print``
+    and C code's ``printf`` alike) is pointed at stderr for the rest of the run, and the
+    returned file writes to the stdout it had."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    return out
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memfit.bench.child")
     parser.add_argument("target")
@@ -129,13 +155,20 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=5)
     ns = parser.parse_args(argv)
+    if argv is None:  # the process's own command line: it can be run again
+        _with_mmap_threshold(ns)
+    json_out = _json_out()
     try:
         out = _measure(ns)
     except Exception as exc:  # a configuration that fails is a result, reported as such
         first = (str(exc).strip().splitlines() or [""])[0]
         out = {"error": f"{type(exc).__name__}: {first}"[:500]}
     out.update(target=ns.target, method=ns.method, measure=ns.measure)
-    print(json.dumps(out))
+    if ns.measure == "memory" and ns.device == "cpu":
+        out["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")  # what this measurement ran with
+    sys.stdout.flush()
+    json_out.write(json.dumps(out) + "\n")
+    json_out.flush()
     return 0
 
 
@@ -187,7 +220,9 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return {"step_time_s": statistics.median(times), "step_times_s": times}
     if ns.measure == "flops":
-        with FlopCounterMode(display=False) as counter:
+        from memfit.measure._torch_compat import CORRECTED_FLOPS
+
+        with FlopCounterMode(display=False, custom_mapping=CORRECTED_FLOPS) as counter:
             step()
         return {"step_flops": int(counter.get_total_flops())}
     if ns.device == "cuda":

@@ -16,7 +16,6 @@ checked against real ones); nothing elsewhere in memfit branches on it.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -32,7 +31,7 @@ from memfit.measure import _distributed, _torch_compat
 from memfit.measure.ledger import START_TICK, Category, Ledger
 from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, _run, record_step
 from memfit.measure.recorder import Recorder
-from memfit.measure.sandbox import Sandbox
+from memfit.measure.sandbox import Sandbox, copy_model
 from memfit.measure.scope import Scope
 from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
 
@@ -300,7 +299,7 @@ def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: A
     """This rank's model (parallelized, materialised), optimizer and inputs; fake under ``mode``."""
     # A copy: the user's model is left as it was (parallelizing changes modules' classes).
     # Every rank starts from meta, as a model too big to build does.
-    model = copy.deepcopy(workload.model).to(device="meta")
+    model = copy_model(workload.model).to(device="meta")
     with mode if mode is not None else nullcontext():
         try:
             out = parallel.parallelize(model, mesh)

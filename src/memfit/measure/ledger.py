@@ -178,6 +178,12 @@ class Ledger:
     """Fake CUDA steps: SDPA backward calls whose :attr:`Category.WORKSPACE` block is an
     estimate of the kernel's own temporaries (:func:`memfit.measure.gpu.attention_backward_bytes`),
     not a measurement."""
+    first_use: dict[int, int] = field(default_factory=dict)
+    """Blocks alive at the start (``START_TICK``) that the step first touched at a tick, by id:
+    what the step made for itself the first time it ran and kept (a cuBLAS workspace, made at a
+    thread's first cuBLAS call; a tensor a module caches), found only when used. A replay of the
+    program's first step (:func:`memfit.measure.allocator.replay_training`) allocates them
+    there rather than before the step."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
     _op_outputs: tuple[list[int], dict[int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -277,6 +283,7 @@ class Ledger:
             "cublas_workspaces": self.cublas_workspaces,
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
             "attention_estimates": self.attention_estimates,
+            "first_use": [[i, t] for i, t in self.first_use.items()],
         }
 
     @classmethod
@@ -298,6 +305,7 @@ class Ledger:
             cublas_workspaces=int(data.get("cublas_workspaces", 0)),
             cublas_workspace_bytes=int(data.get("cublas_workspace_bytes", 0)),
             attention_estimates=int(data.get("attention_estimates", 0)),
+            first_use={int(i): int(t) for i, t in data.get("first_use", [])},
         )
 
 

@@ -28,7 +28,7 @@ from memfit.apply.cache import turned_off
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import gpu as gpus
 from memfit.measure import workspace
-from memfit.measure.allocator import AllocatorSettings, replay_ledger
+from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
@@ -81,6 +81,11 @@ class CudaMemory:
     or ``"torch.cuda.max_memory_allocated/reserved"`` (measured on a real GPU)."""
     model: dict[str, int] | None = None
     """On a real GPU, the allocator model's replay of the same ledger, beside the measurement."""
+    replayed_steps: int | None = None
+    """The model: steps replayed as the training loop runs them (:func:`~memfit.measure.allocator.replay_training`:
+    the model and inputs placed in program order, a first step that makes the optimizer state,
+    then the step until the allocator repeats itself); the peaks are over all of them. ``None``
+    for a measurement."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +95,7 @@ class CudaMemory:
             "settings": self.settings.to_dict(),
             "source": self.source,
             "model": self.model,
+            "replayed_steps": self.replayed_steps,
         }
 
     @classmethod
@@ -101,6 +107,7 @@ class CudaMemory:
             settings=AllocatorSettings.parse(data["settings"]["PYTORCH_CUDA_ALLOC_CONF"]),
             source=data["source"],
             model=data.get("model"),
+            replayed_steps=data.get("replayed_steps"),
         )
 
 
@@ -111,11 +118,18 @@ def allocator_settings_from_env() -> AllocatorSettings:
 
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
-    """The ledger replayed through the caching allocator model (one stream, no cached segments
-    before the step)."""
-    st = replay_ledger(ledger, settings)
+    """The ledger replayed through the caching allocator model as the training loop runs it
+    (:func:`~memfit.measure.allocator.replay_training`: one stream; the program's construction,
+    its first step, steady steps)."""
+    run = replay_training(ledger, settings)
+    st = run.stats
     return CudaMemory(
-        st.allocated_peak_bytes, st.reserved_peak_bytes, st.fragmentation_bytes, settings, "caching allocator model"
+        st.allocated_peak_bytes,
+        st.reserved_peak_bytes,
+        st.fragmentation_bytes,
+        settings,
+        "caching allocator model",
+        replayed_steps=run.steps,
     )
 
 
@@ -685,12 +699,25 @@ def record_step(
 def _register_start(recorder: Recorder, box: Sandbox) -> None:
     from torch.utils._pytree import tree_flatten
 
-    recorder.register_start(box.model.parameters(), Category.PARAMETER)
-    recorder.register_start(box.model.buffers(), Category.BUFFER)
+    for category, tensors in module_tensors_in_to_order(box.model):
+        recorder.register_start(tensors, category)
     recorder.register_start((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
     recorder.register_start(_state_tensors(box.optimizer), Category.OPTIMIZER)
     leaves, _ = tree_flatten((box.args, box.kwargs, box.targets))
     recorder.register_start((t for t in leaves if isinstance(t, torch.Tensor)), Category.INPUT)
+
+
+def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, list[torch.Tensor]]]:
+    """The model's parameters and buffers in the order ``model.to(device)`` allocates them on the
+    device, which is the order the caching allocator saw them in (``nn.Module._apply``: a
+    module's children first, then its own parameters, then its own buffers): the blocks alive
+    at a step's start are placed in the allocator model in this order, not as
+    ``model.parameters()`` then ``model.buffers()`` list them (every parameter before any buffer,
+    a module's own before its children's), which lays them out differently."""
+    for child in model.children():
+        yield from module_tensors_in_to_order(child)
+    yield Category.PARAMETER, list(model.parameters(recurse=False))
+    yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
 def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) -> None:

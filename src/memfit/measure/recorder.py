@@ -243,6 +243,10 @@ class Recorder(TorchDispatchMode):
         # the same ops) they are alive from its start. Tensors never show them.
         self._cublas_bytes = gpu.cublas_workspace_bytes(_cuda_capability(device)) if self.device_type == "cuda" else 0
         self._cublas_keys: set[tuple[int, int]] = set()
+        # record index -> the tick before which the step first touched a block alive at its
+        # start that only the step revealed (Ledger.first_use)
+        self._first_use: dict[int, int] = {}
+        self._recording = False
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -264,6 +268,8 @@ class Recorder(TorchDispatchMode):
         idx = len(self.records)
         if at_start:
             born, phase, module = START_TICK, Phase.START, None
+            if self._recording:
+                self._first_use[idx] = len(self.ticks)
         else:
             born = self._tick()
             phase, module = self.scope.phase, self.scope.module
@@ -484,6 +490,7 @@ class Recorder(TorchDispatchMode):
         if key in self._cublas_keys:
             return
         self._cublas_keys.add(key)
+        self._first_use[len(self.records)] = len(self.ticks)
         self.records.append(_Record(self._cublas_bytes, Category.WORKSPACE, Phase.START, None, START_TICK))
 
     @property
@@ -573,6 +580,7 @@ class Recorder(TorchDispatchMode):
         self._hooks.__enter__()
         self._resizes = _distributed.tracking_resize(self._on_resize)
         self._resizes.__enter__()
+        self._recording = True
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -581,6 +589,7 @@ class Recorder(TorchDispatchMode):
         finally:
             self._resizes.__exit__(*exc)
             self._closed = True  # what dies from here on (a collection, say) dies after the step
+            self._recording = False
             if self._gc_was_enabled:
                 gc.enable()
             self._hooks.__exit__(*exc)
@@ -638,4 +647,5 @@ class Recorder(TorchDispatchMode):
             cublas_workspaces=self.cublas_workspaces,
             cublas_workspace_bytes=self._cublas_bytes,
             attention_estimates=self.attention_estimates,
+            first_use={index[i]: at(t) for i, t in self._first_use.items() if i in index},
         )

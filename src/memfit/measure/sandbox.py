@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from memfit.measure import _fake_cuda, _hf_fake, _optim8bit, _torch_compat
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
 
-__all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device", "step_sandbox"]
+__all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device", "step_sandbox", "copy_model"]
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Sandbox:
             self.optimizer,
             on_phase,
             micro_batches=o.micro_batches,
+            accumulate=o.accumulate,
             loss_scale=o.loss_scale,
             autocast=o.autocast_dtype,
             scaler=self.scaler,
@@ -99,6 +101,39 @@ class Sandbox:
 _SCALARS = (int, float, bool, str, type(None))
 _CONTAINERS = (list, dict, set)
 _INTERNALS = frozenset(vars(nn.Module()))  # nn.Module's own dicts (parameters, hooks, ...)
+
+
+def copy_model(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """``copy.deepcopy(model, memo)``, with the functions the model keeps as attributes bound
+    to the copy. ``copy`` treats a function as an atom and hands back the same one, so a
+    lambda stored on a module (minGPT's ``Block``: ``self.mlpf = lambda x:
+    m.dropout(m.c_proj(m.act(m.c_fc(x))))`` with ``m = self.mlp``) would still call the
+    original's submodules: the copy's step would run the user's own weights (real ones
+    inside a fake copy, grads landing on the user's model) and never its own. A closure cell
+    holding something the copy made a copy of is pointed at that copy; any other cell (a
+    global-like object, a config) stays shared, as ``deepcopy`` shares functions."""
+    memo = {} if memo is None else memo
+    new = copy.deepcopy(model, memo)
+    for module in new.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, types.FunctionType) and value.__closure__:
+                vars(module)[name] = _rebound(value, memo)
+    return new
+
+
+def _rebound(fn: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell (a name not yet assigned when the closure was made)
+            cells.append(cell)
+            continue
+        cells.append(types.CellType(memo[id(contents)]) if id(contents) in memo else cell)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    new.__kwdefaults__, new.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    return new
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -232,7 +267,7 @@ def _copy_step(
     for b in model.buffers():
         memo[id(b)] = tensor(b)
     try:
-        new_model = copy.deepcopy(model, memo)
+        new_model = copy_model(model, memo)
     except Exception as exc:
         raise WorkloadError(f"cannot copy the model ({type(exc).__name__}: {exc})") from exc
     groups = [

@@ -61,9 +61,16 @@ class StepOptions:
 
     micro_batches: int = 1
     """Forward and backward once per micro-batch (gradients accumulate), then one optimizer step."""
+    accumulate: int = 1
+    """Gradient accumulation as a training loop writes it: forward and backward over the
+    whole given batch this many times, no ``zero_grad`` between the passes, then one
+    optimizer step (the loop's next batches are the same size; the profiler has one, so
+    every pass runs on it). Unlike ``micro_batches`` the batch is not split: each pass holds
+    the activations of the whole batch given. With ``micro_batches`` too, each pass is split."""
     loss_scale: float | None = None
-    """Factor on each micro-batch's loss; None: ``1 / micro_batches`` (a mean loss stays the
-    full batch's mean), and no multiplication at all for one micro-batch."""
+    """Factor on each pass's loss; None: ``1 / (micro_batches * accumulate)`` (a mean loss
+    stays the mean over everything the optimizer step sees), and no multiplication at all
+    for a single pass."""
     autocast: str | None = None
     """``"bfloat16"`` or ``"float16"``: forward and loss under ``torch.autocast``."""
     grad_scaler: bool = False
@@ -91,8 +98,11 @@ class StepOptions:
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise WorkloadError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise WorkloadError(f"accumulate must be a positive integer, got {self.accumulate!r}")
         if self.inference and (
             self.micro_batches > 1
+            or self.accumulate > 1
             or self.grad_scaler
             or not self.set_to_none
             or self.foreach is not None
@@ -100,7 +110,7 @@ class StepOptions:
             or self.offload
         ):
             raise WorkloadError(
-                "an inference step has no backward or optimizer step: micro_batches, grad_scaler, "
+                "an inference step has no backward or optimizer step: micro_batches, accumulate, grad_scaler, "
                 "set_to_none=False, foreach, optimizer_8bit and offload do not apply to it"
             )
         if self.optimizer_8bit and self.foreach is not None:
@@ -119,7 +129,12 @@ class StepOptions:
         return getattr(torch, self.param_dtype) if self.param_dtype else None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.accumulate == 1:
+            # Left out at its default (a field added later): the JSON of such a step stays
+            # readable by a memfit from before it, while one that accumulates is refused there.
+            del data["accumulate"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepOptions:
@@ -181,6 +196,7 @@ def train_step(
     on_phase: Callable[[Phase], None] = lambda phase: None,
     *,
     micro_batches: int = 1,
+    accumulate: int = 1,
     loss_scale: float | None = None,
     autocast: torch.dtype | None = None,
     scaler: Any = None,
@@ -190,15 +206,16 @@ def train_step(
     targets: Any = None,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
-    micro-batches, the sum of the scaled micro-batch losses (their mean, by default); each
-    micro-batch's loss sees its own slice of ``targets``.
+    micro-batches or ``accumulate`` passes, the sum of the scaled losses of the passes (their
+    mean, by default); each micro-batch's loss sees its own slice of ``targets``.
     With ``inference``, an evaluation step (see :attr:`StepOptions.inference`)."""
     if inference:
         return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast, targets)
-    if loss_scale is None and micro_batches > 1:
-        loss_scale = 1.0 / micro_batches
+    if loss_scale is None and micro_batches * accumulate > 1:
+        loss_scale = 1.0 / (micro_batches * accumulate)
     total: torch.Tensor | None = None
-    parts = split_batch(args, kwargs, targets, micro_batches)
+    # every accumulation pass runs the same batch's micro-batches: no zero_grad between them
+    parts = split_batch(args, kwargs, targets, micro_batches) * accumulate
     limit = _RUN_MICRO_BATCHES.get()
     for margs, mkwargs, mtargets in parts[:limit] if limit else parts:
         on_phase(Phase.FORWARD)

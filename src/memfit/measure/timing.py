@@ -22,7 +22,19 @@ from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
 from memfit.workload import split_inputs
 
-__all__ = ["median_step_time", "selective_overhead_s", "time_steps", "optimizer_step_time", "StepTimes"]
+__all__ = ["too_noisy", "NOISY_STEPS", "median_step_time", "selective_overhead_s", "time_steps", "optimizer_step_time", "StepTimes"]
+
+
+NOISY_STEPS = 0.25
+"""Timed steps of the same work further apart than this (relative to the fastest): the host
+was too busy for its times to mean anything (zoo gpt on a quiet 2-core CPU: 0.05; beside a
+busy neighbour up to 2.7)."""
+
+
+def too_noisy(seconds: list[float] | tuple[float, ...]) -> bool:
+    """Do these wall times of the same step disagree by more than :data:`NOISY_STEPS`?"""
+    good = [s for s in seconds if s and s > 0]
+    return len(good) > 1 and (max(good) - min(good)) / min(good) > NOISY_STEPS
 
 
 def _sync(device: torch.device) -> None:

@@ -228,8 +228,10 @@ def build_candidates(
             continue  # recomputing the whole model at the start of backward frees nothing
         if name in excluded:
             continue
-        n_calls = calls.get(name, 0)
-        if n_calls != 1 or len(by_phase.get(Phase.FORWARD, [])) != 1:
+        # (calls are counted per forward pass: a step of several passes, micro-batches or
+        # accumulation, calls a module once in each, which its forward spans count)
+        n_calls = max(calls.get(name, 0), len(by_phase.get(Phase.FORWARD, [])))
+        if n_calls != 1:
             excluded[name] = f"called {n_calls} times in a step (memfit plans modules called once)"
             continue
         if len(by_phase.get(Phase.BACKWARD, [])) != 1:

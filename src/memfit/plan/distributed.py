@@ -19,7 +19,6 @@ Policy only: the process group is what :mod:`memfit.measure.distributed` is give
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 from memfit.apply.checkpoint import applied_choices, apply_choices
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.measure.sandbox import copy_model
 from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
@@ -128,7 +128,7 @@ def plan_ranks(
 
 def planned(workload: Workload, plan: Plan) -> Workload:
     """A copy of ``workload`` whose model (still on meta, unparallelized) has ``plan`` applied."""
-    model = copy.deepcopy(workload.model)
+    model = copy_model(workload.model)
     apply_choices(model, {k: (c.mode, c.save_ops) for k, c in plan.checkpointed.items()}, plan.use_cache_off)
     return dataclasses.replace(workload, model=model)
 

@@ -27,19 +27,20 @@ from torch import nn
 from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.allocator import AllocatorSettings, replay_ledger
+from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
-from memfit.measure.timing import selective_overhead_s
+from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import Budget, parse_budget
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
-from memfit.plan.stateful import stateful_modules
+from memfit.plan.cache_check import real_switch_check, switch_changes_numbers
+from memfit.plan.stateful import CACHE_HINT, stateful_modules
 from memfit.units import format_bytes
 from memfit.workload import check_arguments, default_optimizer, split_inputs
 
@@ -63,6 +64,10 @@ _OBJECTIVES: dict[str, Callable[[Option], float]] = {
 }
 _MAX_TIGHTENING = 6
 _MiB = 2**20
+
+SwitchCheck = Callable[[tuple[str, ...]], "str | None"]
+"""Why turning the KV cache off in these modules changes the step's numbers (or None), on
+a real step: what a verifier on fake tensors asks (:meth:`Verifier.stateful`)."""
 
 Costing = tuple[dict[str, float | None], dict[str, int], DeviceRates, str]
 """What candidates are costed with (:func:`_costing`): forward times, calls, rates, a timing note."""
@@ -106,15 +111,19 @@ class Verifier:
         """On CUDA: the allocator settings each run's ledger is replayed under (set once the
         step's profile is known)."""
 
-    def stateful(self) -> tuple[dict[str, str], tuple[str, ...]]:
+    def stateful(self, real_check: SwitchCheck | None = None) -> tuple[dict[str, str], tuple[str, ...]]:
         """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`), and the
         modules whose KV cache goes off (:mod:`memfit.apply.cache`). The check's first
         forward is the warm-up step that creates the optimizer's state when it has none
         (runs measure steady state): one forward less to pay for. It runs with probes on
         the modules taking ``use_cache``; those that return a cache get the switch, which
         stays on the sandbox's model for every later run, and the check's second forward,
-        the one that counts, runs with it."""
+        the one that counts, runs with it. The switch is used only if the step computes
+        bitwise the same with it (:mod:`memfit.plan.cache_check`: on this sandbox if its
+        tensors are real, else by ``real_check``); if not, the cache stays on, its writers
+        are excluded as stateful, and their reason says why."""
         box = self.box
+        kept: list[str] = []
         # The first step of a plan may be this one: a failing forward is named as the
         # profile names it (step_errors), not left as the model's own traceback.
         with box.active(), Scope(self.model) as scope, step_errors(box, scope):
@@ -133,10 +142,26 @@ class Verifier:
                 off = cache.writers(self.model)
                 cache.uninstall(self.model, probes)
                 probes.clear()
+                why = self._switch_changes(off, real_check) if off else None
+                if why is not None:
+                    kept.append(why)
+                    off = ()
                 self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
 
             scope.set_phase(Phase.FORWARD)
-            return stateful_modules(self.model, box.args, box.kwargs, first=first), off
+            reasons = stateful_modules(self.model, box.args, box.kwargs, first=first)
+            if kept:
+                hint = f"; memfit keeps transformers' KV cache on: turning it off {kept[0]}, so training would differ"
+                reasons = {n: why.replace(CACHE_HINT, hint) for n, why in reasons.items()}
+            return reasons, off
+
+    def _switch_changes(self, off: tuple[str, ...], real_check: SwitchCheck | None) -> str | None:
+        """Why the KV cache switch on ``off`` would change the step's numbers, or None."""
+        if self.box.fake_mode is None:
+            return switch_changes_numbers(self.box, self.loss_fn, off)
+        if real_check is None:
+            return "could not be checked (the step runs on fake tensors, which carry no values)"
+        return real_check(off)
 
     def instead_of(self, real: Verifier, use_cache_off: tuple[str, ...]) -> Verifier:
         """This (fake) verifier, standing in for ``real``, :meth:`warmed` with the KV cache
@@ -208,7 +233,7 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
     fitted to the unplanned step's), else the ledger's peak twice."""
     if settings is None:
         return ledger.peak_bytes, ledger.peak_bytes
-    stats = replay_ledger(ledger, settings)
+    stats = replay_training(ledger, settings).stats  # as profile's CudaMemory: the loop's steps, not one cold step
     return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 
@@ -374,6 +399,9 @@ def plan(
             closing.callback(opened.close)
             return opened
 
+        def real_check(off: tuple[str, ...]) -> str | None:
+            return real_switch_check(model, args, kwargs, optimizer, loss_fn, off, step=options, targets=targets)
+
         # The verifier's first step creates the optimizer's state (its warm-up); a real
         # profile runs inside that sandbox and needs no warm-up of its own: a step less.
         on_fake = _profile_fake(profile) if profile is not None else fake
@@ -387,11 +415,11 @@ def plan(
             # A real profile given (saved, say) whose plans verify on fake copies: the modules
             # are checked on a fake copy too, and the real step runs only if a run needs it.
             fake_verifier = open_verifier(True)
-            stateful, use_cache_off = fake_verifier.stateful()
+            stateful, use_cache_off = fake_verifier.stateful(real_check)
             verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
         if verifier is None:
             verifier = open_verifier(on_fake)
-            stateful, use_cache_off = verifier.stateful()
+            stateful, use_cache_off = verifier.stateful(real_check)
         excluded.update(stateful)
         if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
             closing.enter_context(cache.switched_off(model, use_cache_off))
@@ -567,6 +595,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         objective=s.objective,
         timing_note=found.timing_note,
         planning_time_s=time.perf_counter() - started,
+        step=prof.step,
     )
 
 
@@ -574,7 +603,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
 # identical repeats further apart than _NOISY_REPEATS: the host was too busy for measured
 # times to rank options (zoo gpt on a quiet 2-core CPU: 0.05 and 0.08; beside a busy
 # neighbour up to 2.7 and 0.4; ViT-S/16 up to 1.6 and 1.9).
-_NOISY_STEPS = 0.25
+_NOISY_STEPS = NOISY_STEPS
 _NEAR = 0.05
 _NOISY_REPEATS = 0.5
 

@@ -10,12 +10,15 @@ from typing import Any
 
 from torch import nn
 
-from memfit.errors import PlanError
+from memfit.errors import MemfitError, PlanError
+from memfit.measure.step import StepOptions
 
 __all__ = ["Plan", "Choice", "PLAN_FORMAT", "fingerprint"]
 
 PLAN_FORMAT = "memfit.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2 adds ``step``, the options of the step the plan was verified on; a version 1 plan was
+verified on the usual step (:class:`StepOptions` defaults), and reads as that."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class Plan:
     rank_peak_bytes: dict[int, int] | None = None
     """Per rank of a distributed step: its peak with the plan applied, each verified on the
     fake process group (:attr:`predicted_peak_bytes` is the highest)."""
+    step: StepOptions = field(default_factory=StepOptions)
+    """How the step the plan was verified on runs (micro-batches, accumulation, autocast, ...)."""
 
     @property
     def extra_compute_fraction(self) -> float | None:
@@ -144,6 +149,7 @@ class Plan:
         data = asdict(self)
         data["checkpointed"] = {k: {"mode": c.mode, "save_ops": list(c.save_ops)} for k, c in self.checkpointed.items()}
         data["use_cache_off"] = list(self.use_cache_off)
+        data["step"] = self.step.to_dict()
         if not self.use_cache_off:
             # Left out when empty: such a plan stays readable by a memfit from before the
             # field, while one that needs the cache off is refused there, not applied wrongly.
@@ -174,6 +180,12 @@ class Plan:
         if not isinstance(off, list) or not all(isinstance(n, str) for n in off):
             raise PlanError(f"plan JSON: use_cache_off must be a list of module names, got {off!r}")
         body["use_cache_off"] = tuple(off)
+        # (version 1 has no step: its plans were verified on the usual step)
+        step = body.get("step", {}) if data.get("version", 1) >= 2 else {}
+        try:
+            body["step"] = StepOptions.from_dict(step)
+        except (TypeError, MemfitError) as exc:
+            raise PlanError(f"plan JSON: step must hold memfit.StepOptions fields, got {step!r} ({exc})") from None
         ranks = body.get("rank_peak_bytes")
         if ranks is not None:
             try:

@@ -103,6 +103,11 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
     return None
 
 
+CACHE_HINT = "; transformers models: pass use_cache=False to train"
+"""What a reason adds for a module writing transformers' KV cache (the planner replaces it
+when it kept the cache on because turning it off changes the step's numbers)."""
+
+
 def stateful_modules(model: nn.Module, args: tuple, kwargs: dict, *, first: Callable[[], None] | None = None) -> dict[str, str]:
     """``{module name: reason}`` for the modules a recompute could not repeat safely.
 
@@ -153,7 +158,7 @@ def stateful_modules(model: nn.Module, args: tuple, kwargs: dict, *, first: Call
     reasons: dict[str, str] = {}
     for name, what in changes.items():
         if name:
-            hint = "; transformers models: pass use_cache=False to train" if "Cache)" in what else ""
+            hint = CACHE_HINT if "Cache)" in what else ""
             reasons[name] = (
                 f"recompute not reproducible: its forward changes {what}, state outside its tensors (a cache, "
                 f"a counter) that a recompute would change again{hint}"

@@ -11,9 +11,19 @@ from typing import Any
 
 from memfit.units import format_bytes
 
-__all__ = ["pareto_png", "bench_html"]
+__all__ = ["pareto_png", "bench_html", "wrap_title"]
 
 MiB = 2**20
+
+
+def wrap_title(text: str, fontsize: float, width_in: float) -> str:
+    """``text`` broken into lines that fit ``width_in`` inches at ``fontsize`` points (a long
+    title, such as a fake-CUDA peak's words, was cut off at the figure's right edge).
+    DejaVu Sans averages under 0.6 em a character; a line is kept to 0.62."""
+    import textwrap
+
+    chars = max(20, int(width_in * 72 * 0.94 / (fontsize * 0.62)))
+    return "\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in text.splitlines())
 
 
 def pareto_png(rows: Sequence[Any], context: dict[str, Any]) -> bytes:
@@ -45,7 +55,8 @@ def pareto_png(rows: Sequence[Any], context: dict[str, Any]) -> bytes:
         )
     ax.set_xlabel("measured peak memory (MiB, tensors)")
     ax.set_ylabel("throughput (steps / s)")
-    ax.set_title(f"{context['target']} on {context['device']} (torch {context['torch']})")
+    # (a workload file's path can be long: wrapped to the axes' width, 12 pt)
+    ax.set_title(wrap_title(f"{context['target']} on {context['device']} (torch {context['torch']})", 12, 8 * 0.78))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     buf = io.BytesIO()

@@ -360,7 +360,9 @@ def _top_modules(profile: Profile, limit: int) -> list[ModuleStats]:
     return keep[:limit]
 
 
-def render_profile(profile: Profile, console: Console, *, title: str | None = None, top: int = 12) -> None:
+def render_profile(
+    profile: Profile, console: Console, *, title: str | None = None, top: int = 12, times: bool = True
+) -> None:
     """The breakdown at the peak, when the peak happens, and the heaviest modules."""
     peak = profile.peak
     where = peak["module"]
@@ -422,7 +424,8 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "of those kinds and shapes ran in this process to measure it"
         )
 
-    timed = profile.time_source == "measured"
+    # (times=False: the caller found the host too busy to time, and says so once itself)
+    timed = profile.time_source == "measured" and times
     if profile.step.inference:
         console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
         if timed:
@@ -451,7 +454,7 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     console.print(mods)
     if timed:
         _step_time_line(profile, console)
-    else:
+    elif times:
         console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
     render_device_fit(profile, console)
 
@@ -674,9 +677,10 @@ def render_left_out(excluded: dict[str, str], console: Console, *, what: str = "
     console.print(Padding(grid, (0, 0, 0, 2)))
 
 
-def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
+def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = True) -> None:
     """What is recomputed, the predicted peak against budget and no-plan peak, the cost,
-    and which modules were left out and why."""
+    and which modules were left out and why. ``times=False``: no times (the caller says
+    once why: :func:`render_untimed`)."""
     fits = plan.predicted_peak_bytes <= plan.budget_bytes
     console.print(
         f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({escape(str(plan.budget))}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
@@ -688,14 +692,16 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
             f"on CUDA these are reserved bytes (the caching allocator's segments, memfit's model of it: what runs out); "
             f"the plan's step allocates {format_bytes(plan.allocated_peak_bytes)} at its peak"
         )
-    if plan.extra_compute_s is not None and plan.step_time_s:
+    if not times:
+        cost = "time not shown"
+    elif plan.extra_compute_s is not None and plan.step_time_s:
         cost = (
             f"{plan.extra_compute_s * 1e3:.1f} ms per step ({plan.extra_compute_fraction:.1%} of a {plan.step_time_s:.3f} s step)"
         )
     else:
         cost = "time not measured (fake tensors)"
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
-    if plan.timing_note:
+    if plan.timing_note and times:
         console.print(f"[yellow]note:[/] {plan.timing_note}")
     if plan.rank_peak_bytes:
         peaks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(plan.rank_peak_bytes.items()))
@@ -725,10 +731,13 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20) -> None:
     console.print(f"planned in {plan.planning_time_s:.1f} s")
 
 
-def render_before_after(rows: list[tuple[str, int | None, int | None, float | None]], console: Console) -> None:
-    """``rows`` of (label, predicted peak, measured peak, step time)."""
+def render_before_after(
+    rows: list[tuple[str, int | None, int | None, float | None]], console: Console, *, times: bool = True
+) -> None:
+    """``rows`` of (label, predicted peak, measured peak, step time); ``times=False``: no
+    step time column (the host was too busy to time: :func:`render_untimed` says so)."""
     table = Table(title="Before and after", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("", "predicted peak", "measured peak", "step time"):
+    for col in ("", "predicted peak", "measured peak", *(["step time"] if times else [])):
         table.add_column(col, justify="right" if col else "left")
     base = rows[0][3]
     for label, pred, meas, secs in rows:
@@ -737,9 +746,17 @@ def render_before_after(rows: list[tuple[str, int | None, int | None, float | No
             label,
             format_bytes(pred) if pred is not None else "-",
             format_bytes(meas) if meas is not None else "-",
-            f"{secs:.3f} s{slow}" if secs is not None else "-",
+            *([f"{secs:.3f} s{slow}" if secs is not None else "-"] if times else []),
         )
     console.print(table)
+
+
+def render_untimed(console: Console, seconds: list[float]) -> None:
+    """In place of step times the host was too busy to measure: why none are shown."""
+    console.print(
+        f"[yellow]step times not shown:[/] this machine is too busy to time steps (the same step took "
+        f"{min(seconds):.3f} s to {max(seconds):.3f} s); the memory figures are not affected"
+    )
 
 
 def render_bench(rows: list, context: dict, console: Console) -> None:

@@ -28,6 +28,7 @@ from memfit.measure.profile import Profile
 from memfit.measure.snapshot import TraceTimeline
 from memfit.plan.candidates import Option
 from memfit.plan.result import Plan
+from memfit.report.chart import wrap_title
 from memfit.units import format_bytes
 
 __all__ = [
@@ -496,6 +497,20 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
     """The timeline as a PNG: one stacked panel per track (same y scale), phases shaded, the
     peak marked, CUDA's allocated and reserved as lines, module spans and recomputes (a
     trace: segments made and released) in a lane under each panel."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(tl, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+_WIDTH_IN = 11.0
+
+
+def timeline_figure(tl: Timeline, *, dpi: int = 100):  # -> matplotlib Figure
+    """:func:`timeline_png`'s figure, before it is saved (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -504,7 +519,7 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
     from matplotlib.patches import Patch
 
     rows = len(tl.tracks)
-    fig = plt.figure(figsize=(11, 3.3 * rows + 0.9), dpi=dpi, layout="constrained")
+    fig = plt.figure(figsize=(_WIDTH_IN, 3.3 * rows + 0.9), dpi=dpi, layout="constrained")
     subs = fig.subfigures(rows, 1) if rows > 1 else [fig]
     axes = [ax for sub in subs for ax in sub.subplots(2, 1, gridspec_kw={"height_ratios": (5, 1), "hspace": 0.02})]
     top = _top(tl) * 1.12 or 1
@@ -544,7 +559,7 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
         if t.peak_tick != START_TICK:
             ax.axvline(t.peak_tick + 0.5, color="black", linewidth=0.8, linestyle=":")
             ax.plot([t.peak_tick + 0.5], [t.peak_bytes / scale], "v", color="black", markersize=6)
-        ax.set_title(f"{t.label}: {_peak_words(t)}", fontsize=9, loc="left")
+        ax.set_title(wrap_title(f"{t.label}: {_peak_words(t)}", 9, _WIDTH_IN), fontsize=9, loc="left")
         if tl.budget_bytes:
             ax.axhline(tl.budget_bytes / scale, color=_RECOMPUTE_COLOR, linewidth=0.9, linestyle="--")
             ax.text(t.ticks, tl.budget_bytes / scale, " budget", color=_RECOMPUTE_COLOR, fontsize=7, va="center")
@@ -567,11 +582,13 @@ def timeline_png(tl: Timeline, *, dpi: int = 100) -> bytes:
     if any(t.recompute for t in tl.tracks):
         handles.append(Patch(color=_RECOMPUTE_COLOR, alpha=0.4, label="recompute"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
-    fig.suptitle(tl.title, fontsize=10)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    fig.suptitle(wrap_title(tl.title, 10, _WIDTH_IN), fontsize=10)
+    # span labels last: how many fit depends on the lanes' final width in pixels
+    fig.draw_without_rendering()
+    for r, t in enumerate(tl.tracks):
+        if t.kind != "trace":
+            _span_labels(axes[2 * r + 1], t)
+    return fig
 
 
 def _step_lane(lane, t: Track) -> None:
@@ -581,13 +598,28 @@ def _step_lane(lane, t: Track) -> None:
         bars = [(a, b - a) for a, b, _, q in t.lane if q is p]
         edge = "white" if len(bars) < 200 else "none"
         lane.broken_barh(bars, (y + 0.1, 0.8), facecolor=_PHASE_COLORS[p], edgecolor=edge, linewidth=0.4)
-    for a, b, name, p in t.lane:
-        if (b - a) > t.ticks / 40:
-            y = 1.0 if p is Phase.FORWARD else 0.0
-            lane.text((a + b) / 2, y + 0.5, name.rpartition(".")[2] or name, fontsize=6, ha="center", va="center", color="white")
     lane.broken_barh([(a, max(b - a, t.ticks / 800)) for a, b, _ in t.recompute], (0.0, 0.35), facecolor=_RECOMPUTE_COLOR)
     lane.set_yticks([0.5, 1.5], ["bwd", "fwd"], fontsize=7)
     lane.set_xlabel("tick (one allocation or free)", fontsize=8)
+
+
+def _span_labels(lane, t: Track, fontsize: float = 6) -> None:
+    """Each span's last name part (``h.21`` -> ``21``) where its text fits: inside the bar in
+    white, or beside a bar too narrow for it in black where no other label is (22 layers'
+    forwards are each narrower than a fixed share of the axis, which hid every label)."""
+    px_per_tick = lane.get_window_extent().width / max(1, t.ticks)
+    char_px = fontsize * 0.62 * lane.figure.dpi / 72
+    for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
+        free_from = float("-inf")  # pixels: where the last label on this row ended
+        for a, b, name, q in sorted(x for x in t.lane if x[3] is p):
+            label = name.rpartition(".")[2] or name
+            width, middle = len(label) * char_px, (a + b) / 2 * px_per_tick
+            inside = (b - a) * px_per_tick >= width + 2
+            if middle - width / 2 < free_from + 3:
+                continue
+            lane.text((a + b) / 2, y + 0.5, label, fontsize=fontsize, ha="center", va="center",
+                      color="white" if inside else "black")
+            free_from = middle + width / 2
 
 
 def _trace_lane(lane, t: Track) -> None:
@@ -921,7 +953,8 @@ def _cuda(prof: Profile) -> tuple[list[tuple[str, list[int], int]], list[str]]:
             f"{format_bytes(cm.reserved_peak_bytes)} reserved"
         )
     lines = [
-        ("allocated", s.allocated, s.stats.allocated_peak_bytes),
+        # the measured step's own highest (an earlier step of the replayed loop may have placed blocks higher)
+        ("allocated", s.allocated, max([s.start_allocated_bytes, *s.allocated])),
         ("reserved", s.reserved, s.stats.reserved_peak_bytes),
     ]
     return lines, [note]
