@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if src_file.exists():
         for line in src_file.read_text().splitlines():
             parts = line.split("\t")
-            if len(parts) == 4:
+            if len(parts) >= 4:  # a fifth column notes why a candidate was kept or not
                 sources[parts[0]] = (parts[1], parts[2], parts[3])
     rows = [
         "| trace (repository @ commit: path) | allocs | same address | segment_allocs matched | extra | "

@@ -23,6 +23,18 @@ What the traced span is, per recording script, and how the prediction covers the
   warm-up steps left cached. memfit's ``reserved_peak_bytes`` replays one step from an empty
   cache; ``warm`` below also replays the warm-up the script ran (the first step creating the
   optimizer state mid-step, then steady steps) before the measured step, through the same model.
+* The same script's ``--pattern forward-only``: ``model.eval()``, under ``torch.inference_mode()``
+  5 warm-up forwards whose output is dropped, then one recorded forward. The trace starts with the
+  parameters, the token tensors and cuBLAS's workspace alive and the warm-up's segments cached;
+  memfit's step is ``StepOptions(inference=True)``, and ``warm`` replays the 5 forwards first.
+* MAGMA27/assignment2-systems ``cs336_systems/benchmarking_script.py``: 5 warm-up passes (forward,
+  cross_entropy, backward) with no ``zero_grad`` and no optimizer, then one traced pass. The trace
+  starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
+  (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
+  ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+
+Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B) say
+pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
 
 The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
 ``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
@@ -50,11 +62,14 @@ CASES = [
         "commit": _W[1],
         "trace": f"results/medium_{n}_training_memory_snapshot.pickle",
         "code": "cs336-basics",
+        "family": "decoder LM",
+        "script": "cs336_systems/nsys_profile.py",
         "dims": {**_MEDIUM, "context_length": n},
         "batch": 4,
         "autocast": dtype,
         "warmup": 5,
         "span": "full-training-step",
+        "gpu": "A100-80GB",  # the trace holds two 8,519,680 B cuBLAS workspaces (forward's and backward's thread)
         "output_module": "lm_head",
     }
     # the script's --autocast flag is not in the trace: read from it (the logits lm_head allocates are 4 B
@@ -78,10 +93,69 @@ CASES.append(
         "commit": "6686e9f4bc5edcc86209915a0d5fe694b836b8b7",
         "trace": "snapshot.pickle",
         "code": "regressors",
+        "family": "CNN",
+        "script": "counterfactuals.py",
         "path": ".",
         "gpu": "A100-80GB",
     }
 )
+# --- issue 23 item 5 (corpus): cases appended in one block ---
+# The same script's --pattern forward-only: model.eval(), under torch.inference_mode() 5 warm-up
+# forwards whose output is dropped, reset_peak_memory_stats(), then one recorded forward. The
+# --autocast flag again read from the trace: the logits are 4 B per element at 128, 256 and 1024
+# tokens (fp32; the 1024-token scores are fp32 16x1024x1024 blocks of 256 MiB, no bf16 copies of
+# the weights), 2 B at 512 (bf16, beside bf16 casts of every weight).
+CASES += [
+    {
+        "name": f"medium ctx{n} {'bf16 autocast' if dtype else 'fp32'} eval",
+        "repo": _W[0],
+        "commit": _W[1],
+        "trace": f"results/medium_{n}_inference_memory_snapshot.pickle",
+        "code": "cs336-basics",
+        "family": "decoder LM",
+        "script": "cs336_systems/nsys_profile.py",
+        "dims": {**_MEDIUM, "context_length": n},
+        "batch": 4,
+        "autocast": dtype,
+        "warmup": 5,
+        "inference": True,
+        # the trace holds one 8,519,680 B block from before it began: cuBLAS's default workspace
+        # below compute capability 9 (Hopper's is 32 MiB); any 8.x GPU answers the same here
+        "gpu": "A100-80GB",
+        "span": "forward-only",
+        "output_module": "lm_head",
+    }
+    for n, dtype in ((128, None), (256, None), (512, "bfloat16"), (1024, None))
+]
+# MAGMA27's benchmarking_script.py at "ep5" (the CS336 small configuration as it sets it: d_model 768,
+# d_ff 3072, 12 layers, 12 heads, vocab 10,000, batch 32 x 256, fp32): 5 warm-up passes
+# `lm_head = model(data); loss = cross_entropy(lm_head, target); loss.backward()` with no optimizer
+# and no zero_grad (gradients accumulate), then one recorded pass. The trace's own sizes: the logits
+# are 32*256*10,000*4 = 327,680,000 B; the 72 blocks of 9,437,184 B are the 12 layers' w1/w2/w3 and
+# their gradients (768*3,072*4), alive from the start; the last warm-up's logits are freed when the
+# recorded forward returns (`lm_head` is rebound then, nothing `del`s it); two 8,519,680 B cuBLAS workspaces.
+CASES += [
+    {
+        "name": "small ctx256 fp32 5 passes accumulating",
+        "repo": "MAGMA27/assignment2-systems",
+        "commit": "15883f2b1d6bc52439d8935e280bce430151f361",
+        "trace": "memory_snapshot.pickle",
+        "code": "cs336-basics",
+        "family": "decoder LM",
+        "script": "cs336_systems/benchmarking_script.py",
+        "dims": {"vocab_size": 10000, "context_length": 256, "d_model": 768, "d_ff": 3072, "num_layers": 12,
+                 "num_heads": 12, "rope_theta": 10000},
+        "batch": 32,
+        "autocast": None,
+        "warmup": 5,
+        "optimizer": None,
+        "set_to_none": False,
+        "del_output": False,
+        "gpu": "A100-80GB",
+        "span": "forward + loss + backward, gradients accumulating",
+        "output_module": "lm_head",
+    }
+]
 
 CHILD = r"""
 import json, sys
@@ -98,11 +172,22 @@ case = json.loads(sys.argv[1])
 d = case["dims"]
 torch.manual_seed(0)
 model = BasicsTransformerLM(**d)
-optimizer = AdamW(model.parameters())
+if case.get("optimizer", "AdamW") == "AdamW":
+    optimizer = AdamW(model.parameters())
+else:
+    # The script steps no optimizer; memfit's step always runs one. Plain SGD with lr 0 (no momentum,
+    # no weight decay) keeps no state and updates in place (_foreach_add_): it allocates nothing.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
-step = memfit.StepOptions(autocast=case["autocast"]) if case["autocast"] else None
-prof = memfit.profile(model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step)
+inference = case.get("inference", False)
+step = memfit.StepOptions(autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True))
+if inference:  # the script calls the model and drops what it returns: no loss, no targets
+    prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
+else:
+    prof = memfit.profile(
+        model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu")
+    )
 led = prof.ledger
 
 # The recording script's warm-up before the traced step, through the same allocator model: the
@@ -136,8 +221,10 @@ def run(evs):
 # The script keeps `output` (the logits) until the next step's forward has returned
 # (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
 # drops it after backward. The logits: the largest tensor the forward made in the model's last module.
+# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps.
 last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
 logits = max(last_module, key=lambda b: b.nbytes).id
+holds_output = not inference
 rebound = next(
     i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
 )
@@ -154,7 +241,7 @@ def step(k, hold_previous):
             hold_previous = False
         if isinstance(e, Alloc):
             out.append(Alloc((k, e.id), e.size))
-        elif e.id == logits:
+        elif e.id == logits and holds_output:
             continue
         elif e.id in successor:
             out.append(Free((k - 1, successor[e.id])))
@@ -164,11 +251,14 @@ def step(k, hold_previous):
 
 run([Alloc((0, i), blocks[i].nbytes) for i in starting if i not in successor])
 for k in range(1, case["warmup"] + 1):
-    run(step(k, hold_previous=k > 1))
-run([Free((case["warmup"], logits))])  # del output, loss
+    run(step(k, hold_previous=holds_output and k > 1))
+# Without `del output` before the traced step, the last warm-up's logits live into it.
+held = holds_output and not case.get("del_output", True)
+if holds_output and not held:
+    run([Free((case["warmup"], logits))])  # del output, loss
 alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
 alloc.reserved_at_allocated_peak = alloc.reserved
-run(step(case["warmup"] + 1, hold_previous=False))
+run(step(case["warmup"] + 1, hold_previous=held))
 warm = alloc.stats()
 print(json.dumps({
     "peak_bytes": prof.peak_bytes,
@@ -306,10 +396,12 @@ def main() -> int:
     ns = ap.parse_args()
     sys.path.insert(0, SRC)
     mib = 1 << 20
+    # allocated: block sizes, as torch.cuda.max_memory_allocated counts them (requests rounded to the
+    # allocator's 512 B and split rules), on both sides; reserved: the segments cudaMalloc'd
     rows = [
-        "| trace (repo @ commit: path) | step | recorded allocated | recorded reserved | memfit profile: allocated | err | "
-        "reserved | err | the script's loop replayed: allocated | err | reserved | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | family | setup source (repo @ commit: script) | trace | recorded allocated | recorded reserved | "
+        "memfit profile: allocated | err | reserved | err | the script's loop replayed: allocated | err | reserved | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in CASES:
         if ns.only and ns.only not in case["name"]:
@@ -319,8 +411,10 @@ def main() -> int:
             pred = predicted(ns.mirrors, case, Path(t), ns.deps)
         ra, rr = rec["allocated_peak_bytes"], rec["reserved_peak_bytes"]
         cells = [
-            f"{case['repo']} @ {case['commit'][:8]}: {case['trace']}",
             case["name"],
+            case["family"],
+            f"{case['repo']} @ {case['commit'][:8]}: {case['script']}",
+            case["trace"],
             f"{ra / mib:,.1f} MiB",
             f"{rr / mib:,.1f} MiB",
         ]
