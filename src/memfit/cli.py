@@ -485,9 +485,11 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     pictures = bool(ns.plot or ns.html)
-    # the pictures show the profile the plan was made from: it is measured first and passed in
     started = time.perf_counter()
-    before = saved or (_profile(work, ns.device, console, step=step) if pictures and not missing else None)
+    # The pictures show the profile the plan was made from, as the plan hands it over
+    # (on_profile): measuring one first for them cost a whole profile more, and for a model
+    # with transformers' KV cache the plan measured again anyway (its step runs the cache off).
+    before = saved
     measured: list[memfit.Profile] = []
     with progress_bar(console, f"planning {work.name}") as progress:
         plan = memfit.plan(
@@ -503,10 +505,10 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             profile=before,
             step=step,
             # the profile the plan was made from: the step as its plans run it (KV cache off)
-            on_profile=measured.append if missing else None,
+            on_profile=measured.append,
         )
+    before = measured[0] if measured else before
     if missing:
-        before = measured[0]
         Path(ns.profile).write_text(before.to_json())
         console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
     plan.budget = label
