@@ -354,3 +354,27 @@ def test_an_expandable_segments_trace_draws_its_pages_as_segments_made():
     assert (
         "expandable" in t.segments_at_peak[0][2] and "at event 3" in _peak_words(t) and "reserved peak 40.0 MiB" in _peak_words(t)
     )
+
+
+def test_cli_plan_pictures_report_progress_while_made(tmp_path, monkeypatch):
+    """Issue 24: the planned step's profile and the drawing took minutes with no line; they
+    now report stages (the profile's own, then the PNG, then the page) to a progress bar."""
+    import contextlib
+
+    from memfit.report import console as console_mod
+
+    seen: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def recording(_console, description):
+        stages = seen.setdefault(description, [])
+        yield lambda desc, done, total: stages.append(desc)
+
+    monkeypatch.setattr(console_mod, "progress_bar", recording)
+    png, page = tmp_path / "plan.png", tmp_path / "plan.html"
+    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
+    assert main(args) == 0
+    stages = seen["drawing the pictures"]
+    assert "recorded step" in stages  # the planned step's profile, measured for the pictures
+    assert stages[-2:] == ["drawing the PNG", "writing the HTML page"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and "modules recomputed" in page.read_text()

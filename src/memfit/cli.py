@@ -24,6 +24,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,20 +245,39 @@ def _step_label(step: memfit.StepOptions | None) -> str:
     return f" ({', '.join(said)})" if said else ""
 
 
-def _write_pictures(ns: argparse.Namespace, console: Console, timeline: Any) -> None:
-    """``--plot`` and ``--html``: the timeline as a PNG and as a self-contained page."""
+def _write_pictures(ns: argparse.Namespace, console: Console, timeline: Any, *, profile: Callable[[Any], Any] | None = None) -> None:
+    """``--plot`` and ``--html``: the timeline as a PNG and as a self-contained page, with
+    progress lines on stderr while they are made (a large step's profile and drawing took
+    minutes with no sign of life, issue 24). ``timeline`` is the Timeline, or a function of
+    ``profile``'s result (a profile measured first, given the progress callback) making it."""
+    from memfit.report.console import progress_bar
     from memfit.report.timeline import timeline_html, timeline_png
 
-    if ns.plot:
-        Path(ns.plot).write_bytes(timeline_png(timeline))
-        console.print(f"wrote {ns.plot}")
-    if ns.html:
-        Path(ns.html).write_text(timeline_html(timeline))
-        console.print(f"wrote {ns.html}")
+    wrote = []
+    with progress_bar(console, "drawing the pictures") as progress:
+        if profile is not None:
+            timeline = timeline(profile(progress))
+        stages = [s for s in ("png", "html") if getattr(ns, "plot" if s == "png" else "html")]
+        if ns.plot:
+            progress("drawing the PNG", stages.index("png"), len(stages))
+            Path(ns.plot).write_bytes(timeline_png(timeline))
+            wrote.append(ns.plot)
+        if ns.html:
+            progress("writing the HTML page", stages.index("html"), len(stages))
+            Path(ns.html).write_text(timeline_html(timeline))
+            wrote.append(ns.html)
+    for path in wrote:
+        console.print(f"wrote {path}")
 
 
 def _applied_profile(
-    work: memfit.Workload, model: Any, inputs: Any, plan: memfit.Plan | None, fake: bool, step: memfit.StepOptions | None = None
+    work: memfit.Workload,
+    model: Any,
+    inputs: Any,
+    plan: memfit.Plan | None,
+    fake: bool,
+    step: memfit.StepOptions | None = None,
+    progress: Any = None,
 ) -> memfit.Profile:
     """The step profiled with ``plan`` applied (and ``step``'s options); the model left as it was."""
     if plan is not None and plan.checkpointed:
@@ -265,7 +285,14 @@ def _applied_profile(
     try:
         optimizer = work.make_optimizer()
         return memfit.profile(
-            model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake, step=step, targets=work.targets
+            model,
+            inputs,
+            loss_fn=work.loss_fn,
+            optimizer=optimizer,
+            fake=fake,
+            step=step,
+            targets=work.targets,
+            progress=progress,
         )
     finally:
         if plan is not None and plan.checkpointed:
@@ -456,10 +483,10 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
     fake = FAKE.get(ns.device, False)
     model, inputs = _on_device(work, "cpu" if fake else ns.device)
     pictures = bool(ns.plot or ns.html)
-    # the pictures show the profile the plan was made from: the plan hands it over (the step
-    # as its plans run it), rather than a profile made first, which would run the step's
-    # measurement twice and be checked against the step after minutes of work
     started = time.perf_counter()
+    # The pictures show the profile the plan was made from, as the plan hands it over
+    # (on_profile): measuring one first for them cost a whole profile more, and for a model
+    # with transformers' KV cache the plan measured again anyway (its step runs the cache off).
     before = saved
     measured: list[memfit.Profile] = []
     with progress_bar(console, f"planning {work.name}") as progress:
@@ -476,10 +503,9 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
             profile=before,
             step=step,
             # the profile the plan was made from: the step as its plans run it (KV cache off)
-            on_profile=measured.append if missing or (pictures and saved is None) else None,
+            on_profile=measured.append,
         )
-    if before is None and measured:
-        before = measured[0]
+    before = measured[0] if measured else before
     if missing:
         Path(ns.profile).write_text(before.to_json())
         console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
@@ -505,9 +531,13 @@ def _cmd_plan(ns: argparse.Namespace, console: Console) -> int:
         from memfit.plan.planner import profile_candidates
         from memfit.report.timeline import plan_timeline
 
-        after = _applied_profile(work, model, inputs, plan, fake, plan.step)
         title = f"memfit plan {ns.target}, budget {label}, on {plan.device}"
-        _write_pictures(ns, console, plan_timeline(before, after, plan, profile_candidates(before, plan.excluded), title))
+        _write_pictures(
+            ns,
+            console,
+            lambda after: plan_timeline(before, after, plan, profile_candidates(before, plan.excluded), title),
+            profile=lambda progress: _applied_profile(work, model, inputs, plan, fake, plan.step, progress),
+        )
     return 0
 
 
@@ -602,10 +632,15 @@ def _cmd_fit(ns: argparse.Namespace, console: Console) -> int:
         # the recipe's batch (--max-batch) is the workload rebuilt at that size
         after_work = work if recipe.batch_size in (None, work.meta.get("batch_size")) else _workload_at(ns, recipe.batch_size)
         after_model, after_inputs = (model, inputs) if after_work is work else _on_device(after_work, ns.device)
-        before = _applied_profile(work, model, inputs, None, False, memfit.StepOptions(set_to_none=not ns.keep_grads))
-        after = _applied_profile(after_work, after_model, after_inputs, recipe.plan, False, recipe.step)
         title = f"memfit fit {ns.target}, budget {label}, on {recipe.device}"
-        _write_pictures(ns, console, recipe_timeline(before, after, recipe, title))
+
+        def both(progress: Any) -> tuple[memfit.Profile, memfit.Profile]:
+            before = _applied_profile(
+                work, model, inputs, None, False, memfit.StepOptions(set_to_none=not ns.keep_grads), progress
+            )
+            return before, _applied_profile(after_work, after_model, after_inputs, recipe.plan, False, recipe.step, progress)
+
+        _write_pictures(ns, console, lambda pair: recipe_timeline(*pair, recipe, title), profile=both)
     return 0
 
 

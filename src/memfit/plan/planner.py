@@ -395,6 +395,8 @@ def plan(
             return opened
 
         def real_check(off: tuple[str, ...]) -> str | None:
+            # a real forward and backward twice: the longest stage of a large model's fake plan
+            report("checking on real tensors that the KV cache switch changes no number", 0, 0)
             return real_switch_check(model, args, kwargs, optimizer, loss_fn, off, step=options, targets=targets)
 
         # The verifier's first step creates the optimizer's state (its warm-up); a real
@@ -407,6 +409,7 @@ def plan(
         # plan trains.
         verifier = None
         verify_note = ""
+        report("a first step: which modules change state, which keep a KV cache", 0, 0)
         if profile is not None and not on_fake and _fake_is_faster(profile):
             # A real profile given (saved, say) whose plans verify on fake copies: the modules
             # are checked on a fake copy too, and the real step runs only if a run needs it.
