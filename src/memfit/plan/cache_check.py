@@ -30,7 +30,36 @@ from memfit.measure import _torch_compat
 from memfit.measure.sandbox import Sandbox, real_sandbox
 from memfit.measure.step import StepOptions, train_step
 
-__all__ = ["switch_changes_numbers", "real_switch_check"]
+__all__ = ["switch_changes_numbers", "real_switch_check", "host_available_bytes"]
+
+# The check's real steps may take at most this share of the host's available memory,
+# judged by the parameters and their gradients alone (activations come on top): a fake plan
+# of a model too large for this host (a 1.1B Llama at 8 x 2048 on a 24 GiB machine) would
+# otherwise be killed, or spend minutes, on two CPU steps it exists to avoid.
+_HOST_SHARE = 0.25
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (not judged)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _too_large(model: torch.nn.Module) -> str | None:
+    need = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and their gradients
+    available = host_available_bytes()
+    if available is None or need <= _HOST_SHARE * available:
+        return None
+    return (
+        f"could not be checked on real tensors: the step's parameters and gradients alone take {need / 2**30:.1f} GiB, "
+        f"over a quarter of this host's {available / 2**30:.1f} GiB available"
+    )
 
 
 class _NoStep:
@@ -127,7 +156,10 @@ def real_switch_check(
 ) -> str | None:
     """:func:`switch_changes_numbers` on the user's own model, in a real sandbox (restored
     after): for a plan verified on fake tensors, which carry no values to compare. A step
-    that cannot run for real here keeps the cache on, with the reason."""
+    that cannot run for real here (or is too large for this host) keeps the cache on, with the reason."""
+    too_large = _too_large(model)
+    if too_large is not None:
+        return too_large
     try:
         # called from inside a fake step (its FakeTensorMode active): the check's step is real
         with _torch_compat.no_dispatch_modes(), real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets) as box:
