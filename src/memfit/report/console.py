@@ -706,13 +706,10 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
     console.print(f"predicted extra compute: {cost}; recomputed FLOPs {_flops(plan.extra_flops)}")
     if plan.timing_note and times:
         console.print(f"[yellow]note:[/] {plan.timing_note}")
-<<<<<<< HEAD
     if plan.reproducibility_note:
         console.print(f"[yellow]note:[/] {escape(plan.reproducibility_note)}")
-=======
     if plan.verify_note:
         console.print(f"[yellow]note:[/] {escape(plan.verify_note)}")
->>>>>>> moe
     if plan.rank_peak_bytes:
         peaks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(plan.rank_peak_bytes.items()))
         console.print(
