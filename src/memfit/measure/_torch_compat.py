@@ -28,6 +28,7 @@ __all__ = [
     "uses_batch_statistics",
     "written_arguments",
     "AllocationTrace",
+    "current_autograd_node",
 ]
 
 
@@ -293,3 +294,12 @@ class AllocationTrace:
             else:
                 stack.extend(node.children)
         return out
+
+
+def current_autograd_node() -> tuple[int, str] | None:
+    """The autograd node whose backward is running on this thread, as (identity, name:
+    ``GatherBackward0``), or None outside one (the forward, the engine's own first op).
+    The identity is the node's Python object, which torch keeps for the node while it runs;
+    no reference to it is kept here (that would keep its saved tensors alive)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else (id(node), node.name())
