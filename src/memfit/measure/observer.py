@@ -47,6 +47,9 @@ class Twin:
     """What the unwatched step runs instead."""
     where: str
     """The torch function with the branch."""
+    after: frozenset[str] = frozenset()
+    """When not empty: the ops whose output the first argument must be (the unwatched
+    path's chain of in-place ops), for nodes that also run the op out of place."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ _VALUE_SELECTING = frozenset(
     | {"ModeBackward", "MedianBackward", "NanmedianBackward"}
 )
 
+_BCE_LOGITS = frozenset({"BinaryCrossEntropyWithLogitsBackward"})
+
 TWINS: tuple[Twin, ...] = (
     # The autograd engine sums the gradients a tensor receives from several uses (a residual
     # stream, a weight used twice) in InputBuffer::accumulate (torch/csrc/autograd/input_buffer.cpp):
@@ -79,13 +84,22 @@ TWINS: tuple[Twin, ...] = (
     Twin("put", frozenset({"TakeBackward"}), "put_", "take_backward"),
     Twin("masked_scatter", frozenset({"MaskedSelectBackward"}), "masked_scatter_", "masked_select_backward"),
     Twin("index_fill", frozenset({"TraceBackward"}), "index_fill_", "trace_backward"),
-    # sigmoid(x) - y, then * grad: in place on the sigmoid unless subclass-like or GradMode
-    # (torch/csrc/autograd/FunctionsManual.cpp, binary_cross_entropy_with_logits_backward).
-    Twin("sub", frozenset({"BinaryCrossEntropyWithLogitsBackward"}), "sub_", "binary_cross_entropy_with_logits_backward"),
-    Twin("mul", frozenset({"BinaryCrossEntropyWithLogitsBackward"}), "mul_", "binary_cross_entropy_with_logits_backward"),
+    # sigmoid(x) - y, then * grad (* weight): in place on the sigmoid unless subclass-like or
+    # GradMode (torch/csrc/autograd/FunctionsManual.cpp, binary_cross_entropy_with_logits_backward
+    # and _target_backward). The target's -x * grad is out of place on both paths: hence ``after``.
+    Twin("sub", _BCE_LOGITS, "sub_", "binary_cross_entropy_with_logits_backward", frozenset({"sigmoid", "mul"})),
+    Twin("mul", _BCE_LOGITS, "mul_", "binary_cross_entropy_with_logits_backward", frozenset({"sub", "mul"})),
+    # the zero-safe 1 / (x^2 + y^2): masked_fill_ on a temporary (atan2_backward)
+    Twin("masked_fill", frozenset({"Atan2Backward"}), "masked_fill_", "atan2_backward"),
 )
 
 KNOWN: tuple[Known, ...] = (
+    Known(
+        "engine: InputBuffer::accumulate of two gradients one node makes for one tensor (x * x, aminmax)",
+        ("add",),
+        "the engine's sum runs while the node that made both is current, where a formula's own "
+        "a + b runs too: not told apart, so not corrected. One gradient-sized block over-counted there",
+    ),
     Known(
         "evenly_distribute_backward (max(), min(), median(), nanmedian() of a whole tensor)",
         ("isnan", "logical_and", "logical_or_", "mul"),
@@ -149,9 +163,9 @@ def _node_kind(name: str) -> str:
     return _OVERLOAD.sub("", name.rsplit("::", 1)[-1])
 
 
-_BY_OP: dict[str, frozenset[str]] = {}
+_BY_OP: dict[str, list[Twin]] = {}
 for _twin in TWINS:
-    _BY_OP[_twin.op] = _BY_OP.get(_twin.op, frozenset()) | _twin.nodes
+    _BY_OP.setdefault(_twin.op, []).append(_twin)
 
 
 @dataclass
@@ -170,7 +184,7 @@ class Observer:
         self._calls = 0
         self._node: int | None = None
         self._epoch = 0  # one more for each node the engine runs
-        self._born: dict[int, int] = {}  # block index -> epoch it was born in (backward only)
+        self._born: dict[int, tuple[int, str]] = {}  # block index -> (epoch, op) it was born in (backward only)
         self._pending: _Pending | None = None
         self._kind: str | None = None  # the running node's kind (``GatherBackward``)
         self._op = ""  # the pending call's op
@@ -190,34 +204,37 @@ class Observer:
             self._epoch += 1
         self._kind = None if node is None else _node_kind(node[1])
 
-    def born(self, idx: int) -> None:
-        self._born[idx] = self._epoch
+    def born(self, idx: int, op: str) -> None:
+        self._born[idx] = (self._epoch, op)
 
     def after(self, func, args: tuple, kwargs: dict, out: object, block_of, live_key) -> None:
         """Remember the call if it is one of :data:`TWINS` whose first argument is a block
         that may be the temporary the unwatched twin writes into."""
         op = func.overloadpacket.__name__
-        nodes = _BY_OP.get(op)
-        if nodes is None or not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+        twins = _BY_OP.get(op)
+        if twins is None or self._kind is None or not isinstance(out, torch.Tensor) or not args:
             return
-        engine = ENGINE in nodes and self._kind is not None and self._accumulates(func, args, kwargs, out)
-        if not engine and self._kind not in nodes:
+        arg = args[0]
+        if not isinstance(arg, torch.Tensor) or not _same_block_shape(arg, out):
             return
-        arg, idx, out_idx = args[0], block_of(args[0]), block_of(out)
-        if idx is None or out_idx is None or idx == out_idx or self._born.get(out_idx) != self._epoch:
+        idx, out_idx = block_of(arg), block_of(out)
+        born, made = self._born.get(idx, (None, None)), self._born.get(out_idx, (None, None))
+        if idx is None or out_idx is None or idx == out_idx or born[0] is None or made[0] != self._epoch:
             return
-        if not _same_block_shape(arg, out):
-            return
-        born = self._born.get(idx)
-        # The engine sums into a gradient an earlier node made; a formula writes into a
-        # temporary it made itself.
-        if born is None or (born >= self._epoch if engine else born != self._epoch):
-            return
-        self._pending = _Pending(idx, out_idx, live_key(out), self._calls)
-        self._op = op
+        for twin in twins:
+            if ENGINE in twin.nodes:
+                # The engine sums into a gradient an earlier node made.
+                ok = born[0] < self._epoch and self._accumulates(func, args, kwargs)
+            else:
+                # A formula writes into a temporary it made itself.
+                ok = self._kind in twin.nodes and born[0] == self._epoch and (not twin.after or born[1] in twin.after)
+            if ok:
+                self._pending = _Pending(idx, out_idx, live_key(out), self._calls)
+                self._op = op
+                return
 
     @staticmethod
-    def _accumulates(func, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    def _accumulates(func, args: tuple, kwargs: dict) -> bool:
         """``old + new`` as InputBuffer::accumulate calls it: add.Tensor, no alpha, no broadcast."""
         other = args[1] if len(args) > 1 else None
         return (
@@ -237,6 +254,7 @@ class Observer:
             return False
         self._pending = None
         relink(p.storage, idx)
+        self._born[idx] = (self._born[idx][0], self._op)  # the block now holds the call's output
         self.merged.add(p.output)
         self.corrected[self._op] += 1
         return True
@@ -245,8 +263,9 @@ class Observer:
 def _same_block_shape(arg: torch.Tensor, out: torch.Tensor) -> bool:
     """The unwatched twin returns ``arg`` itself: ``out`` must be what ``arg`` is, a tensor
     of the same shape and dtype whose elements fill a storage of the same size (dense, no
-    overlap: what InputBuffer::accumulate asks to sum in place)."""
-    if arg.shape != out.shape or arg.dtype != out.dtype or arg.storage_offset():
+    overlap, not a view: a view's base holds the storage too, and InputBuffer::accumulate
+    sums in place only into a storage it holds alone)."""
+    if arg.shape != out.shape or arg.dtype != out.dtype or arg.storage_offset() or arg._is_view():
         return False
     try:
         nbytes = arg.untyped_storage().nbytes()

@@ -278,7 +278,7 @@ class Recorder(TorchDispatchMode):
             phase, module = self.scope.phase, self.scope.module
         self.records.append(_Record(storage_bytes(storage.nbytes(), device), category, phase, module, born))
         if phase is Phase.BACKWARD:
-            self.observer.born(idx)
+            self.observer.born(idx, self._op)
         key = id(storage)
         self._live[key] = idx
         self._finalizers.append(weakref.finalize(storage, self._free, key))
