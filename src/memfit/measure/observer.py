@@ -184,7 +184,8 @@ class Observer:
         self._calls = 0
         self._node: int | None = None
         self._epoch = 0  # one more for each node the engine runs
-        self._born: dict[int, tuple[int, str]] = {}  # block index -> (epoch, op) it was born in (backward only)
+        # block index -> (epoch, op, made by a node's formula) it was born in (backward only)
+        self._born: dict[int, tuple[int, str, bool]] = {}
         self._pending: _Pending | None = None
         self._kind: str | None = None  # the running node's kind (``GatherBackward``)
         self._op = ""  # the pending call's op
@@ -205,7 +206,7 @@ class Observer:
         self._kind = None if node is None else _node_kind(node[1])
 
     def born(self, idx: int, op: str) -> None:
-        self._born[idx] = (self._epoch, op)
+        self._born[idx] = (self._epoch, op, self._kind is not None)
 
     def after(self, func, args: tuple, kwargs: dict, out: object, block_of, live_key) -> None:
         """Remember the call if it is one of :data:`TWINS` whose first argument is a block
@@ -218,13 +219,15 @@ class Observer:
         if not isinstance(arg, torch.Tensor) or not _same_block_shape(arg, out):
             return
         idx, out_idx = block_of(arg), block_of(out)
-        born, made = self._born.get(idx, (None, None)), self._born.get(out_idx, (None, None))
+        born, made = self._born.get(idx, (None, None, False)), self._born.get(out_idx, (None, None, False))
         if idx is None or out_idx is None or idx == out_idx or born[0] is None or made[0] != self._epoch:
             return
         for twin in twins:
             if ENGINE in twin.nodes:
-                # The engine sums into a gradient an earlier node made.
-                ok = born[0] < self._epoch and self._accumulates(func, args, kwargs)
+                # The engine sums into a gradient an earlier node's formula made: a gradient
+                # given from outside (autograd.grad's grad_outputs) has a Python object too,
+                # which InputBuffer::accumulate counts as a second reference.
+                ok = born[0] < self._epoch and born[2] and self._accumulates(func, args, kwargs)
             else:
                 # A formula writes into a temporary it made itself.
                 ok = self._kind in twin.nodes and born[0] == self._epoch and (not twin.after or born[1] in twin.after)
@@ -254,7 +257,7 @@ class Observer:
             return False
         self._pending = None
         relink(p.storage, idx)
-        self._born[idx] = (self._born[idx][0], self._op)  # the block now holds the call's output
+        self._born[idx] = (self._born[idx][0], self._op, self._born[idx][2])  # the block now holds the call's output
         self.merged.add(p.output)
         self.corrected[self._op] += 1
         return True
