@@ -115,7 +115,8 @@ def _unwatched_peak(loss_fn) -> tuple[int, int]:
             loss.backward()
             del loss
     peaks = trace.peaks("unwatched#", "cpu")
-    return peaks["unwatched#forward"][1] + peaks["unwatched#backward"][0], trace.allocated("unwatched#", "cpu")["unwatched#backward"]
+    allocated = trace.allocated("unwatched#", "cpu")["unwatched#backward"]
+    return peaks["unwatched#forward"][1] + peaks["unwatched#backward"][0], allocated
 
 
 def _reset(leaves: tuple) -> None:

@@ -77,7 +77,12 @@ TWINS: tuple[Twin, ...] = (
     Twin("add", frozenset({ENGINE}), "add_ into the first gradient", "InputBuffer::accumulate"),
     # ``zeros(self.shape)`` filled in place (aten/src/ATen/native/TensorAdvancedIndexing.cpp,
     # ReduceOps.cpp): the loss that gathers target logits holds a second logits-sized block.
-    Twin("scatter_add", frozenset({"GatherBackward", "CummaxBackward", "CumminBackward"}), "scatter_add_", "gather_backward, cummaxmin_backward"),
+    Twin(
+        "scatter_add",
+        frozenset({"GatherBackward", "CummaxBackward", "CumminBackward"}),
+        "scatter_add_",
+        "gather_backward, cummaxmin_backward",
+    ),
     Twin("scatter", _VALUE_SELECTING, "scatter_", "value_selecting_reduction_backward"),
     Twin("index_add", frozenset({"IndexSelectBackward"}), "index_add_", "index_select_backward"),
     Twin("index_put", frozenset({"IndexBackward"}), "_index_put_impl_", "index_backward"),

@@ -40,7 +40,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure import _distributed, _optim8bit, _torch_compat, gpu, workspace
-from memfit.measure.observer import Observer
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -55,6 +54,7 @@ from memfit.measure.ledger import (
     Tick,
     ancestors,
 )
+from memfit.measure.observer import Observer
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes"]
