@@ -210,3 +210,22 @@ def test_fake_kernel_failures_are_logged_only_outside_memfit_fake_steps(caplog):
         with _torch_compat.quiet_fake_kernel_log():
             fail()
         assert not caplog.records
+
+
+def test_current_autograd_node_is_named_while_its_backward_runs():
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(_torch_compat.current_autograd_node())
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = torch.gather(x, -1, torch.zeros(4, 1, dtype=torch.long)).sum()
+    assert _torch_compat.current_autograd_node() is None
+    with Watch():
+        loss.backward()
+    names = [n[1] for n in seen if n is not None]
+    assert "GatherBackward0" in names
+    ids = {n[0] for n in seen if n is not None and n[1] == "GatherBackward0"}
+    assert len(ids) == 1  # one identity for all of the node's ops

@@ -32,6 +32,7 @@ __all__ = [
     "composite_kernel",
     "python_decomposition",
     "AllocationTrace",
+    "current_autograd_node",
 ]
 
 
@@ -411,13 +412,12 @@ class AllocationTrace:
         finally:
             self._quiet.__exit__(None, None, None)
 
-    def peaks(self, prefix: str, device_type: str) -> dict[str, tuple[int, int]]:
-        """For each region whose name starts with ``prefix``: ``(peak, net)`` bytes of the
-        allocations on ``device_type`` inside it, in time order (peak of the running sum
-        from its start; net at its end: what the region allocated and kept, its outputs)."""
+    def _regions(self, prefix: str, device_type: str) -> dict[str, list[int]]:
+        """For each region whose name starts with ``prefix``: the sizes of its allocations
+        (frees negative) on ``device_type``, in time order."""
         from torch._C._profiler import _EventType
 
-        out: dict[str, tuple[int, int]] = {}
+        out: dict[str, list[int]] = {}
         stack = list(self._prof.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
@@ -429,12 +429,33 @@ class AllocationTrace:
                     if n.tag == _EventType.Allocation and n.extra_fields.device.type == device_type:
                         events.append((n.start_time_ns, int(n.extra_fields.alloc_size)))
                     inner.extend(n.children)
-                events.sort()
-                live = peak = 0
-                for _, size in events:
-                    live += size
-                    peak = max(peak, live)
-                out[node.name] = (peak, live)
+                out[node.name] = [size for _, size in sorted(events)]
             else:
                 stack.extend(node.children)
         return out
+
+    def peaks(self, prefix: str, device_type: str) -> dict[str, tuple[int, int]]:
+        """For each region whose name starts with ``prefix``: ``(peak, net)`` bytes of the
+        allocations on ``device_type`` inside it, in time order (peak of the running sum
+        from its start; net at its end: what the region allocated and kept, its outputs)."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, sizes in self._regions(prefix, device_type).items():
+            live = peak = 0
+            for size in sizes:
+                live += size
+                peak = max(peak, live)
+            out[name] = (peak, live)
+        return out
+
+    def allocated(self, prefix: str, device_type: str) -> dict[str, int]:
+        """For each region whose name starts with ``prefix``: the bytes it allocated on
+        ``device_type`` (frees not subtracted)."""
+        return {name: sum(s for s in sizes if s > 0) for name, sizes in self._regions(prefix, device_type).items()}
+
+def current_autograd_node() -> tuple[int, str] | None:
+    """The autograd node whose backward is running on this thread, as (identity, name:
+    ``GatherBackward0``), or None outside one (the forward, the engine's own first op).
+    The identity is the node's Python object, which torch keeps for the node while it runs;
+    no reference to it is kept here (that would keep its saved tensors alive)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else (id(node), node.name())

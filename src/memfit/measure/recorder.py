@@ -54,6 +54,7 @@ from memfit.measure.ledger import (
     Tick,
     ancestors,
 )
+from memfit.measure.observer import Observer
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes"]
@@ -251,6 +252,8 @@ class Recorder(TorchDispatchMode):
         # (op, phase, module) -> what the step's note says of it (memfit.measure.determinism)
         self._nondeterministic: dict[tuple[str, str, str | None], determinism.Finding] = {}
         self._sites: dict[tuple, dict[str, None]] = defaultdict(dict)  # determinism.forward_site -> modules (ordered)
+        # calls whose unwatched twin writes in place (see memfit.measure.observer)
+        self.observer = Observer()
         scope.listener = self._on_scope
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
@@ -278,6 +281,8 @@ class Recorder(TorchDispatchMode):
             born = self._tick()
             phase, module = self.scope.phase, self.scope.module
         self.records.append(_Record(storage_bytes(storage.nbytes(), device), category, phase, module, born))
+        if phase is Phase.BACKWARD:
+            self.observer.born(idx, self._op)
         key = id(storage)
         self._live[key] = idx
         self._finalizers.append(weakref.finalize(storage, self._free, key))
@@ -307,8 +312,13 @@ class Recorder(TorchDispatchMode):
         if idx is not None and self._aliases.get(idx):
             self._aliases[idx] -= 1  # another storage object still holds this block
             return
+        if idx is not None and not self._closed and self.observer.absorbs(idx, self._relink):
+            return  # the unwatched step wrote this block in place: the call's output holds it
         if idx is not None and not self._closed:
             self.records[idx].died = self._tick()
+
+    def _relink(self, storage: int, idx: int) -> None:
+        self._live[storage] = idx
 
     def _alias(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         """The outputs' storages are the first input's block (see ``_distributed.ALIAS_OPS``
@@ -431,6 +441,8 @@ class Recorder(TorchDispatchMode):
         if _metadata_only(func):  # allocates nothing, returns no storage: no trace in the ledger
             return func(*args, **kwargs)
         self._op = str(func.overloadpacket.__name__)
+        backward = self.scope.phase is Phase.BACKWARD
+        self.observer.on_call(backward)
         first = len(self.ticks)
         in_tensors = _tensors((*args, *kwargs.values()))
         inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
@@ -459,6 +471,8 @@ class Recorder(TorchDispatchMode):
             # something alive before the step (a cache a module keeps): not an allocation.
             before = id(s) in inputs and qualified not in aliasing.FRESH_INPUT_OPS
             self._add(s, t.device, Category.OTHER if before else None, at_start=before)
+        if backward:
+            self.observer.after(func, args, kwargs, out, self._block_of, lambda t: id(_storage(t)))
         role = _distributed.COLLECTIVE_ROLES.get(qualified)
         if role is not None:
             self._give_role(role[0], in_tensors + out_tensors if role[1] else out_tensors)
@@ -658,6 +672,7 @@ class Recorder(TorchDispatchMode):
         # Workspace blocks measured at zero bytes are dropped with their two ticks: the
         # ledger is then the one a step that knew the figures beforehand records.
         empty = {i for i, r in enumerate(self.records) if r.category is Category.WORKSPACE and not r.nbytes}
+        empty |= self.observer.merged  # allocations the unwatched step never makes
         gone = sorted(t for i in empty for t in (self.records[i].born, self.records[i].died) if t is not None)
 
         def at(tick: int) -> int:  # a tick index (or a span's boundary) once ``gone`` are removed
