@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/memfit demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
