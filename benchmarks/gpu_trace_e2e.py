@@ -179,8 +179,9 @@ CASES += [
         "repo": "Maphsge4/select_n",
         "commit": "1f2f548046cdbb1962c54843a8149a88b930a5f1",
         "trace": "snapshot.pickle",
-        "code": "bert",
+        "code": "lib/transformers bert",  # the bundled transformers and the config file, exported
         "config": "bert/bert_large_uncased_config.json",
+        "path": ".",
         "family": "encoder",
         "script": "bert/bert_original.py -> validate_old.py",
         "batch": 8,
@@ -227,24 +228,60 @@ else:
     )
 """
 
-# BERT-large masked-LM evaluation (Maphsge4/select_n bert/bert_original.py -> validate_old.py): the model
-# is built from the repository's own config file (exported at the trace's commit) with the transformers
-# installed here, random weights, eager attention (the recording's bundled transformers 4.31 has no other).
-# The bundled BertSelfAttention computes matmul, / sqrt(d), + the all-ones mask's additive form, softmax;
-# the installed eager path computes matmul * scale, softmax (no mask is built when none is given). Both
-# hold two 128 MiB score blocks at once (the same two 128 MiB segments); the bundled one keeps them until
-# the layer returns, the installed one frees the first at softmax. Both are far below the logits' peak.
+# BERT-large masked-LM evaluation (Maphsge4/select_n bert/bert_original.py -> validate_old.py). The model
+# classes are the repository's own lib/transformers/models/bert/modeling_bert.py (transformers 4.31 as
+# bundled, exported at the trace's commit), not the installed transformers': its attention computes
+# matmul, / sqrt(d), + the all-ones mask's additive form, softmax, and keeps scores and probabilities until
+# the layer returns, where the installed eager path (matmul * scale, softmax, no mask) frees the first at
+# softmax; the two place the 64 MiB FFN blocks into the 128 MiB score segments differently (+2.95% reserved
+# with the installed one). The bundled package itself does not import here (4.31 wants `requests` and the
+# hub client of its day), so its modeling file is loaded into the installed transformers.models.bert
+# package (its relative imports resolve to the installed PreTrainedModel, outputs and activations), given
+# back what it calls on 4.31's PreTrainedModel that transformers 5 dropped (the mask helpers, compiled from
+# the bundled modeling_utils.py's own source) and transformers 5's form of its tied weights (the decoder
+# shares the word embeddings, as in 4.31). Weights random, the repository's config file, no download.
 BERT_MODEL = r"""
-import json, os, sys
+import ast, importlib.util, json, os, sys, typing, warnings
 import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
 import torch
-from transformers import BertConfig, BertForMaskedLM
+import transformers.pytorch_utils
+from transformers import BertConfig
+from transformers.models.bert import modeling_bert as installed
+from transformers.utils import logging
 
 case = json.loads(sys.argv[1])
 inference = True
+lib = os.path.join(case["code_dir"], "lib", "transformers")
+if not hasattr(transformers.pytorch_utils, "find_pruneable_heads_and_indices"):  # imported, used by prune_heads only
+    transformers.pytorch_utils.find_pruneable_heads_and_indices = None
+spec = importlib.util.spec_from_file_location(
+    "transformers.models.bert.select_n_modeling_bert", os.path.join(lib, "models", "bert", "modeling_bert.py")
+)
+bundled = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bundled
+spec.loader.exec_module(bundled)
+
+mu = os.path.join(lib, "modeling_utils.py")
+tree = ast.parse(open(mu).read(), mu)
+helpers = {"get_extended_attention_mask", "create_extended_attention_mask_for_decoder", "get_head_mask",
+           "_convert_head_mask_to_5d", "invert_attention_mask", "warn_if_padding_and_no_attention_mask"}
+defs = [f for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("ModuleUtilsMixin", "PreTrainedModel")
+        for f in c.body if isinstance(f, ast.FunctionDef) and f.name in helpers]
+mixin = ast.ClassDef(name="ModuleUtilsMixin", bases=[], keywords=[], body=defs, decorator_list=[])
+ns = {"torch": torch, "Tensor": torch.Tensor, "Optional": typing.Optional, "Tuple": typing.Tuple, "warnings": warnings,
+      "logger": logging.get_logger(spec.name)}
+exec(compile(ast.fix_missing_locations(ast.Module(body=[mixin], type_ignores=[])), mu, "exec"), ns)
+for name in helpers:
+    setattr(bundled.BertModel, name, ns["ModuleUtilsMixin"].__dict__[name])
+# Its padding check reads a value (`pad_token_id in input_ids[:, [-1, 0]]`, an .item()), which fake tensors
+# cannot answer; on the GPU it made three 512 B blocks in the small pool and freed them: skipped here.
+bundled.BertModel.warn_if_padding_and_no_attention_mask = lambda self, input_ids, attention_mask: None
+bundled.BertForMaskedLM._tied_weights_keys = installed.BertForMaskedLM._tied_weights_keys
+
 config = BertConfig.from_json_file(os.path.join(case["code_dir"], case["config"]))
 torch.manual_seed(0)
-model = BertForMaskedLM._from_config(config, attn_implementation="eager")
+model = bundled.BertForMaskedLM(config)
+assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
 # the script's dummy data loader: token ids in [3, vocab) of shape batch x 512, copied to the GPU per batch
 x = torch.randint(3, config.vocab_size, (case["batch"], case["seq_len"]))
 # memfit's step always has an optimizer; an inference step never steps it (the script's Adam is never stepped)
@@ -445,7 +482,8 @@ def recorded(mirrors: Path, case: dict, tmp: Path) -> dict:
 def predicted(mirrors: Path, case: dict, tmp: Path, deps: str | None) -> dict:
     code = tmp / "code"
     code.mkdir()
-    archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], case["code"])
+    # "code": the paths exported, space-separated
+    archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], *case["code"].split())
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
     path = [SRC, str(code / case.get("path", case["code"]))] + ([deps] if deps else [])
     # the case's "env": what the recording script set in its environment before CUDA started
