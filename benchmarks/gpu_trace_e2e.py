@@ -32,9 +32,13 @@ What the traced span is, per recording script, and how the prediction covers the
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
   (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
   ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+* Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
+  under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
+  from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
+  Its cuBLAS workspace (32 MiB) is the script's ``CUBLAS_WORKSPACE_CONFIG`` (the case's ``env``).
 
-Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B) say
-pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
+Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B; BERT's set by
+its env) say pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
 
 The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
 ``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
@@ -170,7 +174,7 @@ CASES += [
 # blocks at the peak. The cuBLAS workspace is 33,554,432 B: utils.seed_all sets
 # CUBLAS_WORKSPACE_CONFIG=:4096:8 (8 x 4 MiB) before CUDA starts. Not modelled: torch 2.1's separate
 # 1 MiB cuBLASLt workspace, allocated and freed around each addmm (torch now shares cuBLAS's), the
-# 32 KiB token batches re-copied per batch, and memfit's evaluation step running under inference_mode
+# 32 KiB token batches re-copied per batch, the 5,120 B `target` batch copied and never used, and memfit's evaluation step running under inference_mode
 # where the script ran no_grad (neither keeps anything for backward in a forward).
 CASES += [
     {
