@@ -32,9 +32,13 @@ What the traced span is, per recording script, and how the prediction covers the
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
   (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
   ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+* Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
+  under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
+  from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
+  Its cuBLAS workspace (32 MiB) is the script's ``CUBLAS_WORKSPACE_CONFIG`` (the case's ``env``).
 
-Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B) say
-pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
+Every case names the GPU it runs as (``gpu``): the traces' cuBLAS workspaces (8,519,680 B; BERT's set by
+its env) say pre-Hopper, and memfit's default (H100) would add 32 MiB workspaces instead.
 
 The fetched code needs ``einops``, ``einx`` and ``jaxtyping`` importable (``--deps DIR``: a
 ``pip install --target DIR einops einx jaxtyping``, put on the child's path only).
@@ -157,16 +161,54 @@ CASES += [
     }
 ]
 
-CHILD = r"""
+# Maphsge4/select_n bert/bert_original.py (run as `python -m bert.bert_original`, default arguments except
+# the batch): BertForMaskedLM from bert/bert_large_uncased_config.json (24 layers, hidden 1024, 16 heads,
+# ffn 4096, vocab 30,522), fp32, model.cuda(), then validate_old.py: model.eval(), torch.no_grad(),
+# _record_memory_history, then `for images, target in loader: images = images.cuda(); target = ...;
+# output = model(images)` over the loader's 2 batches (prepare_dataloader(2 * batch, batch, vocab)), then
+# the snapshot: no loss, no backward. The trace's own sizes confirm it: it starts with 1,341,517,312 B
+# alive (the weights; the 30,522 x 1,024 embedding, tied to the decoder, one 120 MiB block, the split rule
+# leaving its 0.8 MiB tail in it), the logits are 500,072,448 B = 8*512*30,522*4 (batch 8, fp32), the
+# scores 134,217,728 B = 8*16*512*512*4, hidden states 16 MiB = 8*512*1,024*4; the first batch's logits
+# are freed when the second forward returns (`output` rebound), after the second's were made: two logits
+# blocks at the peak. The cuBLAS workspace is 33,554,432 B: utils.seed_all sets
+# CUBLAS_WORKSPACE_CONFIG=:4096:8 (8 x 4 MiB) before CUDA starts. Not modelled: torch 2.1's separate
+# 1 MiB cuBLASLt workspace, allocated and freed around each addmm (torch now shares cuBLAS's), the
+# 32 KiB token batches re-copied per batch, the 5,120 B `target` batch copied and never used, and memfit's evaluation step running under inference_mode
+# where the script ran no_grad (neither keeps anything for backward in a forward).
+CASES += [
+    {
+        "name": "BERT-large MLM eval 8x512 fp32 no_grad",
+        "kind": "bert_eval",
+        "repo": "Maphsge4/select_n",
+        "commit": "1f2f548046cdbb1962c54843a8149a88b930a5f1",
+        "trace": "snapshot.pickle",
+        "code": "lib/transformers bert",  # the bundled transformers and the config file, exported
+        "config": "bert/bert_large_uncased_config.json",
+        "path": ".",
+        "family": "encoder",
+        "script": "bert/bert_original.py -> validate_old.py",
+        "batch": 8,
+        "seq_len": 512,
+        "inference": True,
+        "warmup": 1,  # the first of the loader's two batches; the trace spans both
+        "peaks_from_start": True,  # recording began before the first batch; no peak reset
+        "holds_output": True,
+        "del_output": False,
+        "output_module": "cls.predictions.decoder",
+        "env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        "gpu": "A100-80GB",  # the trace does not say which GPU: its workspace size is the env's, not the GPU's
+        "span": "2 evaluation forwards, the first's logits held into the second",
+    }
+]
+
+CS336_MODEL = r"""
 import json, sys
 import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
 import torch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
 from cs336_basics.nn_utils import cross_entropy
-from memfit.measure.allocator import Alloc, CachingAllocator, Free, ledger_events
-from memfit.measure.ledger import Phase
-from memfit.measure.profile import allocator_settings_from_env
 
 case = json.loads(sys.argv[1])
 d = case["dims"]
@@ -188,6 +230,76 @@ else:
     prof = memfit.profile(
         model, x, targets=y, loss_fn=cross_entropy, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu")
     )
+"""
+
+# BERT-large masked-LM evaluation (Maphsge4/select_n bert/bert_original.py -> validate_old.py). The model
+# classes are the repository's own lib/transformers/models/bert/modeling_bert.py (transformers 4.31 as
+# bundled, exported at the trace's commit), not the installed transformers': its attention computes
+# matmul, / sqrt(d), + the all-ones mask's additive form, softmax, and keeps scores and probabilities until
+# the layer returns, where the installed eager path (matmul * scale, softmax, no mask) frees the first at
+# softmax; the two place the 64 MiB FFN blocks into the 128 MiB score segments differently (+2.95% reserved
+# with the installed one). The bundled package itself does not import here (4.31 wants `requests` and the
+# hub client of its day), so its modeling file is loaded into the installed transformers.models.bert
+# package (its relative imports resolve to the installed PreTrainedModel, outputs and activations), given
+# back what it calls on 4.31's PreTrainedModel that transformers 5 dropped (the mask helpers, compiled from
+# the bundled modeling_utils.py's own source) and transformers 5's form of its tied weights (the decoder
+# shares the word embeddings, as in 4.31). Weights random, the repository's config file, no download.
+BERT_MODEL = r"""
+import ast, importlib.util, json, os, sys, typing, warnings
+import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
+import torch
+import transformers.pytorch_utils
+from transformers import BertConfig
+from transformers.models.bert import modeling_bert as installed
+from transformers.utils import logging
+
+case = json.loads(sys.argv[1])
+inference = True
+lib = os.path.join(case["code_dir"], "lib", "transformers")
+if not hasattr(transformers.pytorch_utils, "find_pruneable_heads_and_indices"):  # imported, used by prune_heads only
+    transformers.pytorch_utils.find_pruneable_heads_and_indices = None
+spec = importlib.util.spec_from_file_location(
+    "transformers.models.bert.select_n_modeling_bert", os.path.join(lib, "models", "bert", "modeling_bert.py")
+)
+bundled = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bundled
+spec.loader.exec_module(bundled)
+
+mu = os.path.join(lib, "modeling_utils.py")
+tree = ast.parse(open(mu).read(), mu)
+helpers = {"get_extended_attention_mask", "create_extended_attention_mask_for_decoder", "get_head_mask",
+           "_convert_head_mask_to_5d", "invert_attention_mask", "warn_if_padding_and_no_attention_mask"}
+defs = [f for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("ModuleUtilsMixin", "PreTrainedModel")
+        for f in c.body if isinstance(f, ast.FunctionDef) and f.name in helpers]
+mixin = ast.ClassDef(name="ModuleUtilsMixin", bases=[], keywords=[], body=defs, decorator_list=[])
+ns = {"torch": torch, "Tensor": torch.Tensor, "Optional": typing.Optional, "Tuple": typing.Tuple, "warnings": warnings,
+      "logger": logging.get_logger(spec.name)}
+exec(compile(ast.fix_missing_locations(ast.Module(body=[mixin], type_ignores=[])), mu, "exec"), ns)
+for name in helpers:
+    setattr(bundled.BertModel, name, ns["ModuleUtilsMixin"].__dict__[name])
+# Its padding check reads a value (`pad_token_id in input_ids[:, [-1, 0]]`, an .item()), which fake tensors
+# cannot answer; on the GPU it made three 512 B blocks in the small pool and freed them: skipped here.
+bundled.BertModel.warn_if_padding_and_no_attention_mask = lambda self, input_ids, attention_mask: None
+bundled.BertForMaskedLM._tied_weights_keys = installed.BertForMaskedLM._tied_weights_keys
+
+config = BertConfig.from_json_file(os.path.join(case["code_dir"], case["config"]))
+torch.manual_seed(0)
+model = bundled.BertForMaskedLM(config)
+assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+# the script's dummy data loader: token ids in [3, vocab) of shape batch x 512, copied to the GPU per batch
+x = torch.randint(3, config.vocab_size, (case["batch"], case["seq_len"]))
+# memfit's step always has an optimizer; an inference step never steps it (the script's Adam is never stepped)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+step = memfit.StepOptions(inference=True)
+prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
+"""
+
+# The recording loop replayed over the profiled step's ledger: needs `case`, `prof` and `inference`.
+LOOP_REPLAY = r"""
+from memfit.measure.allocator import Alloc, CachingAllocator, Free, ledger_events
+from memfit.measure.ledger import Phase
+from memfit.measure.profile import allocator_settings_from_env
+
 led = prof.ledger
 
 # The recording script's warm-up before the traced step, through the same allocator model: the
@@ -221,10 +333,11 @@ def run(evs):
 # The script keeps `output` (the logits) until the next step's forward has returned
 # (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
 # drops it after backward. The logits: the largest tensor the forward made in the model's last module.
-# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps.
+# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps; one
+# that assigns it (`output = model(x)`, "holds_output") holds it until the next forward returns.
 last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
 logits = max(last_module, key=lambda b: b.nbytes).id
-holds_output = not inference
+holds_output = case.get("holds_output", not inference)
 rebound = next(
     i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
 )
@@ -256,8 +369,9 @@ for k in range(1, case["warmup"] + 1):
 held = holds_output and not case.get("del_output", True)
 if holds_output and not held:
     run([Free((case["warmup"], logits))])  # del output, loss
-alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
-alloc.reserved_at_allocated_peak = alloc.reserved
+if not case.get("peaks_from_start", False):  # the script reset the peaks before the traced step
+    alloc.allocated_peak, alloc.reserved_peak = alloc.allocated, alloc.reserved
+    alloc.reserved_at_allocated_peak = alloc.reserved
 run(step(case["warmup"] + 1, hold_previous=held))
 warm = alloc.stats()
 print(json.dumps({
@@ -341,7 +455,7 @@ print(json.dumps({
     "peak_phase": prof.peak["phase"],
 }))
 """
-CHILDREN = {"cs336": CHILD, "eor_counterfactual": EOR_CHILD}
+CHILDREN = {"cs336": CS336_MODEL + LOOP_REPLAY, "bert_eval": BERT_MODEL + LOOP_REPLAY, "eor_counterfactual": EOR_CHILD}
 
 
 def _git(mirror: Path, *args: str) -> bytes:
@@ -372,12 +486,15 @@ def recorded(mirrors: Path, case: dict, tmp: Path) -> dict:
 def predicted(mirrors: Path, case: dict, tmp: Path, deps: str | None) -> dict:
     code = tmp / "code"
     code.mkdir()
-    archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], case["code"])
+    # "code": the paths exported, space-separated
+    archive = _git(_mirror(mirrors, case["repo"]), "archive", case["commit"], *case["code"].split())
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
     path = [SRC, str(code / case.get("path", case["code"]))] + ([deps] if deps else [])
-    env = {**os.environ, "MEMFIT_FAKE_CUDA": "1", "PYTHONPATH": os.pathsep.join(path)}
+    # the case's "env": what the recording script set in its environment before CUDA started
+    env = {**os.environ, **case.get("env", {}), "MEMFIT_FAKE_CUDA": "1", "PYTHONPATH": os.pathsep.join(path)}
     child = CHILDREN[case.get("kind", "cs336")]
-    done = subprocess.run([sys.executable, "-c", child, json.dumps(case)], env=env, capture_output=True, text=True)
+    arg = json.dumps({**case, "code_dir": str(code)})
+    done = subprocess.run([sys.executable, "-c", child, arg], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{case['name']}: the fake-CUDA step failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
