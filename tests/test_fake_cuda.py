@@ -362,8 +362,9 @@ PLAN_SCRIPT = textwrap.dedent(
     kw = dict(loss_fn=w.loss_fn, targets=w.targets)
     base = memfit.profile(w.model, w.inputs, optimizer=w.make_optimizer(), fake="cuda", **kw)
     # a budget under the step's reserved peak but over its allocated one: met only if the
-    # plan is judged by what it reserves
-    budget = base.allocated_peak_bytes - 4 * 2**20
+    # plan is judged by what it reserves (the reserved peaks replay the training loop from an
+    # empty cache: the lowest a plan reaches is over the step's allocated peak here)
+    budget = base.reserved_peak_bytes - 8 * 2**20
     plan = memfit.plan(w.model, w.inputs, budget, optimizer=w.make_optimizer(), fake="cuda", **kw)
     memfit.apply(w.model, plan)
     after = memfit.profile(w.model, w.inputs, optimizer=w.make_optimizer(), fake="cuda", **kw)
@@ -392,7 +393,7 @@ def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_prof
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     plan = r["plan"]
-    assert r["base_reserved"] > r["base_allocated"] > r["budget"] and plan["checkpointed"]
+    assert r["base_reserved"] > r["budget"] > r["base_allocated"] and plan["checkpointed"]
     assert plan["peak_basis"] == "reserved_peak_bytes" and plan["none_peak_bytes"] == r["base_reserved"]
     # the planned step, profiled again with the plan applied, reserves exactly what the plan predicted
     assert r["reserved"] == plan["predicted_peak_bytes"] <= r["budget"]
