@@ -4,7 +4,7 @@
 
 ``DIR`` holds ``torch.cuda.memory._dump_snapshot`` pickles recorded on real GPUs (fetched
 separately, never committed: see BENCHMARKS.md for where they come from). For each trace the
-recorded requests are replayed through :class:`memfit.measure.allocator.CachingAllocator` from the
+recorded requests are replayed through :class:`memfit.cuda.allocator.CachingAllocator` from the
 state the trace began with, and compared with what the GPU's allocator did: the share of
 allocations placed at the very address it chose, whether every ``segment_alloc`` (``cudaMalloc``)
 happened at the same request with the same size, reserved bytes at the end, and the peaks
@@ -21,8 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from memfit.measure.allocator import CachingAllocator
-from memfit.measure.snapshot import SnapshotError, load_snapshot, relive, replay_trace
+from memfit.cuda.allocator import CachingAllocator
+from memfit.cuda.snapshot import SnapshotError, load_snapshot, relive, replay_trace
 from memfit.units import format_bytes
 
 

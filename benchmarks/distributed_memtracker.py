@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memfit import zoo
-from memfit.measure import _hf_fake
+from memfit.compat import hf_fake as _hf_fake
 from memfit.measure.ledger import Category, Ledger
 from memfit.zoo import parse_sizes
 

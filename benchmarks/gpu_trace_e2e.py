@@ -11,7 +11,7 @@ trace's commit into a temporary directory and imported from there; the same step
 context length, autocast, optimizer, the recording script's loop) runs on fake CUDA in a fresh
 interpreter (``MEMFIT_FAKE_CUDA=1`` before torch starts) under :func:`memfit.profile`, and its
 ``allocated_peak_bytes`` / ``reserved_peak_bytes`` are compared with the peaks the GPU recorded
-over the traced span (:func:`memfit.measure.snapshot.relive`: the state the trace starts with
+over the traced span (:func:`memfit.cuda.snapshot.relive`: the state the trace starts with
 included, as memfit's peaks include the step's start).
 
 What the traced span is, per recording script, and how the prediction covers the same span:
@@ -296,7 +296,8 @@ prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu
 
 # The recording loop replayed over the profiled step's ledger: needs `case`, `prof` and `inference`.
 LOOP_REPLAY = r"""
-from memfit.measure.allocator import Alloc, CachingAllocator, Free, ledger_events
+from memfit.cuda.allocator import Alloc, CachingAllocator, Free
+from memfit.measure.replay import ledger_events
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import allocator_settings_from_env
 
@@ -391,9 +392,9 @@ import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=
 import torch
 from torch import nn, optim
 from dataclasses import replace
-from memfit.measure import _fake_cuda
-from memfit.measure.allocator import replay_training
-from memfit.measure.gpu import GPUS
+from memfit.cuda import fake as _fake_cuda
+from memfit.measure.replay import replay_training
+from memfit.cuda.gpu import GPUS
 from memfit.measure.ledger import Category
 
 case = json.loads(sys.argv[1])
@@ -470,7 +471,7 @@ def _mirror(mirrors: Path, repo: str) -> Path:
 
 
 def recorded(mirrors: Path, case: dict, tmp: Path) -> dict:
-    from memfit.measure.snapshot import load_snapshot, relive
+    from memfit.cuda.snapshot import load_snapshot, relive
 
     pickle_path = tmp / "trace.pickle"
     pickle_path.write_bytes(_git(_mirror(mirrors, case["repo"]), "show", f"{case['commit']}:{case['trace']}"))

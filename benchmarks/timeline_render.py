@@ -74,7 +74,7 @@ def synthetic_snapshot(events: int = 100_000, seed: int = 0) -> dict:
     splits and segments are consistent the way a real GPU's are): parameters allocated before
     recording began, then per step each layer's activations and temporaries (some under 1 MiB,
     in the small pool), freed in backward; the gradients allocated in the first step stay."""
-    from memfit.measure.allocator import CachingAllocator
+    from memfit.cuda.allocator import CachingAllocator
 
     rng = random.Random(seed)
     alloc = CachingAllocator()
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     lines = []
     if ns.cuda:
-        from memfit.measure.allocator import ledger_series
+        from memfit.measure.replay import ledger_series
 
         s = ledger_series(ledger)
         lines = [("allocated", s.allocated, s.stats.allocated_peak_bytes), ("reserved", s.reserved, s.stats.reserved_peak_bytes)]
@@ -214,7 +214,7 @@ def _report(ns, name: str, head: str, row: list, page: str, png: bytes, png_s: f
 
 
 def _snapshot(ns: argparse.Namespace) -> int:
-    from memfit.measure.snapshot import relive, trace_timeline
+    from memfit.cuda.snapshot import relive, trace_timeline
     from memfit.report.timeline import snapshot_timeline, timeline_html, timeline_png
 
     snap = synthetic_snapshot(ns.snapshot_events)

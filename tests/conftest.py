@@ -212,7 +212,7 @@ def assert_equivalent(
 def shim_cache(tmp_path_factory) -> Path:
     """A cache holding the built fake-CUDA shim (built once per session); the tests that use
     it skip, saying why, where it cannot be built."""
-    from memfit.measure import _fake_cuda
+    from memfit.cuda import fake as _fake_cuda
 
     cache = tmp_path_factory.mktemp("memfit-cache")
     try:

@@ -12,7 +12,7 @@ import pytest
 from memfit import Block as LedgerBlock
 from memfit import Category, Ledger, Phase, Tick
 from memfit.cli import main
-from memfit.measure.allocator import (
+from memfit.cuda.allocator import (
     Alloc,
     AllocatorConfigError,
     AllocatorOutOfMemory,
@@ -22,11 +22,11 @@ from memfit.measure.allocator import (
     Free,
     allocation_size,
     replay,
-    replay_ledger,
     round_size,
 )
+from memfit.cuda.snapshot import SnapshotError, load_snapshot, relive, replay_trace
 from memfit.measure.ledger import START_TICK
-from memfit.measure.snapshot import SnapshotError, load_snapshot, relive, replay_trace
+from memfit.measure.replay import replay_ledger
 
 MiB = 1 << 20
 
@@ -449,7 +449,7 @@ def _loop_ledger():
 
 
 def test_first_step_makes_optimizer_state_and_workspaces_where_the_program_does():
-    from memfit.measure.allocator import _start_placement, _step_events, _successors
+    from memfit.measure.replay import _start_placement, _step_events, _successors
 
     led = _loop_ledger()
     before, during = _start_placement(led)
@@ -465,7 +465,7 @@ def test_first_step_makes_optimizer_state_and_workspaces_where_the_program_does(
 
 
 def test_replay_training_runs_until_the_allocator_repeats_itself():
-    from memfit.measure.allocator import replay_training
+    from memfit.measure.replay import replay_training
 
     run = replay_training(_loop_ledger())
     assert run.steady and run.steps == 2  # the second step leaves the allocator as the first did
@@ -486,8 +486,8 @@ def test_start_state_is_placed_in_program_order():
     import torch
 
     import memfit
-    from memfit.measure.allocator import _start_placement
     from memfit.measure.ledger import START_TICK, Category
+    from memfit.measure.replay import _start_placement
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:

@@ -512,7 +512,7 @@ def test_fit_refused_budget_says_why_micro_batching_was_left_out(tmp_path, capsy
 def test_gpu_flag_leaves_the_simulated_gpu_as_it_was(capsys):
     # main() runs in-process (tests, a notebook): --gpu is that command's GPU, even when the
     # command then fails (here on --budget given with --gpu, after --gpu was read).
-    from memfit.measure import _fake_cuda
+    from memfit.cuda import fake as _fake_cuda
 
     before = _fake_cuda.gpu()
     assert before.key != "A100-40GB"

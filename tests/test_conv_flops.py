@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
-from memfit.measure._torch_compat import CORRECTED_FLOPS
+from memfit.compat.torch_compat import CORRECTED_FLOPS
 
 
 def _forward(n: int, cin: int, cout: int, groups: int, hout: int, wout: int, k: int) -> int:

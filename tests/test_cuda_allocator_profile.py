@@ -75,8 +75,9 @@ def test_reserved_peak_replays_the_loop_by_default(default_profile):
     """The profile's peaks are the training loop's (replay_training: construction in program
     order, a first step that makes AdamW's state, steady steps until the allocator repeats
     itself), not one step replayed from an empty cache: the JSON says how many steps."""
-    from memfit.measure.allocator import AllocatorSettings, replay_ledger, replay_training
+    from memfit.cuda.allocator import AllocatorSettings
     from memfit.measure.ledger import Ledger
+    from memfit.measure.replay import replay_ledger, replay_training
 
     data, _ = default_profile
     ledger = Ledger.from_dict(data["ledger"])

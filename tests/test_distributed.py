@@ -338,7 +338,8 @@ def test_transformers_still_finds_fake_positions_packed():
     # and answers "packed" (builds a mask per layer). If this fails, transformers decides
     # otherwise now and the adapter may go.
     mu = pytest.importorskip("transformers.masking_utils")
-    from memfit.measure import _hf_fake, _torch_compat
+    from memfit.compat import hf_fake as _hf_fake
+    from memfit.compat import torch_compat as _torch_compat
 
     mode = _torch_compat.new_fake_mode()
     with mode:

@@ -211,7 +211,7 @@ def test_cli_plan_world_size(tmp_path, capsys):
 def test_fsdp2_state_is_found_where_the_adapter_looks():
     # the stateful check skips FSDP2's state (changed by its hooks, never by a recompute) by the
     # keys torch's composable contract stores it under: a torch that moves it fails here
-    from memfit.measure import _torch_compat
+    from memfit.compat import torch_compat as _torch_compat
     from memfit.measure.distributed import FakeGroup, rank_sandbox
 
     with rank_sandbox(_workload(), FakeGroup(2, 0)) as box:

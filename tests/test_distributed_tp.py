@@ -19,8 +19,9 @@ pytest.importorskip("transformers")
 
 import memfit  # noqa: E402
 from memfit import Workload, zoo  # noqa: E402
+from memfit.compat import torch_compat as _torch_compat  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
-from memfit.measure import _distributed, _torch_compat  # noqa: E402
+from memfit.measure import _distributed  # noqa: E402
 from memfit.measure.distributed import CURRENT_GROUP, profile_rank, profile_ranks, without_backend_buffers  # noqa: E402
 from memfit.measure.ledger import Category, Ledger, Phase  # noqa: E402
 from memfit.plan.distributed import plan_ranks  # noqa: E402

@@ -1,4 +1,4 @@
-"""Fake CUDA (memfit.measure._fake_cuda): a step on fake CUDA tensors with CUDA's semantics,
+"""Fake CUDA (memfit.cuda.fake): a step on fake CUDA tensors with CUDA's semantics,
 on the CPU build of torch. The shim must load before torch, so every fake-CUDA step runs in
 a fresh interpreter; the shim is built once per session into a temporary cache."""
 
@@ -16,7 +16,7 @@ import torch
 
 import memfit
 from memfit.cli import main
-from memfit.measure import _fake_cuda
+from memfit.cuda import fake as _fake_cuda
 
 SRC = str(Path(memfit.__file__).resolve().parents[1])
 
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
     import json, memfit, torch
     import torch.nn as nn
     from torch.utils._python_dispatch import TorchDispatchMode
-    from memfit.measure import _fake_cuda
+    from memfit.cuda import fake as _fake_cuda
     from memfit.measure.sandbox import fake_sandbox
     from memfit.measure.step import StepOptions
     from memfit.workload import split_inputs

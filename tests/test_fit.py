@@ -428,7 +428,7 @@ def test_eight_bit_kernel_temporaries_are_counted(optimizer_bound):
 
 
 def test_eight_bit_state_is_left_out_with_the_reason():
-    from memfit.measure import _optim8bit
+    from memfit.compat import optim8bit as _optim8bit
 
     model = _mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -449,9 +449,10 @@ def test_eight_bit_state_is_left_out_with_the_reason():
 
 
 def test_bitsandbytes_quantisation_maps_can_be_made_fake():
-    # The one bitsandbytes internal memfit touches (see memfit.measure._optim8bit).
+    # The one bitsandbytes internal memfit touches (see memfit.compat.optim8bit).
     bnb = pytest.importorskip("bitsandbytes")
-    from memfit.measure import _optim8bit, _torch_compat
+    from memfit.compat import optim8bit as _optim8bit
+    from memfit.compat import torch_compat as _torch_compat
 
     opt = bnb.optim.AdamW8bit([nn.Parameter(torch.zeros(4096))])
     assert isinstance(opt.name2qmap, dict) and opt.name2qmap, "bitsandbytes moved Optimizer8bit.name2qmap"

@@ -1,10 +1,10 @@
-"""memfit.measure.gpu: the GPU table, cuBLAS's workspace size by generation, the fits answer."""
+"""memfit.cuda.gpu: the GPU table, cuBLAS's workspace size by generation, the fits answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from memfit.measure import gpu
+from memfit.cuda import gpu
 
 
 @pytest.mark.parametrize(

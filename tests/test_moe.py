@@ -22,7 +22,7 @@ from conftest import assert_bitwise, train
 
 import memfit
 from memfit.cli import main
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat as _torch_compat
 
 pytest.importorskip("transformers")
 if not hasattr(torch, "_grouped_mm"):

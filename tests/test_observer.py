@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat as _torch_compat
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.observer import ENGINE, KNOWN, TWINS
 from memfit.measure.recorder import Recorder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat as _torch_compat
 from memfit.measure.inputs import input_bytes, map_shared
 
 ROOT = Path(__file__).resolve().parents[1]

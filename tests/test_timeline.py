@@ -23,10 +23,10 @@ from torch import nn
 
 import memfit
 from memfit.cli import main
-from memfit.measure.allocator import ledger_series, replay_ledger, replay_training
+from memfit.cuda.snapshot import relive, trace_timeline
 from memfit.measure.ledger import START_TICK, Block, Category, Ledger, Phase, Span, Tick
 from memfit.measure.profile import Profile
-from memfit.measure.snapshot import relive, trace_timeline
+from memfit.measure.replay import ledger_series, replay_training
 from memfit.report.timeline import (
     COLUMNS,
     Timeline,

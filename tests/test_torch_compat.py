@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat as _torch_compat
 
 
 def test_storage_objects_are_preserved_and_die_with_the_last_view():

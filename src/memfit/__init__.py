@@ -13,7 +13,7 @@ Public API (everything else is internal)::
 
 # ruff: noqa: E402
 # First, before anything imports torch: fake CUDA has to be loaded ahead of it (when asked for).
-from memfit.measure import _fake_cuda
+from memfit.cuda import fake as _fake_cuda
 
 _fake_cuda.preload()
 

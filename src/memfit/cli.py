@@ -68,9 +68,9 @@ def _require_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu, fake or fake-cuda")
     if device == "fake-cuda":
-        from memfit.measure import _fake_cuda
+        from memfit.cuda import fake as fake_cuda
 
-        _fake_cuda.require()  # loaded by `import memfit` when this is the command; else says why not
+        fake_cuda.require()  # loaded by `import memfit` when this is the command; else says why not
 
 
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
@@ -88,7 +88,7 @@ def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
 
 def _gpu_args(ns: argparse.Namespace) -> tuple[Any, int | None]:
     """``--gpu`` and ``--capacity``, checked before any work: the GPU spec (None) and bytes (None)."""
-    from memfit.measure.gpu import GpuError, find_gpu
+    from memfit.cuda.gpu import GpuError, find_gpu
 
     spec = find_gpu(ns.gpu) if getattr(ns, "gpu", None) else None
     if spec is not None and ns.device != "fake-cuda":
@@ -103,13 +103,13 @@ def _gpu_args(ns: argparse.Namespace) -> tuple[Any, int | None]:
 def _budget(ns: argparse.Namespace) -> tuple[Any, str]:
     """``--budget``, or the (simulated) GPU's memory less the CUDA context estimate: the budget
     and how to print it. Sets the GPU fake CUDA simulates."""
-    from memfit.measure.gpu import CUDA_CONTEXT
+    from memfit.cuda.gpu import CUDA_CONTEXT
 
     spec, capacity = _gpu_args(ns)
     if spec is not None:
-        from memfit.measure import _fake_cuda
+        from memfit.cuda import fake as fake_cuda
 
-        _fake_cuda.set_gpu(spec)
+        fake_cuda.set_gpu(spec)
     if ns.budget is not None:
         if spec is not None or capacity is not None:
             raise MemfitError("give --budget, or --gpu/--capacity to take the budget from the GPU's memory, not both")
@@ -692,8 +692,8 @@ def _cmd_bench(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.measure.allocator import MiB
-    from memfit.measure.snapshot import summarize
+    from memfit.cuda.allocator import MiB
+    from memfit.cuda.snapshot import summarize
     from memfit.report.console import render_snapshot
 
     if ns.max_split_size_mb is not None and ns.max_split_size_mb < 20:
@@ -714,7 +714,7 @@ def _cmd_snapshot(ns: argparse.Namespace, console: Console) -> int:
         Path(ns.json).write_text(json.dumps(summary.to_dict(), indent=1))
         console.print(f"wrote {ns.json}")
     if ns.plot or ns.html:
-        from memfit.measure.snapshot import load_snapshot, trace_timeline
+        from memfit.cuda.snapshot import load_snapshot, trace_timeline
         from memfit.report.timeline import snapshot_timeline
 
         tt = trace_timeline(load_snapshot(ns.path), summary.recorded.device)
@@ -896,7 +896,7 @@ def _demo_big_batch(work: memfit.Workload, console: Console) -> None:
 
 
 def _gpu_options(p: argparse.ArgumentParser, *, capacity: bool = True) -> None:
-    from memfit.measure.gpu import GPUS
+    from memfit.cuda.gpu import GPUS
 
     p.add_argument(
         "--gpu",
@@ -1209,7 +1209,7 @@ def _end_size_lists(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memfit.measure import _fake_cuda
+    from memfit.cuda import fake as fake_cuda
 
     parser = _parser()
     args, ended = _end_size_lists(sys.argv[1:] if argv is None else list(argv))
@@ -1228,7 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
             soft_wrap=True,
         )
         return EXIT_ERROR
-    simulated = _fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
+    simulated = fake_cuda.gpu()  # --gpu sets it for this command, not for what the process does next
     try:
         return ns.func(ns, console)
     except MemfitError as exc:
@@ -1240,7 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"memfit: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_ERROR
     finally:
-        _fake_cuda.set_gpu(simulated)
+        fake_cuda.set_gpu(simulated)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.apply import cache
+from memfit.compat import torch_compat
 from memfit.errors import PlanError
-from memfit.measure import _torch_compat
 from memfit.measure.recorder import CHECKPOINTED
 from memfit.measure.scope import recompute_done, recompute_started
 from memfit.plan.stateful import call_state, changed
@@ -85,7 +85,7 @@ class _BufferGuard:
             self.mutated = [
                 (m, k)
                 for (m, k), v in before.items()
-                if m._buffers.get(k) is not None and (m._buffers[k]._version != v or _torch_compat.updates_running_stats(m))
+                if m._buffers.get(k) is not None and (m._buffers[k]._version != v or torch_compat.updates_running_stats(m))
             ]
 
     @contextlib.contextmanager

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
+from memfit.compat import optim8bit
 from memfit.errors import PlanError
 from memfit.levers.recipe import Recipe
-from memfit.measure import _optim8bit
 from memfit.measure.step import offload_saved, train_step
 from memfit.plan.result import check_fingerprint
 from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
@@ -124,7 +124,7 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
         optimizer = default_optimizer([p for p in inner.parameters() if p.requires_grad])
     if step.optimizer_8bit:
         # checked before anything changes: a recipe that cannot be applied whole changes nothing
-        why = _optim8bit.unavailable(optimizer)
+        why = optim8bit.unavailable(optimizer)
         if why is not None:
             raise PlanError(f"the recipe uses 8-bit optimizer state, but {why}")
     # The plan first: it was made (and fingerprinted) on the parameters as they were.
@@ -143,7 +143,7 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
         for group in optimizer.param_groups:
             group["foreach"] = step.foreach
     if step.optimizer_8bit:
-        optimizer = _optim8bit.eight_bit(optimizer)
+        optimizer = optim8bit.eight_bit(optimizer)
     device = next((p.device for p in inner.parameters()), torch.device("cpu"))
     return AppliedRecipe(
         model=model,

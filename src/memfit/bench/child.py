@@ -220,7 +220,7 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return {"step_time_s": statistics.median(times), "step_times_s": times}
     if ns.measure == "flops":
-        from memfit.measure._torch_compat import CORRECTED_FLOPS
+        from memfit.compat.torch_compat import CORRECTED_FLOPS
 
         with FlopCounterMode(display=False, custom_mapping=CORRECTED_FLOPS) as counter:
             step()

@@ -64,10 +64,10 @@ from torch import nn
 
 from memfit.apply.cache import switched_off
 from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
+from memfit.compat import optim8bit, torch_compat
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError, WorkloadError
 from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
-from memfit.measure import _optim8bit, _torch_compat
-from memfit.measure.allocator import AllocatorSettings
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory
 from memfit.measure.profile import _run as run_step
@@ -212,7 +212,7 @@ def _loss_scales(
 def _micro_batching(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, targets: Any = None
 ) -> tuple[dict[int, float], str | None]:
-    norms = [name for name, m in model.named_modules() if _torch_compat.uses_batch_statistics(m)]
+    norms = [name for name, m in model.named_modules() if torch_compat.uses_batch_statistics(m)]
     if norms:
         return {}, (
             f"the model normalises with batch statistics ({type(model.get_submodule(norms[0])).__name__} {norms[0]!r}"
@@ -825,7 +825,7 @@ def fit(
             left_out[lever] = f"the parameters are {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}, not float32"
         else:
             precisions.append(lever)
-    foreach_now = _torch_compat.uses_foreach(optimizer)
+    foreach_now = torch_compat.uses_foreach(optimizer)
     if "foreach" not in allowed:
         left_out["foreach"] = "changes the numerics (another summation order): opt in with allow='foreach' (--allow foreach)"
     elif foreach_now is None:
@@ -833,7 +833,7 @@ def fit(
     if "8bit" not in allowed:
         left_out["8bit"] = "changes the numerics (quantised optimizer state): opt in with allow='8bit' (--allow 8bit)"
     else:
-        why_not = _optim8bit.unavailable(optimizer)
+        why_not = optim8bit.unavailable(optimizer)
         if why_not is not None:
             left_out["8bit"] = why_not
     why_not = _offload_unavailable(device) or exclude.get("offload")

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from memfit.apply.checkpoint import unwrap
+from memfit.compat import optim8bit
 from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.levers.fit import fit, fit_budget, parse_allow
 from memfit.levers.recipe import Recipe
-from memfit.measure import _optim8bit
 from memfit.measure.profile import Progress, check_step, fake_peaks
 from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
@@ -262,7 +262,7 @@ def max_batch(
         variants["amp"] = StepOptions(autocast="float16" if cuda else "bfloat16", grad_scaler=cuda)
     if "bf16" in allowed and dtypes == {torch.float32}:
         variants["bf16"] = StepOptions(param_dtype="bfloat16")
-    if "8bit" in allowed and _optim8bit.unavailable(optimizer) is None:
+    if "8bit" in allowed and optim8bit.unavailable(optimizer) is None:
         variants["8bit"] = StepOptions(optimizer_8bit=True)
     if cuda and not fake_cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
         variants["offload"] = StepOptions(offload=True)

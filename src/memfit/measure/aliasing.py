@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat
 
 __all__ = ["returned_inputs", "FRESH_INPUT_OPS"]
 
@@ -87,19 +87,19 @@ def returned_inputs(
     fresh = [t for t in outputs if t is not None and _storage_id(t) not in by_storage]
     if not fresh:
         return []
-    kernel = _torch_compat.composite_kernel(func)
+    kernel = torch_compat.composite_kernel(func)
     if kernel is None:
         # A view of a real tensor the step keeps outside the model (a constant; the
         # recorder's own detach of a saved one): the fake mode makes it a view of the fake
         # tensor it converts that one to, whose storage is another than the real one's.
         # (Ops that only may alias, ``to`` or ``reshape``, are composite: asked above.)
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if source is None or _torch_compat.is_fake(source) or func.overloadpacket._qualified_op_name in FRESH_INPUT_OPS:
+        if source is None or torch_compat.is_fake(source) or func.overloadpacket._qualified_op_name in FRESH_INPUT_OPS:
             return []
         if not (func.is_view or _aliases_self(func)):
             return []
         return [(t, source) for t in fresh]
-    if not _torch_compat.python_decomposition(func) and all(_torch_compat.is_fake(t) for t in inputs):
+    if not torch_compat.python_decomposition(func) and all(torch_compat.is_fake(t) for t in inputs):
         return []  # the fake mode ran this very kernel on these very tensors: nothing to ask
     try:
         real = _flat(kernel(*args, **kwargs))

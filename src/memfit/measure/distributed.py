@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from memfit.compat import torch_compat
 from memfit.errors import MemfitError, WorkloadError
-from memfit.measure import _distributed, _torch_compat
+from memfit.measure import _distributed
 from memfit.measure.ledger import START_TICK, Category, Ledger
 from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, _run, record_step
 from memfit.measure.recorder import Recorder
@@ -271,7 +272,7 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
             world_size, rank = dist.get_world_size(), dist.get_rank()
         report(f"rank {rank} of {world_size}: parallelizing", 0, 3)
         mesh = _mesh(parallel, world_size)  # outside FakeTensorMode: its setup runs collectives on real tensors
-        mode = _torch_compat.new_fake_mode() if fake else None
+        mode = torch_compat.new_fake_mode() if fake else None
         box = _parallel_sandbox(workload, parallel, mesh, mode)
         yield box
 
@@ -417,7 +418,7 @@ def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
 
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device="cpu")
-        if not _torch_compat.is_fake(next(model.parameters(), torch.empty(0))):
+        if not torch_compat.is_fake(next(model.parameters(), torch.empty(0))):
             _initialise(model)
     pg = mesh.get_group()
     fake = dist.get_backend(pg) == "fake"

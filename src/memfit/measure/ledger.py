@@ -175,10 +175,10 @@ class Ledger:
     """CUDA steps: cuBLAS workspaces among the :attr:`Category.WORKSPACE` blocks (one per
     thread and stream that ran a cuBLAS op, alive from the start; no tensor shows them)."""
     cublas_workspace_bytes: int = 0
-    """Bytes of each of them (by the GPU's generation, :func:`memfit.measure.gpu.cublas_workspace_bytes`)."""
+    """Bytes of each of them (by the GPU's generation, :func:`memfit.cuda.gpu.cublas_workspace_bytes`)."""
     attention_estimates: int = 0
     """Fake CUDA steps: SDPA backward calls whose :attr:`Category.WORKSPACE` block is an
-    estimate of the kernel's own temporaries (:func:`memfit.measure.gpu.attention_backward_bytes`),
+    estimate of the kernel's own temporaries (:func:`memfit.cuda.gpu.attention_backward_bytes`),
     not a measurement."""
     nondeterministic: list[Finding] = field(default_factory=list)
     """Ops of the step whose result differs from run to run even without memfit, on this
@@ -188,7 +188,7 @@ class Ledger:
     """Blocks alive at the start (``START_TICK``) that the step first touched at a tick, by id:
     what the step made for itself the first time it ran and kept (a cuBLAS workspace, made at a
     thread's first cuBLAS call; a tensor a module caches), found only when used. A replay of the
-    program's first step (:func:`memfit.measure.allocator.replay_training`) allocates them
+    program's first step (:func:`memfit.measure.replay.replay_training`) allocates them
     there rather than before the step."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
     _op_outputs: tuple[list[int], dict[int, int]] | None = field(default=None, repr=False, compare=False)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat
 
 __all__ = ["Twin", "Known", "TWINS", "KNOWN", "ENGINE", "Observer"]
 
@@ -203,7 +203,7 @@ class Observer:
         """An op is dispatched (before its outputs are recorded)."""
         self._calls += 1
         self._pending = None
-        node = _torch_compat.current_autograd_node() if backward else None
+        node = torch_compat.current_autograd_node() if backward else None
         key = None if node is None else node[0]
         if key != self._node:
             self._node = key

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from memfit.apply.cache import turned_off
+from memfit.cuda import gpu as gpus
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
-from memfit.measure import gpu as gpus
 from memfit.measure import determinism, workspace
-from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
+from memfit.measure.replay import replay_training
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
@@ -77,12 +78,12 @@ class CudaMemory:
     settings: AllocatorSettings
     """The ``PYTORCH_CUDA_ALLOC_CONF`` the step ran (or was replayed) under."""
     source: str
-    """``"caching allocator model"`` (the ledger replayed through :mod:`memfit.measure.allocator`)
+    """``"caching allocator model"`` (the ledger replayed through :mod:`memfit.cuda.allocator`)
     or ``"torch.cuda.max_memory_allocated/reserved"`` (measured on a real GPU)."""
     model: dict[str, int] | None = None
     """On a real GPU, the allocator model's replay of the same ledger, beside the measurement."""
     replayed_steps: int | None = None
-    """The model: steps replayed as the training loop runs them (:func:`~memfit.measure.allocator.replay_training`:
+    """The model: steps replayed as the training loop runs them (:func:`~memfit.measure.replay.replay_training`:
     the model and inputs placed in program order, a first step that makes the optimizer state,
     then the step until the allocator repeats itself); the peaks are over all of them. ``None``
     for a measurement."""
@@ -113,13 +114,13 @@ class CudaMemory:
 
 def allocator_settings_from_env() -> AllocatorSettings:
     """``PYTORCH_CUDA_ALLOC_CONF`` as the step's process has it: read once, where a CUDA step
-    starts (a bad value is a one-line :class:`~memfit.measure.allocator.AllocatorConfigError`)."""
+    starts (a bad value is a one-line :class:`~memfit.cuda.allocator.AllocatorConfigError`)."""
     return AllocatorSettings.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
     """The ledger replayed through the caching allocator model as the training loop runs it
-    (:func:`~memfit.measure.allocator.replay_training`: one stream; the program's construction,
+    (:func:`~memfit.measure.replay.replay_training`: one stream; the program's construction,
     its first step, steady steps)."""
     run = replay_training(ledger, settings)
     st = run.stats
@@ -434,7 +435,7 @@ def profile(
             dict of them), never given to the model; cut into micro-batches with the
             inputs (each tensor whose dim 0 is the inputs' batch size).
         gpu: with ``fake="cuda"``, the GPU to simulate (a name from
-            :data:`memfit.measure.gpu.GPUS`, e.g. ``"A100-80GB"``, or a ``GpuSpec``): its
+            :data:`memfit.cuda.gpu.GPUS`, e.g. ``"A100-80GB"``, or a ``GpuSpec``): its
             compute capability (cuBLAS workspace size, attention kernel, bf16) and memory;
             default H100-80GB.
         capacity: device bytes to judge the step against (``"24GiB"``); default the GPU's
@@ -475,23 +476,23 @@ def _simulated(spec: gpus.GpuSpec | None) -> Iterator[None]:
     if spec is None:
         yield
         return
-    from memfit.measure import _fake_cuda
+    from memfit.cuda import fake as fake_cuda
 
-    before = _fake_cuda.gpu()
-    _fake_cuda.set_gpu(spec)
+    before = fake_cuda.gpu()
+    fake_cuda.set_gpu(spec)
     try:
         yield
     finally:
-        _fake_cuda.set_gpu(before)
+        fake_cuda.set_gpu(before)
 
 
 def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None = None) -> gpus.DeviceFit | None:
     """The step against a capacity: the given one, else the (simulated) GPU's memory on CUDA."""
     cuda = prof.device.startswith(("fake:cuda", "cuda"))
     if prof.device.startswith("fake:cuda"):
-        from memfit.measure import _fake_cuda
+        from memfit.cuda import fake as fake_cuda
 
-        spec = spec or _fake_cuda.gpu()
+        spec = spec or fake_cuda.gpu()
     elif prof.device.startswith("cuda") and spec is None:
         props = torch.cuda.get_device_properties(torch.device(prof.device))
         spec = gpus.GpuSpec(

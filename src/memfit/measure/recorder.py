@@ -39,7 +39,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.measure import _distributed, _optim8bit, _torch_compat, aliasing, determinism, gpu, workspace
+from memfit.compat import optim8bit, torch_compat
+from memfit.cuda import gpu
+from memfit.measure import _distributed, aliasing, determinism, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
     GRAPH_NODE_BYTES,
@@ -62,7 +64,7 @@ __all__ = ["Recorder", "storage_bytes"]
 # Ops whose CPU kernel is Python made of torch ops (bitsandbytes' optimizer updates: the
 # 8-bit one dequantises both moments to float32 temporaries). Dispatched as one op, their
 # kernel's own allocations would be invisible; these run under the recorder instead.
-_RECORD_INSIDE_ON_CPU = _optim8bit.PYTHON_CPU_KERNELS
+_RECORD_INSIDE_ON_CPU = optim8bit.PYTHON_CPU_KERNELS
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
@@ -105,7 +107,7 @@ _TAG = "memfit.op#"
 
 
 def _attention_backward_estimate(op: str, args: tuple) -> int:
-    """:func:`memfit.measure.gpu.attention_backward_bytes` for an SDPA backward call: its
+    """:func:`memfit.cuda.gpu.attention_backward_bytes` for an SDPA backward call: its
     arguments start with the output's gradient, query, key (batch, heads, seq, dim)."""
     grad_out, query, key = args[0], args[1], args[2]
     batch, heads, seq_q, head_dim = query.shape
@@ -232,7 +234,7 @@ class Recorder(TorchDispatchMode):
         self._workspace = self.device_type in workspace.PROBED_DEVICES
         # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
         # their blocks wait, with no bytes, for the trace to be read when the step is over.
-        self._trace = _torch_compat.AllocationTrace() if self._workspace and not fake else None
+        self._trace = torch_compat.AllocationTrace() if self._workspace and not fake else None
         self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
         self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
         self.unmeasured_ops = 0
@@ -447,7 +449,7 @@ class Recorder(TorchDispatchMode):
         in_tensors = _tensors((*args, *kwargs.values()))
         inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
         if self.scope.phase is Phase.FORWARD:
-            self._mark_mutated(_torch_compat.written_arguments(func, args, kwargs))
+            self._mark_mutated(torch_compat.written_arguments(func, args, kwargs))
         if self._cublas_bytes and self._op in CUBLAS_OPS:
             self._cublas_workspace()
         self._check_determinism(func, args, kwargs, in_tensors)
@@ -480,7 +482,7 @@ class Recorder(TorchDispatchMode):
             # Alive from before the op's outputs to after them: at the op's last output the
             # ledger holds what the kernel held at its highest.
             self.records[scratch].died = self._tick()
-        flops = _torch_compat.op_flops(func, args, kwargs, out) if self.count_flops else 0
+        flops = torch_compat.op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             self.flops[(self.scope.phase, self.scope.module)] += flops
         if self.scope.phase is Phase.FORWARD:

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from memfit.compat import hf_fake, optim8bit, torch_compat
+from memfit.cuda import fake as fake_cuda
 from memfit.errors import WorkloadError
-from memfit.measure import _fake_cuda, _hf_fake, _optim8bit, _torch_compat
 from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, StepOptions, train_step
@@ -88,12 +89,12 @@ class Sandbox:
     def active(self) -> Iterator[None]:
         """Enter the fake mode (if any) so factory calls inside the step make fake tensors, and
         let transformers find positions it made itself unpacked, as a real step does (it
-        cannot read fake ones: :mod:`memfit.measure._hf_fake`). torch's log of a fake kernel
+        cannot read fake ones: :mod:`memfit.compat.hf_fake`). torch's log of a fake kernel
         that fails is dropped here: the error itself propagates, and memfit names it."""
         if self.fake_mode is None:
             yield
         else:
-            with self.fake_mode, _hf_fake.unpacked_positions(self.kwargs), _torch_compat.quiet_fake_kernel_log():
+            with self.fake_mode, hf_fake.unpacked_positions(self.kwargs), torch_compat.quiet_fake_kernel_log():
                 yield
 
 
@@ -151,9 +152,9 @@ def _prepare(box: Sandbox) -> Sandbox:
     undoes them (the 8-bit optimizer is the box's own: the user's is not touched)."""
     o = box.options
     if o.optimizer_8bit:
-        box.optimizer = _optim8bit.eight_bit(box.optimizer)
+        box.optimizer = optim8bit.eight_bit(box.optimizer)
         if box.fake_mode is not None:
-            _optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
+            optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
     if o.foreach is not None:
         for group in box.optimizer.param_groups:
             group["foreach"] = o.foreach
@@ -287,7 +288,7 @@ def _copy_step(
             k: (scalar(v) if v.dim() == 0 else tensor(v)) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
             for k, v in st.items()
         }
-    _torch_compat.pin_optimizer_impl(new_opt, optimizer)
+    torch_compat.pin_optimizer_impl(new_opt, optimizer)
     return new_model, new_opt
 
 
@@ -330,14 +331,14 @@ def _fake_state(mode: Any, value: Any) -> Any:
 
 def fake_device(fake: Any) -> str | None:
     """What ``fake=`` asks for: None (real tensors), ``"same"`` (fake tensors on the model's
-    device: ``True``, ``"cpu"``) or ``"cuda"`` (fake CUDA, :mod:`memfit.measure._fake_cuda`,
+    device: ``True``, ``"cpu"``) or ``"cuda"`` (fake CUDA, :mod:`memfit.cuda.fake`,
     switched on here or refused in one line)."""
     if fake is False or fake is None:
         return None
     if fake is True or fake == "cpu":
         return "same"
     if fake == "cuda":
-        _fake_cuda.require()
+        fake_cuda.require()
         return "cuda"
     raise WorkloadError(f"fake takes True (fake tensors on the model's device), 'cpu' or 'cuda' (fake CUDA), got {fake!r}")
 
@@ -374,7 +375,7 @@ def fake_sandbox(
     CPU; fake CUDA on): optimizer scalars such as Adam's ``step`` stay on the host, as
     a CUDA step keeps them."""
     options = step or StepOptions()
-    mode = _torch_compat.new_fake_mode()
+    mode = torch_compat.new_fake_mode()
     dtype = options.cast_dtype
     to = torch.device("cuda", 0) if device == "cuda" else None
 
@@ -403,7 +404,7 @@ def fake_sandbox(
 
     new_model, new_opt = _copy_step(model, optimizer, fake, lambda t: _fake_state(mode, t))
     if to is not None:
-        _torch_compat.pin_cuda_optimizer_impl(new_opt, optimizer)
+        torch_compat.pin_cuda_optimizer_impl(new_opt, optimizer)
     new_args, new_kwargs, new_targets = copy_inputs(args, kwargs, targets)
     cpu_rng = torch.get_rng_state()
     try:

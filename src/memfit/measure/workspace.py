@@ -6,7 +6,7 @@ weight), a kernel's own ``at::empty`` (LayerNorm over a permuted tensor copies i
 contiguous one first), cuDNN and cuBLAS workspaces on CUDA. That memory is real, and when
 the op is at the step's peak, it is on top of the peak. The recorder measures it on real
 tensors: each op of a kind not measured yet runs tagged inside a trace of every allocation
-(:class:`~memfit.measure._torch_compat.AllocationTrace`), and its workspace is the highest
+(:class:`~memfit.compat.torch_compat.AllocationTrace`), and its workspace is the highest
 the allocations inside it rose above what it returned.
 
 What was measured is kept per op kind (:func:`signature`: the op, its tensors' shapes,
@@ -121,7 +121,7 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
     or the op refusing zeros (an index out of range, say), or a profiler already running."""
     from torch.utils._pytree import tree_flatten, tree_map
 
-    from memfit.measure import _torch_compat
+    from memfit.compat import torch_compat
 
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -132,7 +132,7 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
     sig = signature(func, args, kwargs)
     tag = "memfit.workspace.probe"
     try:
-        with _torch_compat.no_dispatch_modes():
+        with torch_compat.no_dispatch_modes():
 
             def real(t: Any) -> Any:
                 if not isinstance(t, torch.Tensor):
@@ -141,7 +141,7 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
 
             rargs, rkwargs = tree_map(real, (args, kwargs))
             # a random op (dropout's bernoulli_) must not move the generator the step draws from
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), _torch_compat.AllocationTrace() as trace:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), torch_compat.AllocationTrace() as trace:
                 with torch.profiler.record_function(tag):
                     out = func(*rargs, **rkwargs)  # held past the region: its outputs are its net
             del out

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from memfit.apply import cache
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat
 from memfit.measure.sandbox import Sandbox, real_sandbox
 from memfit.measure.step import StepOptions, train_step
 
@@ -162,7 +162,7 @@ def real_switch_check(
         return too_large
     try:
         # called from inside a fake step (its FakeTensorMode active): the check's step is real
-        with _torch_compat.no_dispatch_modes(), real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets) as box:
+        with torch_compat.no_dispatch_modes(), real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets) as box:
             return switch_changes_numbers(box, loss_fn, off)
     except Exception as exc:  # (out of memory, a meta model): unchecked, so not switched
         first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from memfit.measure.gpu import DATASHEETS, GpuSpec, datasheet
+from memfit.cuda.gpu import DATASHEETS, GpuSpec, datasheet
 from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, Category, Ledger, Phase, Span, ancestors
 
 __all__ = ["Option", "Candidates", "build_candidates", "DeviceRates", "leaf_samples", "pooled_times"]

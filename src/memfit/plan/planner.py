@@ -26,21 +26,22 @@ from torch import nn
 
 from memfit.apply import cache
 from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.allocator import AllocatorSettings, replay_training
 from memfit.measure.inputs import input_bytes
 from memfit.measure.ledger import Category, Ledger, Phase
 from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
+from memfit.measure.replay import replay_training
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import Budget, parse_budget
+from memfit.plan.cache_check import real_switch_check, switch_changes_numbers
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
-from memfit.plan.cache_check import real_switch_check, switch_changes_numbers
 from memfit.plan.stateful import CACHE_HINT, stateful_modules
 from memfit.units import format_bytes
 from memfit.workload import check_arguments, default_optimizer, split_inputs

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat
 
 __all__ = ["stateful_modules", "call_state", "changed"]
 
@@ -61,7 +61,7 @@ def _summary(value: Any, depth: int, keep: list[Any]) -> Any:
 
 def _own_state(mod: nn.Module, keep: list[Any]) -> dict[str, Any]:
     # FSDP2's state changes in its hooks around the forward, which a recompute does not run
-    hooks_state = _torch_compat.composable_state_keys()
+    hooks_state = torch_compat.composable_state_keys()
     return {
         k: _summary(v, _DEPTH - 1, keep)
         for k, v in vars(mod).items()

@@ -24,11 +24,11 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
+from memfit.cuda.snapshot import SnapshotSummary
 from memfit.levers.max_batch import MaxBatch
 from memfit.levers.recipe import Recipe, WhatIf
 from memfit.measure.ledger import Category, Phase
 from memfit.measure.profile import ModuleStats, Profile
-from memfit.measure.snapshot import SnapshotSummary
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
 

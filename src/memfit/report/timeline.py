@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memfit.cuda.allocator import AllocatorSettings
+from memfit.cuda.snapshot import TraceTimeline
 from memfit.levers.recipe import Recipe
-from memfit.measure.allocator import AllocatorSettings, ledger_series
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase
 from memfit.measure.profile import Profile
-from memfit.measure.snapshot import TraceTimeline
+from memfit.measure.replay import ledger_series
 from memfit.plan.candidates import Option
 from memfit.plan.result import Plan
 from memfit.report.chart import wrap_title
@@ -360,7 +361,7 @@ def _frames_text(frames: Sequence[str]) -> str:
 
 
 def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Track:
-    """A GPU trace re-lived (:func:`memfit.measure.snapshot.trace_timeline`) aggregated like a
+    """A GPU trace re-lived (:func:`memfit.cuda.snapshot.trace_timeline`) aggregated like a
     ledger: its blocks stacked (those alive when the trace began at the bottom), reserved as a
     line, the allocated peak exact, the segments made and released along the axis. Without a
     trace, the dumped state is drawn as one column."""
@@ -978,7 +979,7 @@ def snapshot_timeline(tt: TraceTimeline, title: str, source: str) -> Timeline:
     notes = [
         f"GPU {tt.device}'s trace in {source}: {len(tt.actions)} events, {len(tt.blocks)} blocks, "
         f"{len(tt.segments)} segments, recorded under {_conf(tt.settings)}",
-        "re-lived at the recorded addresses (memfit.measure.snapshot.trace_timeline): what the GPU held, "
+        "re-lived at the recorded addresses (memfit.cuda.snapshot.trace_timeline): what the GPU held, "
         "not a model's guess; blocks count as the allocator does (memory_allocated: requests rounded up)",
     ]
     if not tt.actions:

@@ -1,5 +1,5 @@
 """GPU memory snapshots (``torch.cuda.memory._dump_snapshot``) as input: read safely, re-lived,
-and replayed through the allocator model (:mod:`memfit.measure.allocator`). Plain data, no torch.
+and replayed through the allocator model (:mod:`memfit.cuda.allocator`). Plain data, no torch.
 
 A snapshot holds the allocator's segments when it was dumped and, if history was being recorded,
 a trace of every ``alloc``/``free``/``segment_alloc``/``segment_free`` since recording began. The
@@ -21,8 +21,7 @@ import pickle
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from memfit.errors import MemfitError
-from memfit.measure.allocator import (
+from memfit.cuda.allocator import (
     LARGE_BUFFER,
     MIN_BLOCK,
     SMALL_BUFFER,
@@ -35,6 +34,7 @@ from memfit.measure.allocator import (
     CachingAllocator,
     round_size,
 )
+from memfit.errors import MemfitError
 
 __all__ = [
     "SnapshotError",

@@ -4,7 +4,7 @@ A CPU build makes fake tensors on "cuda" under FakeTensorMode, but any backward 
 aborts the process, ``torch.autocast("cuda")`` turns itself off and SDPA takes the math
 kernel. Three pieces make a training step run there as a CUDA build would run it:
 
-1. ``_fake_cuda.cpp``, built here with the machine's C++ compiler against the installed
+1. ``fake.cpp``, built here with the machine's C++ compiler against the installed
    torch's headers (once per torch, cached), registers CUDA hooks that report one device
    and c10's ``FakeGuardImpl<CUDA>`` as the CUDA device guard. It must be loaded before
    torch is imported: torch keeps the first hooks it looks up.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.cuda.gpu import GPUS, GpuSpec
 from memfit.errors import MemfitError
-from memfit.measure.gpu import GPUS, GpuSpec
 
 __all__ = ["FakeCudaError", "DEFAULT_GPU", "ENV_FLAG", "enable", "preload", "active", "require", "cache_dir", "build", "set_gpu"]
 
@@ -44,7 +44,7 @@ ENV_FLAG = "MEMFIT_FAKE_CUDA"
 """``MEMFIT_FAKE_CUDA=1`` in the environment: ``import memfit`` loads the shim (before torch,
 if memfit is imported first), for ``memfit.profile(..., fake="cuda")`` in a script."""
 
-SOURCE = Path(__file__).with_name("_fake_cuda.cpp")
+SOURCE = Path(__file__).with_name("fake.cpp")
 _FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w")
 _HINT = "or use fake CPU tensors (--device fake, fake=True; CPU autocast casts other ops and attention takes the math kernel)"
 

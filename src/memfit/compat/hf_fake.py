@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from memfit.measure import _torch_compat
+from memfit.compat import torch_compat
 
 __all__ = ["unpacked_positions"]
 
@@ -36,7 +36,7 @@ def unpacked_positions(kwargs: dict[str, Any]) -> Iterator[None]:
 
     def find_packed_sequence_indices(position_ids: Any) -> Any:
         found = original(position_ids)  # its own temporaries, as in the real step
-        return None if _torch_compat.is_fake(position_ids) else found
+        return None if torch_compat.is_fake(position_ids) else found
 
     module.find_packed_sequence_indices = find_packed_sequence_indices  # type: ignore[union-attr]
     try:

@@ -10,7 +10,7 @@ chosen here.
 the capacity, minus what lives outside the caching allocator (the CUDA context: a stated
 estimate, :data:`CUDA_CONTEXT`), minus the step's predicted peak: on CUDA the caching
 allocator's reserved peak (what runs out: :attr:`DeviceFit.reserved_peak_bytes`, from
-memfit's model of the allocator, :mod:`memfit.measure.allocator`), else the ledger's
+memfit's model of the allocator, :mod:`memfit.cuda.allocator`), else the ledger's
 peak (tensor storages rounded to 512 B blocks, cuBLAS workspaces included).
 """
 
