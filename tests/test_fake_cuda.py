@@ -202,6 +202,26 @@ def test_the_memfit_command_asking_for_fake_cuda_is_recognised(argv, asked):
     assert _fake_cuda._is_fake_cuda_command(argv) is asked  # whatever options the interpreter got first
 
 
+def test_import_memfit_reads_no_command_line(tmp_path):
+    """``import memfit`` decides nothing from the command line: a program whose ``sys.argv`` and
+    ``sys.orig_argv`` read like the memfit command asking for fake CUDA imports it as any other
+    (the command decides at its edge, :func:`memfit.cli.main`). No shim is built or loaded."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        sys.argv = ["memfit", "profile", "gpt", "--device", "fake-cuda"]
+        sys.orig_argv = [sys.executable, "-m", "memfit", "profile", "gpt", "--device", "fake-cuda"]
+        import memfit, torch
+        from memfit.cuda import fake
+        print(fake.active(), torch.accelerator.current_accelerator(), os.environ.get("MEMFIT_FAKE_CUDA"))
+        """
+    )
+    done = _run(["-c", code], _env(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "None", "None"]
+    assert not (tmp_path / "cache").exists()  # nothing built
+
+
 def test_api_after_torch_was_imported_says_what_to_do():
     # this process imported torch without the shim: refused in one line, nothing run
     model = torch.nn.Linear(4, 4)

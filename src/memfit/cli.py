@@ -70,7 +70,7 @@ def _require_device(device: str) -> None:
     if device == "fake-cuda":
         from memfit.cuda import fake as fake_cuda
 
-        fake_cuda.require()  # loaded by `import memfit` when this is the command; else says why not
+        fake_cuda.require()  # loaded before torch when this is the command (main); else says why not
 
 
 def _on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
@@ -1211,6 +1211,8 @@ def _end_size_lists(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from memfit.cuda import fake as fake_cuda
 
+    if argv is None:  # this process's own command line: `--device fake-cuda` loads the shim before torch
+        fake_cuda.relaunch_for_command(sys.orig_argv)
     parser = _parser()
     args, ended = _end_size_lists(sys.argv[1:] if argv is None else list(argv))
     ns, extra = parser.parse_known_args(args)

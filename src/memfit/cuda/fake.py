@@ -38,7 +38,19 @@ from typing import Any
 from memfit.cuda.gpu import GPUS, GpuSpec
 from memfit.errors import MemfitError
 
-__all__ = ["FakeCudaError", "DEFAULT_GPU", "ENV_FLAG", "enable", "preload", "active", "require", "cache_dir", "build", "set_gpu"]
+__all__ = [
+    "FakeCudaError",
+    "DEFAULT_GPU",
+    "ENV_FLAG",
+    "enable",
+    "preload",
+    "relaunch_for_command",
+    "active",
+    "require",
+    "cache_dir",
+    "build",
+    "set_gpu",
+]
 
 ENV_FLAG = "MEMFIT_FAKE_CUDA"
 """``MEMFIT_FAKE_CUDA=1`` in the environment: ``import memfit`` loads the shim (before torch,
@@ -191,19 +203,50 @@ def enable(gpu: GpuSpec | None = None) -> None:
     _state["enabled"] = True
 
 
-def preload(argv: list[str] | None = None) -> None:
-    """Called first thing by ``import memfit``: load the shim when asked to (``MEMFIT_FAKE_CUDA=1``,
-    or the memfit command run with ``--device fake-cuda``) and torch is not imported yet.
-    Never raises: a failure is kept for :func:`require` to report."""
-    argv = list(sys.orig_argv if argv is None else argv)
-    if not (os.environ.get(ENV_FLAG, "") not in ("", "0") or _is_fake_cuda_command(argv)):
+def preload() -> None:
+    """Called first thing by ``import memfit``: load the shim when ``MEMFIT_FAKE_CUDA=1`` asks for
+    it and torch is not imported yet. Reads the environment, never the command line (the memfit
+    command decides at its edge: :func:`relaunch_for_command`). Never raises: a failure is kept
+    for :func:`require` to report."""
+    if os.environ.get(ENV_FLAG, "") in ("", "0"):
         return
+    _load_early()
+
+
+def _load_early() -> None:
     if "torch" in sys.modules:
         return  # too late: require() says so
     try:
         enable()
     except FakeCudaError as exc:
         _state["failure"] = exc
+
+
+RELAUNCHED = "MEMFIT_FAKE_CUDA_RELAUNCHED"
+"""Set (with :data:`ENV_FLAG`) in the environment of a memfit command run again by
+:func:`relaunch_for_command`; both are taken out again as it starts."""
+
+
+def relaunch_for_command(argv: list[str]) -> None:
+    """The memfit command's edge (:func:`memfit.cli.main`): when ``argv``, the interpreter's whole
+    command line (``sys.orig_argv``), is ``memfit ... --device fake-cuda`` or ``python -m memfit
+    ... --device=fake-cuda`` and fake CUDA is not on, run that command line again in this process
+    (``os.execve``) with ``MEMFIT_FAKE_CUDA=1``: the shim must load before torch, which ``import
+    memfit`` has imported by the time the command runs. In the command run again, takes both
+    variables out of the environment (what it starts does not inherit them, as before) and
+    returns; a shim that failed to load there is reported by :func:`require`. Returns at once
+    for any other command line."""
+    if os.environ.pop(RELAUNCHED, None) is not None:
+        os.environ.pop(ENV_FLAG, None)
+        return
+    if _state["enabled"] or _state["failure"] is not None or not _is_fake_cuda_command(argv):
+        return
+    if "torch" not in sys.modules:
+        _load_early()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(argv), {**os.environ, ENV_FLAG: "1", RELAUNCHED: "1"})
 
 
 def _is_fake_cuda_command(argv: list[str]) -> bool:
