@@ -16,9 +16,9 @@ import sys
 import time
 
 from memfit import zoo
-from memfit.apply.checkpoint import apply_choices
 from memfit.measure.distributed import FakeGroup, profile_rank
 from memfit.plan.distributed import plan_ranks
+from memfit.recompute.checkpoint import apply_choices
 from memfit.zoo import parse_sizes
 
 

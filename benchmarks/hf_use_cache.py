@@ -41,7 +41,7 @@ import torch
 from _table import emit
 
 import memfit
-from memfit.apply import cache
+from memfit.recompute import cache
 
 MiB = 2**20
 

@@ -12,9 +12,9 @@ import argparse
 
 import memfit
 from memfit import zoo
-from memfit.apply.checkpoint import apply_choices, remove
 from memfit.measure.timing import median_step_time
 from memfit.plan.baselines import every_block
+from memfit.recompute.checkpoint import apply_choices, remove
 
 
 def main() -> None:

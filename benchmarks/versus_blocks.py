@@ -27,9 +27,9 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.apply.checkpoint import apply_choices
 from memfit.plan.baselines import every_block, every_other_block
 from memfit.plan.candidates import pooled_times
+from memfit.recompute.checkpoint import apply_choices
 
 MiB = 2**20
 

@@ -35,8 +35,8 @@ from memfit import (
     WorkloadError,
     parse_budget,
 )
-from memfit.apply.checkpoint import applied_choices
 from memfit.cli import main
+from memfit.recompute.checkpoint import applied_choices
 
 
 @pytest.fixture

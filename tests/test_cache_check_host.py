@@ -1,4 +1,4 @@
-"""The KV cache switch's real check (memfit.plan.cache_check) runs two real CPU steps; for a
+"""The KV cache switch's real check (memfit.measure.cache_check) runs two real CPU steps; for a
 fake plan of a model too large for this host it does not try, and the cache stays on."""
 
 import importlib
@@ -6,7 +6,7 @@ import importlib
 import torch
 from torch import nn
 
-cache_check = importlib.import_module("memfit.plan.cache_check")
+cache_check = importlib.import_module("memfit.measure.cache_check")
 
 
 def test_a_step_too_large_for_the_host_is_not_run(monkeypatch):

@@ -44,8 +44,8 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
 
     from memfit.measure import profile as measure
 
-    monkeypatch.setattr(planner, "_profile", no_profile)
-    monkeypatch.setattr(measure, "_profile", no_profile)
+    monkeypatch.setattr(planner, "profile_step", no_profile)
+    monkeypatch.setattr(measure, "profile_step", no_profile)
     assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "b.json")]) == 0
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
     # the same step (its peak to the byte); the lowest reachable peak is the MILP's, solved to a

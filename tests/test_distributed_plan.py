@@ -18,10 +18,10 @@ if not torch_dist.is_available():
     pytest.skip("torch built without distributed", allow_module_level=True)
 
 import memfit  # noqa: E402
-from memfit.apply.checkpoint import applied_choices  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.measure.distributed import CURRENT_GROUP, ddp, fsdp2, profile_rank, profile_ranks, without_backend_buffers  # noqa: E402
 from memfit.plan.distributed import min_world_size, plan_ranks  # noqa: E402
+from memfit.recompute.checkpoint import applied_choices  # noqa: E402
 from memfit.workload import Parallel, Workload  # noqa: E402
 
 WIDTH, DEPTH, BATCH = 64, 4, 128

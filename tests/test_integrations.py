@@ -146,8 +146,9 @@ class _RecordedSteps:
         of the step's memory (registered so that their views are known, then subtracted)."""
         from memfit.integrations.transformers import _plain_optimizer
         from memfit.measure.ledger import Category
-        from memfit.measure.recorder import CHECKPOINTED, Recorder, storage_bytes
+        from memfit.measure.recorder import Recorder, storage_bytes
         from memfit.measure.scope import Phase, Scope
+        from memfit.recompute.checkpoint import CHECKPOINTED
 
         self._model = model
         self._scope = Scope(model).__enter__()
@@ -714,7 +715,7 @@ def test_applied_plan_keeps_the_forwards_signature():
     from the signature): a plan applied before the dataloader is built must not hide them."""
     import inspect
 
-    from memfit.apply.checkpoint import apply_choices
+    from memfit.recompute.checkpoint import apply_choices
 
     model = _gpt2()
     before = list(inspect.signature(model.forward).parameters)

@@ -167,8 +167,8 @@ def test_fewer_recomputed_flops_than_every_other_block():
     # CPU, where selective recompute's per-op overhead is dear, can pick whole blocks)
     import copy
 
-    from memfit.apply.checkpoint import apply_choices
     from memfit.plan.baselines import blocks, every_other_block
+    from memfit.recompute.checkpoint import apply_choices
 
     work = zoo.build("gpt", **SMALL_GPT)
     opt = work.make_optimizer()

@@ -159,8 +159,8 @@ def test_cpu_graph_blocks_count_nodes_and_saved_tensors():
 
 
 def test_a_checkpointed_region_keeps_bookkeeping_instead_of_saved_records():
-    from memfit.apply.checkpoint import apply_choices
     from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, GRAPH_NODE_BYTES
+    from memfit.recompute.checkpoint import apply_choices
 
     model = nn.Sequential(_Chain(10), _Chain(10))
     apply_choices(model, {"1": ("full", ())})
@@ -188,7 +188,7 @@ class _OwnCheckpoint(nn.Module):
 
 
 def test_a_checkpoint_the_model_makes_itself_costs_what_memfits_does():
-    from memfit.apply.checkpoint import apply_choices
+    from memfit.recompute.checkpoint import apply_choices
 
     torch.manual_seed(0)
     ours = nn.Sequential(_Chain(10), nn.Sequential(_Chain(10)))

@@ -243,7 +243,7 @@ def _cache_of(model: nn.Module, inputs: Any, **kwargs: Any) -> Any:
 
 # Whose loss and gradients the cache changes by float rounding: its keys and values are
 # contiguous copies (torch.cat), whose matmuls round differently from the views they copy.
-# memfit keeps their cache on (memfit.plan.cache_check), so their writers are not recomputed.
+# memfit keeps their cache on (memfit.measure.cache_check), so their writers are not recomputed.
 ROUNDS = {"t5", "bart"}
 
 

@@ -1,12 +1,19 @@
-"""Apply: mechanism on the user's model, reversible. ``apply(model, plan)`` / ``remove(model)``."""
+"""Apply: the public verbs that put memfit's decisions on the user's model, in place and reversibly.
+
+``apply(model, plan)`` / ``remove(model)`` for a :class:`~memfit.Plan`; ``apply_recipe``
+(:mod:`memfit.apply.recipe`) for a :class:`~memfit.Recipe`. The mechanisms they use sit lower:
+recompute and the KV cache switch in :mod:`memfit.recompute`, the training step in
+:mod:`memfit.measure.step`. The top of the library with the integrations: it may import
+every layer below it.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from memfit.apply.checkpoint import apply_choices, remove, unwrap
 from memfit.errors import PlanError
 from memfit.plan.result import Plan, check_fingerprint
+from memfit.recompute.checkpoint import apply_choices, remove, unwrap
 
 __all__ = ["apply", "remove"]
 
@@ -19,7 +26,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     ``model`` may also be the model wrapped by ``torch.compile`` or DistributedDataParallel:
     the plan goes on the module inside (whose names it uses), and the wrapper is returned.
     The modules in ``plan.use_cache_off`` run with ``use_cache=False`` while training
-    (transformers' KV cache, as its gradient checkpointing does; :mod:`memfit.apply.cache`).
+    (transformers' KV cache, as its gradient checkpointing does; :mod:`memfit.recompute.cache`).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")

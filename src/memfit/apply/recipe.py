@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.apply.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.compat import optim8bit
 from memfit.errors import PlanError
 from memfit.levers.recipe import Recipe
 from memfit.measure.step import offload_saved, train_step
 from memfit.plan.result import check_fingerprint
+from memfit.recompute.checkpoint import applied_choices, apply_choices, unwrap
 from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
 
 __all__ = ["AppliedRecipe", "apply_recipe"]

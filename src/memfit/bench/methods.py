@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from memfit.apply.checkpoint import apply_choices
 from memfit.errors import MemfitError
 from memfit.plan.baselines import every_block, every_other_block
+from memfit.recompute.checkpoint import apply_choices
 
 __all__ = ["setup", "applicable", "describe", "BASELINES", "SCENARIOS"]
 

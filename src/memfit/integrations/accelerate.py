@@ -49,7 +49,6 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.apply import apply, remove
-from memfit.apply.checkpoint import applied_choices, unwrap
 from memfit.errors import PlanError, TargetError, WorkloadError
 from memfit.integrations._common import first_batch_of, say
 from memfit.measure.ledger import Category
@@ -57,6 +56,7 @@ from memfit.measure.profile import Profile, profile
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan
+from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
 
 __all__ = [

@@ -40,13 +40,13 @@ import torch
 from transformers import TrainerCallback
 
 from memfit.apply import apply
-from memfit.apply.checkpoint import applied_choices, unwrap
 from memfit.errors import PlanError, WorkloadError
 from memfit.integrations._common import first_batch_of, rng_kept, say
 from memfit.levers.fit import fit, parse_allow
 from memfit.levers.recipe import Recipe
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan
+from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
 
 __all__ = ["MemfitCallback", "fit_trainer", "trainer_step"]

@@ -62,15 +62,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.cache import switched_off
-from memfit.apply.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.compat import optim8bit, torch_compat
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError, WorkloadError
 from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.measure.ledger import Phase
-from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory
-from memfit.measure.profile import _run as run_step
+from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory, run_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_device, real_sandbox
 from memfit.measure.scope import Scope
@@ -80,6 +77,8 @@ from memfit.plan.budget import parse_budget
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan, fingerprint
+from memfit.recompute.cache import switched_off
+from memfit.recompute.checkpoint import applied_choices, apply_choices, remove, unwrap
 from memfit.units import format_bytes
 from memfit.workload import (
     batch_size_of,

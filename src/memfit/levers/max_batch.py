@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memfit.apply.checkpoint import unwrap
 from memfit.compat import optim8bit
 from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.levers.fit import fit, fit_budget, parse_allow
@@ -37,6 +36,7 @@ from memfit.measure.profile import Progress, check_step, fake_peaks
 from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
+from memfit.recompute.checkpoint import unwrap
 from memfit.units import format_bytes
 from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
 

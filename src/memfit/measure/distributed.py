@@ -16,6 +16,7 @@ checked against real ones); nothing elsewhere in memfit branches on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -30,13 +31,15 @@ from memfit.compat import torch_compat
 from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed
 from memfit.measure.ledger import START_TICK, Category, Ledger
-from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, _run, record_step
+from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, record_step, run_step
 from memfit.measure.recorder import Recorder
 from memfit.measure.sandbox import Sandbox, copy_model
 from memfit.measure.scope import Scope
+from memfit.recompute.checkpoint import apply_choices
 from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
 
 __all__ = [
+    "with_recompute",
     "FakeGroup",
     "CURRENT_GROUP",
     "RankProfiles",
@@ -174,11 +177,22 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
             # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
             # forward (in gradient-ready order), once; the fake group keeps the first buckets.
             for _ in range(1 if fake else 2):
-                _run(box, scope, workload.loss_fn)
+                run_step(box, scope, workload.loss_fn)
             report(f"rank {rank} of {world_size}: recorded step", 2, 3)
             prof = record_rank(workload, box, scope)
         report("done", 3, 3)
     return prof
+
+
+def with_recompute(
+    workload: Workload, choices: dict[str, tuple[str, tuple[str, ...]]], cache_off: tuple[str, ...] | list[str] = ()
+) -> Workload:
+    """A copy of ``workload`` whose model (still on meta, unparallelized) recomputes ``choices``
+    (``{module: (mode, save_ops)}``) with transformers' KV cache off in ``cache_off``
+    (:func:`~memfit.recompute.checkpoint.apply_choices`): a plan applied before parallelizing."""
+    model = copy_model(workload.model)
+    apply_choices(model, choices, cache_off)
+    return dataclasses.replace(workload, model=model)
 
 
 def named_model(model: nn.Module) -> nn.Module:

@@ -24,17 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.cache import turned_off
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import determinism, workspace
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
-from memfit.measure.recorder import BOOKKEEPING_OPS, CHECKPOINTED, Recorder
+from memfit.measure.recorder import BOOKKEEPING_OPS, Recorder
 from memfit.measure.replay import replay_training
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Clock, Scope
 from memfit.measure.step import StepOptions
+from memfit.recompute.cache import turned_off
+from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
 from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
 
@@ -154,7 +155,7 @@ class Profile:
     """How the measured step ran (micro-batches, autocast, ...); the default is the usual step."""
     use_cache_off: tuple[str, ...] = ()
     """Modules whose ``use_cache`` the measured step turned off (the step a plan trains,
-    measured by :func:`memfit.plan`; :mod:`memfit.apply.cache`). Empty for
+    measured by :func:`memfit.plan`; :mod:`memfit.recompute.cache`). Empty for
     :func:`memfit.profile`, which measures the step as it is."""
     step_times_s: tuple[float, ...] = ()
     """Every timed step's wall time (``step_time_s`` is the fastest): how steady the host was."""
@@ -343,7 +344,7 @@ def check_step(model: nn.Module, args: tuple, kwargs: dict, targets: Any = None)
     return device
 
 
-def _run(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase], None] | None = None) -> None:
+def run_step(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase], None] | None = None) -> None:
     """One step on the sandbox, turning a failing forward into a ForwardError that names
     the module that raised."""
     with sandbox.active(), step_errors(sandbox, scope):
@@ -462,7 +463,7 @@ def profile(
             "the step against another memory size"
         )
     with _simulated(spec):
-        prof = _profile(
+        prof = profile_step(
             model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets
         )
     if capacity_bytes is not None:
@@ -541,7 +542,7 @@ def _checked(
     return where, options, args, kwargs, device, step_device, optimizer
 
 
-def _profile(
+def profile_step(
     model: nn.Module,
     inputs: Any,
     *,
@@ -570,7 +571,7 @@ def _profile(
         clock = Clock(device)
         if not box.optimizer.state or not (fake or warm):
             report("warm-up step", 0, total)
-            _run(box, scope, loss_fn)
+            run_step(box, scope, loss_fn)
         step_time = None
         step_times: list[float] = []
         per_time: dict[tuple[Phase, str], float] = {}
@@ -588,7 +589,7 @@ def _profile(
                 torch.cuda.reset_peak_memory_stats(device)
             for _ in range(_TIMED_STEPS):
                 start = clock.mark()
-                _run(box, scope, loss_fn)
+                run_step(box, scope, loss_fn)
                 seconds = clock.seconds(start, clock.mark())
                 step_times.append(seconds)
                 step_time = seconds if step_time is None else min(step_time, seconds)
@@ -669,7 +670,7 @@ def fake_peaks(
             split_micro_batches(a, k, options.micro_batches)
             box.use_inputs(a, k, labels)
             if not steady and not box.optimizer.state:
-                _run(box, scope, loss_fn)  # the warm-up step, once, at the first batch asked for
+                run_step(box, scope, loss_fn)  # the warm-up step, once, at the first batch asked for
             ledger, _ = record_step(box, scope, loss_fn)
             held = _held_bytes(ledger)
             if not steady:
@@ -748,7 +749,7 @@ def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) 
             recorder.mark((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
         scope.set_phase(phase)
 
-    _run(box, scope, loss_fn, on_phase)
+    run_step(box, scope, loss_fn, on_phase)
     recorder.mark(_state_tensors(box.optimizer), Category.OPTIMIZER)
 
 

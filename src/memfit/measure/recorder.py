@@ -71,11 +71,7 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); max_memory_allocated counts those.
 _CUDA_BLOCK = 512
 
-CHECKPOINTED = "_memfit_applied"
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_tracing: None)
-"""Key in a model's ``__dict__`` under which :mod:`memfit.apply` lists the modules it runs
-under a checkpoint (a mapping keyed by qualified name): their ops keep the checkpoint's
-bookkeeping instead of saved records."""
 
 # Ops the recorder or fake tensors run for themselves (the detached alias the saved-tensor
 # hook returns, fake tensors' device queries): not the step's, and they record no node.

@@ -21,24 +21,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from memfit.measure.ledger import Phase
+from memfit.recompute.checkpoint import RECOMPUTE_WATCHERS
 
-__all__ = ["Scope", "Clock", "recompute_started", "recompute_done"]
-
-_ACTIVE: list[Scope] = []
-"""Scopes entered and not yet left (a step runs under one; nested ones are rare)."""
-
-
-def recompute_started(name: str) -> None:
-    """Tell every active scope that checkpointed module ``name`` starts its recompute
-    (:mod:`memfit.apply.checkpoint` calls it)."""
-    for scope in _ACTIVE:
-        scope.recompute_started(name)
-
-
-def recompute_done() -> None:
-    """Tell every active scope that a recompute ended (:mod:`memfit.apply.checkpoint` calls it)."""
-    for scope in _ACTIVE:
-        scope.recompute_done()
+__all__ = ["Scope", "Clock"]
 
 
 def _depth(name: str) -> int:
@@ -227,15 +212,15 @@ class Scope:
             self._forward.clear()
 
     def __enter__(self) -> Scope:
-        _ACTIVE.append(self)
+        RECOMPUTE_WATCHERS.append(self)  # told as a checkpointed module's recompute starts and ends
         for mod in self.names:
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        if self in RECOMPUTE_WATCHERS:
+            RECOMPUTE_WATCHERS.remove(self)
         for h in self._handles + self._grad_handles:
             h.remove()
         self._handles.clear()

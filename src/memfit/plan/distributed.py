@@ -19,31 +19,28 @@ Policy only: the process group is what :mod:`memfit.measure.distributed` is give
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.apply.checkpoint import applied_choices, apply_choices
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
-from memfit.measure.sandbox import copy_model
 from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
     profile_rank,
     profile_ranks,
-    rank_sandbox,
     rank_state,
-    record_rank,
+    with_recompute,
     world_size_of,
 )
 from memfit.measure.profile import Progress
-from memfit.measure.scope import Scope
+from memfit.measure.verify import rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
-from memfit.plan.planner import Search, Verifier, check_objective, make_plan, search
+from memfit.plan.planner import Search, check_objective, make_plan, search
 from memfit.plan.result import Plan
+from memfit.recompute.checkpoint import applied_choices
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
@@ -94,7 +91,7 @@ def plan_ranks(
         planned_rank = max(ranks, key=lambda r: (measured.profiles[r].peak_bytes, -r))
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
-        verifier = Verifier(rank_sandbox(workload, FakeGroup(n, planned_rank)), workload.loss_fn)
+        verifier = rank_verifier(workload, FakeGroup(n, planned_rank))
         closing.callback(verifier.close)
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
@@ -103,8 +100,7 @@ def plan_ranks(
         if unplanned is not None:
             prof = unplanned.profiles[planned_rank]
         else:
-            with Scope(verifier.model) as scope:
-                prof = record_rank(workload, verifier.box, scope)
+            prof = record_rank_on(verifier, workload)
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
@@ -128,9 +124,7 @@ def plan_ranks(
 
 def planned(workload: Workload, plan: Plan) -> Workload:
     """A copy of ``workload`` whose model (still on meta, unparallelized) has ``plan`` applied."""
-    model = copy_model(workload.model)
-    apply_choices(model, {k: (c.mode, c.save_ops) for k, c in plan.checkpointed.items()}, plan.use_cache_off)
-    return dataclasses.replace(workload, model=model)
+    return with_recompute(workload, {k: (c.mode, c.save_ops) for k, c in plan.checkpointed.items()}, plan.use_cache_off)
 
 
 @dataclass

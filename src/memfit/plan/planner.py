@@ -4,45 +4,42 @@
 2. Build candidates (every module called once; full or selective recompute) and the MILP.
 3. ``P_min``: solve for the lowest model peak, then run that plan for the
    exact figure. ``P_none`` is the profile's peak. A fractional budget resolves between them.
-4. Solve for the cheapest plan under the budget and verify it by running it (on fake
-   tensors when planning from a fake profile, else on the real model, whose state is
-   restored); if the verified peak is over, tighten the bound by the overshoot and
-   solve again.
+4. Solve for the cheapest plan under the budget and verify it by running it
+   (:class:`~memfit.measure.verify.Verifier`: on fake tensors when planning from a fake
+   profile, else on the real model, whose state is restored); if the verified peak is
+   over, tighten the bound by the overshoot and solve again.
 5. A module whose recompute fails while verifying (different saved tensors, an error) is
    excluded with the reason, and planning starts over without it. Modules whose forward
-   changes Python state (:mod:`memfit.plan.stateful`) are excluded before the first round.
+   changes Python state (:mod:`memfit.recompute.stateful`) are excluded before the first round.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.apply import cache
-from memfit.apply.checkpoint import applied_choices, apply_choices, last_recompute, remove, unwrap
-from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.measure.cache_check import real_switch_check
 from memfit.measure.inputs import input_bytes
-from memfit.measure.ledger import Category, Ledger, Phase
-from memfit.measure.profile import Profile, Progress, _profile, check_step, record_step, step_errors
-from memfit.measure.replay import replay_training
-from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
-from memfit.measure.scope import Scope
+from memfit.measure.ledger import Category
+from memfit.measure.profile import Profile, Progress, check_step, profile_step
+from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
+from memfit.measure.verify import RecomputeFailed, Run, Verifier, step_verifier
 from memfit.plan.baselines import blocks
 from memfit.plan.budget import Budget, parse_budget
-from memfit.plan.cache_check import real_switch_check, switch_changes_numbers
 from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_samples, pooled_times
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
-from memfit.plan.stateful import CACHE_HINT, stateful_modules
+from memfit.recompute import cache
+from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
 from memfit.workload import check_arguments, default_optimizer, split_inputs
 
@@ -50,7 +47,6 @@ __all__ = [
     "plan",
     "profile_candidates",
     # the seam plans of other steps (plan.distributed) are made through
-    "Verifier",
     "Search",
     "Found",
     "search",
@@ -67,176 +63,8 @@ _OBJECTIVES: dict[str, Callable[[Option], float]] = {
 _MAX_TIGHTENING = 6
 _MiB = 2**20
 
-SwitchCheck = Callable[[tuple[str, ...]], "str | None"]
-"""Why turning the KV cache off in these modules changes the step's numbers (or None), on
-a real step: what a verifier on fake tensors asks (:meth:`Verifier.stateful`)."""
-
 Costing = tuple[dict[str, float | None], dict[str, int], DeviceRates, str]
 """What candidates are costed with (:func:`_costing`): forward times, calls, rates, a timing note."""
-
-
-@dataclass(frozen=True)
-class _Run:
-    peak_bytes: int
-    """What the budget bounds: on CUDA the caching allocator's reserved peak, else the tensor peak."""
-    tensor_bytes: int
-    """The ledger's peak; on CUDA the allocator model's allocated peak."""
-    step_flops: int
-
-
-class _RecomputeFailed(Exception):
-    def __init__(self, module: str, reason: str) -> None:
-        super().__init__(reason)
-        self.module = module
-        self.reason = reason
-
-
-class Verifier:
-    """Runs plans on the step and records its exact peak: on a fake-tensor copy (no memory
-    used) when planning from a fake profile, else on the real model inside a sandbox
-    (faster for models of many tiny ops, whose fake dispatch dominates)."""
-
-    def __init__(self, sandbox: AbstractContextManager[Sandbox], loss_fn: Any) -> None:
-        """``sandbox``: the step to run plans on (:func:`~memfit.measure.sandbox.step_sandbox`,
-        or one rank's parallelized step: :func:`~memfit.measure.distributed.rank_sandbox`),
-        entered here and closed by :meth:`close`."""
-        self._stack = ExitStack()
-        self.box = self._stack.enter_context(sandbox)
-        self.model = unwrap(self.box.model)
-        """The model plans name modules of and are applied to: the sandbox's, or the module
-        inside its wrapper (a rank's DistributedDataParallel, which calls it every step)."""
-        self.loss_fn = loss_fn
-        self.runs = 0
-        self._real: Verifier | None = None
-        self._open_real: Callable[[], Verifier] | None = None
-        self.settings: AllocatorSettings | None = None
-        """On CUDA: the allocator settings each run's ledger is replayed under (set once the
-        step's profile is known)."""
-
-    def stateful(self, real_check: SwitchCheck | None = None) -> tuple[dict[str, str], tuple[str, ...]]:
-        """Modules whose forward changes Python state (:mod:`memfit.plan.stateful`), and the
-        modules whose KV cache goes off (:mod:`memfit.apply.cache`). The check's first
-        forward is the warm-up step that creates the optimizer's state when it has none
-        (runs measure steady state): one forward less to pay for. It runs with probes on
-        the modules taking ``use_cache``; those that return a cache get the switch, which
-        stays on the sandbox's model for every later run, and the check's second forward,
-        the one that counts, runs with it. The switch is used only if the step computes
-        bitwise the same with it (:mod:`memfit.plan.cache_check`: on this sandbox if its
-        tensors are real, else by ``real_check``); if not, the cache stays on, its writers
-        are excluded as stateful, and their reason says why."""
-        box = self.box
-        kept: list[str] = []
-        # The first step of a plan may be this one: a failing forward is named as the
-        # profile names it (step_errors), not left as the model's own traceback.
-        with box.active(), Scope(self.model) as scope, step_errors(box, scope):
-            probes = cache.install(self.model, cache.cache_modules(self.model), probe=True)
-            self._stack.callback(cache.uninstall, self.model, probes)  # if the first forward raises
-            off: tuple[str, ...] = ()
-
-            def first() -> None:
-                nonlocal off
-                if box.optimizer.state:
-                    with torch.no_grad():
-                        box.model(*box.args, **box.kwargs)
-                else:
-                    box.step(self.loss_fn, scope.set_phase)
-                    scope.set_phase(Phase.FORWARD)  # the check's second forward
-                off = cache.writers(self.model)
-                cache.uninstall(self.model, probes)
-                probes.clear()
-                why = self._switch_changes(off, real_check) if off else None
-                if why is not None:
-                    kept.append(why)
-                    off = ()
-                self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
-
-            scope.set_phase(Phase.FORWARD)
-            reasons = stateful_modules(self.model, box.args, box.kwargs, first=first)
-            if kept:
-                hint = f"; memfit keeps transformers' KV cache on: turning it off {kept[0]}, so training would differ"
-                reasons = {n: why.replace(CACHE_HINT, hint) for n, why in reasons.items()}
-            return reasons, off
-
-    def _switch_changes(self, off: tuple[str, ...], real_check: SwitchCheck | None) -> str | None:
-        """Why the KV cache switch on ``off`` would change the step's numbers, or None."""
-        if self.box.fake_mode is None:
-            return switch_changes_numbers(self.box, self.loss_fn, off)
-        if real_check is None:
-            return "could not be checked (the step runs on fake tensors, which carry no values)"
-        return real_check(off)
-
-    def instead_of(self, real: Verifier, use_cache_off: tuple[str, ...]) -> Verifier:
-        """This (fake) verifier, standing in for ``real``, :meth:`warmed` with the KV cache
-        off as :meth:`stateful` found on ``real``'s. A run that meets a kernel whose workspace
-        this process has not measured (the profile came from a file) goes to ``real``, and so
-        does every later run."""
-        self._real = real
-        return self.warmed(use_cache_off)
-
-    def falling_back(self, open_real: Callable[[], Verifier]) -> Verifier:
-        """This (fake) verifier, checked and warmed by :meth:`stateful` on its own copy,
-        with the real step opened by ``open_real`` (warmed, the same KV cache off) only if a
-        run meets a kernel whose workspace no one measured: a plan from a saved profile then
-        runs no real step at all."""
-        self._open_real = open_real
-        return self
-
-    def warmed(self, use_cache_off: tuple[str, ...]) -> Verifier:
-        """This verifier with the KV cache off as on the verifier it stands beside, after one
-        step on its sandbox (the optimizer's state and any state a module makes at its first
-        forward exist: runs measure the steady step)."""
-        off = [n for n in use_cache_off if n not in cache.switched(self.model)]
-        self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
-        with self.box.active():
-            self.box.step(self.loss_fn)
-        return self
-
-    def _fallback(self) -> Verifier | None:
-        if self._real is None and self._open_real is not None:
-            self._real = self._open_real()
-            self._real.settings = self.settings
-        return self._real
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def run(self, chosen: list[Option]) -> _Run:
-        if self._real is not None and self._real.runs:
-            return self._real.run(chosen)
-        choices = {o.module: (o.mode, o.save_ops) for o in chosen}
-        apply_choices(self.model, choices)
-        self.runs += 1
-        try:
-            with Scope(self.model) as scope, self.box.active():
-                # a fake copy standing in for the real step: an op kind the real profile never
-                # ran (transformers builds masks on fake tensors that it skips on real ones) is
-                # measured on its own, for real, rather than sending every run to the real step
-                probe = self._real is not None or self._open_real is not None
-                ledger, flops = record_step(self.box, scope, self.loss_fn, probe=probe)
-        except Exception as exc:
-            culprit = last_recompute()
-            if culprit in choices:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                mode = choices[culprit][0]
-                key = culprit if mode == "full" else f"{culprit}:selective"
-                raise _RecomputeFailed(key, f"{mode} recompute not reproducible: {type(exc).__name__}: {first}"[:300]) from exc
-            raise
-        finally:
-            remove(self.box.model)
-        if ledger.unmeasured_ops and self._fallback() is not None:
-            return self._fallback().run(chosen)
-        return _Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
-
-
-def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:
-    """What a budget bounds for a recorded step, and its tensor peak: on CUDA the reserved and
-    allocated peaks of its allocations and frees replayed through the caching allocator model
-    (exact for the model: the planned step's own sequence, recompute included, not a bound
-    fitted to the unplanned step's), else the ledger's peak twice."""
-    if settings is None:
-        return ledger.peak_bytes, ledger.peak_bytes
-    stats = replay_training(ledger, settings).stats  # as profile's CudaMemory: the loop's steps, not one cold step
-    return stats.reserved_peak_bytes, stats.allocated_peak_bytes
 
 
 # Seconds a fake-tensor verification run costs per forward op of the step (the ledger's
@@ -390,8 +218,7 @@ def plan(
     with ExitStack() as closing:
 
         def open_verifier(on_fake: bool | str) -> Verifier:
-            box = step_sandbox(fake_device(on_fake), model, args, kwargs, optimizer, step=options, targets=targets)
-            opened = Verifier(box, loss_fn)
+            opened = step_verifier(on_fake, model, args, kwargs, optimizer, loss_fn, step=options, targets=targets)
             closing.callback(opened.close)
             return opened
 
@@ -406,7 +233,7 @@ def plan(
         # Modules that change Python state in forward (a counter, a list): a recompute would
         # change it again, silently in some cases, so they are never offered. transformers'
         # KV cache goes off while the model trains, as its own gradient checkpointing does
-        # (memfit.apply.cache): the step measured and planned from here on is the one the
+        # (memfit.recompute.cache): the step measured and planned from here on is the one the
         # plan trains.
         verifier = None
         verify_note = ""
@@ -434,14 +261,14 @@ def plan(
             # KV cache on) while the plans' step runs with the cache off: that step on a fake
             # copy (kernel workspaces from the saved profile), timed by the saved profile's
             # measurements: the cache changes what the step keeps, not what it computes.
-            fake_prof = _profile(
+            fake_prof = profile_step(
                 model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=True, progress=progress, step=options, targets=targets
             )
             prof = _timed_like(fake_prof, profile)
         else:
             # (a profile given was measured with the cache on: memfit.profile measures the
             # step as it is; the plan's step runs with it off, and is measured so)
-            prof = _profile(
+            prof = profile_step(
                 model,
                 inputs,
                 loss_fn=loss_fn,
@@ -524,7 +351,7 @@ class Found:
 
     search: Search
     chosen: list[Option]
-    run: _Run
+    run: Run
     min_peak: int
     target: int
     cands: Any
@@ -541,7 +368,7 @@ def search(s: Search, report: Progress) -> Found:
     # (plan() has costed the profile already for its note; a rank's plan has not)
     forward_time, calls, rates, timing_note = s.costing if s.costing is not None else _costing(prof)
     none_peak = _none_peak(prof)
-    none_run = _Run(none_peak, _none_allocated(prof), prof.step_flops)
+    none_run = Run(none_peak, _none_allocated(prof), prof.step_flops)
     for _ in range(_MAX_EXCLUSIONS):
         cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=s.overhead)
         # Measured costs move by a few percent from run to run: within 5% of the cheapest,
@@ -572,7 +399,7 @@ def search(s: Search, report: Progress) -> Found:
                 )
             report("cheapest plan within the budget", 1, 2)
             chosen, run = _fit(problem, verifier, target, none_run, low)
-        except _RecomputeFailed as failed:
+        except RecomputeFailed as failed:
             excluded[failed.module] = failed.reason
             continue
         break
@@ -682,13 +509,13 @@ def _none_peak(prof: Profile, key: str = "reserved_peak_bytes") -> int:
 
 
 def _none_allocated(prof: Profile) -> int:
-    """The unplanned step's tensor peak, as :attr:`_Run.tensor_bytes` counts it."""
+    """The unplanned step's tensor peak, as :attr:`Run.tensor_bytes` counts it."""
     return _none_peak(prof, "allocated_peak_bytes")
 
 
 def _fit(
-    problem: Problem, verifier: Verifier, target: int, none: _Run, low: tuple[list[Option], _Run]
-) -> tuple[list[Option], _Run]:
+    problem: Problem, verifier: Verifier, target: int, none: Run, low: tuple[list[Option], Run]
+) -> tuple[list[Option], Run]:
     """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
     step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
     leaves the unplanned step's reserved-over-allocated gap, and each run's overshoot

@@ -110,7 +110,7 @@ class Plan:
     model trains, as transformers' own gradient checkpointing does: their forward would
     otherwise write a KV cache that a training step never reads and a recompute would
     write again. The plan was measured with it off; :func:`memfit.apply` turns it off and
-    :func:`memfit.remove` back (:mod:`memfit.apply.cache`). Empty for most models."""
+    :func:`memfit.remove` back (:mod:`memfit.recompute.cache`). Empty for most models."""
     model_type: str = ""
     fingerprint: str = ""
     device: str = "cpu"

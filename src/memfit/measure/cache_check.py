@@ -1,6 +1,6 @@
 """Check that turning transformers' KV cache off leaves the training step's numbers as they are.
 
-A plan turns the cache off while training (:mod:`memfit.apply.cache`) so that the layers
+A plan turns the cache off while training (:mod:`memfit.recompute.cache`) so that the layers
 writing it can be recomputed. That is only sound if the step computes bitwise the same
 with the cache off, and for some models it does not: BART's and T5's attention (transformers
 5.x) hand the cache a transposed view of the keys and values, ``DynamicLayer.update``
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from memfit.apply import cache
 from memfit.compat import torch_compat
 from memfit.measure.sandbox import Sandbox, real_sandbox
 from memfit.measure.step import StepOptions, train_step
+from memfit.recompute import cache
 
 __all__ = ["switch_changes_numbers", "real_switch_check", "host_available_bytes"]
 

@@ -28,16 +28,24 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.apply import cache
 from memfit.compat import torch_compat
 from memfit.errors import PlanError
-from memfit.measure.recorder import CHECKPOINTED
-from memfit.measure.scope import recompute_done, recompute_started
-from memfit.plan.stateful import call_state, changed
+from memfit.recompute import cache
+from memfit.recompute.stateful import call_state, changed
 
-__all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute"]
+__all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute", "CHECKPOINTED", "RECOMPUTE_WATCHERS"]
 
-_APPLIED = CHECKPOINTED  # the recorder reads it: checkpointed regions cost host memory on CPU
+CHECKPOINTED = "_memfit_applied"
+"""Key in a model's ``__dict__`` under which :func:`apply_choices` lists the modules it runs
+under a checkpoint (a mapping keyed by qualified name): the recorder reads it, their ops keep
+the checkpoint's bookkeeping instead of saved records (checkpointed regions cost host memory
+on CPU)."""
+_APPLIED = CHECKPOINTED
+
+RECOMPUTE_WATCHERS: list[Any] = []
+"""What is told as a checkpointed module's recompute starts and ends (its
+``recompute_started(name)`` and ``recompute_done()``): every
+:class:`~memfit.measure.scope.Scope` while it is entered."""
 _NO_INSTANCE_FORWARD = object()
 
 # Name of the module whose recompute began most recently (or whose checkpointed forward
@@ -91,7 +99,8 @@ class _BufferGuard:
     @contextlib.contextmanager
     def recompute(self, name: str) -> Iterator[None]:
         _last_recompute[0] = name
-        recompute_started(name)
+        for watcher in RECOMPUTE_WATCHERS:
+            watcher.recompute_started(name)
         originals = [(m, k, m._buffers[k]) for m, k in self.mutated]
         for m, k, b in originals:
             m._buffers[k] = b.detach().clone()
@@ -100,13 +109,14 @@ class _BufferGuard:
         finally:
             for m, k, b in originals:
                 m._buffers[k] = b
-            recompute_done()  # early stop included: the ticks after it are backward's again
+            for watcher in RECOMPUTE_WATCHERS:  # early stop included: the ticks after it are backward's again
+                watcher.recompute_done()
 
 
 _STATE_CHECKS = 2
 """Recomputes of each checkpointed module whose Python state is compared (the summary
 costs about a millisecond per transformer block, every step): a forward that changes state
-does so from its first calls on, as :mod:`memfit.plan.stateful` assumes for the planner."""
+does so from its first calls on, as :mod:`memfit.recompute.stateful` assumes for the planner."""
 
 
 class _StateGuard:
@@ -246,7 +256,7 @@ def apply_choices(
 ) -> nn.Module:
     """Recompute ``choices`` (``{module name: (mode, save_ops)}``) in ``model``, in place,
     with transformers' KV cache off in training in the modules ``cache_off`` names
-    (:mod:`memfit.apply.cache`)."""
+    (:mod:`memfit.recompute.cache`)."""
     if model.__dict__.get(_APPLIED) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying another")
     modules = dict(model.named_modules())

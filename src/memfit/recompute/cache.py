@@ -2,7 +2,7 @@
 
 A transformers model keeps ``use_cache=True`` in its config, and in a training step its
 attention layers then write each key and value into a cache that nothing reads. A
-recompute would write them a second time, so :mod:`memfit.plan.stateful` refuses every
+recompute would write them a second time, so :mod:`memfit.recompute.stateful` refuses every
 layer that does, which blocks the plans transformers itself reaches: its
 ``gradient_checkpointing_enable()`` makes the forward run with ``use_cache=False`` when
 the model is training (``merge_with_config_defaults``, ``GradientCheckpointingLayer``).

@@ -1,9 +1,9 @@
 """Modules whose forward changes state outside their tensors, which a recompute would change again.
 
 Checkpointing runs a module's forward a second time, in backward. Parameters, buffers and
-the RNG are handled (:mod:`memfit.apply.checkpoint`), Python state is not: a call counter
+the RNG are handled (:mod:`memfit.recompute.checkpoint`), Python state is not: a call counter
 is bumped again, a list gets a second item, a KV cache (transformers' ``past_key_values``,
-on by default in training, which a plan turns off instead: :mod:`memfit.apply.cache`) is
+on by default in training, which a plan turns off instead: :mod:`memfit.recompute.cache`) is
 extended twice. Some of these make the recompute fail,
 which verifying a plan catches, one module per planning round; others change values
 silently (a counter that scales the output) and training would quietly differ.
