@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
+
+# docs/cli.md, the command-line reference, written from the parser (tests/test_docs.py checks it).
+docs: $(STAMP)
+	$(BIN)/python tools/gen_cli_docs.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
