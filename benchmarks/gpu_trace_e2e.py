@@ -5,7 +5,7 @@ public with the trace.
     python benchmarks/gpu_trace_e2e.py MIRRORS [--deps DIR] [--only NAME] [--out table.md]
 
 ``MIRRORS`` holds the fetched repositories as the fetch tool lays them out
-(``MIRRORS/<owner>+<name>/repo``, a bare git directory; never committed: BENCHMARKS.md says which).
+(``MIRRORS/<owner>+<name>/repo``, a bare git directory; never committed: docs/benchmarks/gpu-traces.md says which).
 For each case below, the recording repository's model and optimizer code is exported at the
 trace's commit into a temporary directory and imported from there; the same step (dims, batch,
 context length, autocast, optimizer, the recording script's loop) runs on fake CUDA in a fresh
