@@ -390,11 +390,8 @@ import json, sys, types
 import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
 import torch
 from torch import nn, optim
-from dataclasses import replace
 from memfit.measure import _fake_cuda
-from memfit.measure.allocator import replay_training
 from memfit.measure.gpu import GPUS
-from memfit.measure.ledger import Category
 
 case = json.loads(sys.argv[1])
 # latent_cnn.py imports, for its training functions, modules the model class does not use (h5py, pandas)
@@ -424,11 +421,14 @@ class Counterfactual(nn.Module):
         return self.cnn(self.x_prime), self.x_prime, x
 
 
-def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs
+logged = [None, None]  # the script's x_loss_e, y_loss_e: alive until the next step rebinds them
+
+
+def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs and keeps
     y_prime, x_prime, x = out
     total = ((x_prime - x) ** 2).mean() - (y_prime - y) ** 2
-    ((x_prime - x) ** 2).mean().detach()
-    (-((y_prime - y) ** 2)).detach()
+    logged[0] = ((x_prime - x) ** 2).mean().detach()
+    logged[1] = (-((y_prime - y) ** 2)).detach()
     return total
 
 
@@ -440,18 +440,17 @@ x = torch.randn(1, 30, 256, 256)
 y = cnn(x).detach()
 model = Counterfactual(cnn, x + torch.randn_like(x))
 optimizer = optim.Adam([model.x_prime], lr=0.005)
-prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda")
-led = prof.ledger
-# The script ran the model once before the loop (get_samples: y = model(x)), so the forward's cuBLAS
-# workspace was made before the loop, not at the first step's first matmul: the rest is memfit's replay.
-forward_ws = min(i for i, t in led.first_use.items() if led.blocks[i].category is Category.WORKSPACE)
-warm = replay_training(replace(led, first_use={i: t for i, t in led.first_use.items() if i != forward_ws}), prof.cuda_memory.settings)
+# The script ran the model once before its loop (get_samples: y = model(x)), so the forward's cuBLAS
+# workspace was made before the loop, not at the first step's first matmul: StepOptions says so
+# (forward_before_loop) and memfit's own replay of the loop is then the script's.
+step = memfit.StepOptions(forward_before_loop=True)
+prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda", step=step)
 print(json.dumps({
     "peak_bytes": prof.peak_bytes,
     "allocated_peak_bytes": prof.allocated_peak_bytes,
     "reserved_peak_bytes": prof.reserved_peak_bytes,
-    "warm_allocated_peak_bytes": warm.stats.allocated_peak_bytes,
-    "warm_reserved_peak_bytes": warm.stats.reserved_peak_bytes,
+    "warm_allocated_peak_bytes": prof.allocated_peak_bytes,
+    "warm_reserved_peak_bytes": prof.reserved_peak_bytes,
     "peak_phase": prof.peak["phase"],
 }))
 """
