@@ -32,6 +32,9 @@ What the traced span is, per recording script, and how the prediction covers the
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
   (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
   ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+* JasperSolt/EoR_NN ``counterfactuals.py``: the model run once before the loop (``get_samples``), then
+  Adam on the input image for 10 steps; memfit's step says so (``StepOptions(forward_before_loop=True)``:
+  the forward's cuBLAS workspace exists before the first step) and its own loop replay is the script's.
 * Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
   under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
   from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
@@ -86,9 +89,13 @@ CASES = [
 # image. The trace's own sizes confirm it: conv0's weight 17,280 B (16 x 30 x 3 x 3 floats), linear0's
 # 51,200 B (200 x 64), the image 7,864,320 B (30 x 256 x 256), two cuBLAS workspaces of 8,519,680 B
 # (torch's default before Hopper), one 7,864,320 B Adam temporary (_multi_tensor_adam). The recording
-# began after the model was on the GPU and had run a forward (get_samples) and spans the image's copy
-# to the GPU and 10 steps (the first creates Adam's state). Not modelled: the script's
-# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (small transient tensors in backward).
+# began after the model was on the GPU and had run a forward (get_samples: the trace starts with the
+# forward's cuBLAS workspace alive in the 20 MiB segment of that forward's input copy), which the step
+# says (StepOptions.forward_before_loop), and spans the image's copy to the GPU and 10 steps (the first
+# creates Adam's state). The two loss terms the script logs (x_loss_e, y_loss_e) live until the next
+# step rebinds them: two 512 B blocks alive at the backward peak. Not modelled: the script's
+# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (1-byte blocks allocated and freed
+# in backward, none alive at the peak).
 CASES.append(
     {
         "name": "small CNN, Adam on its input image",
