@@ -32,6 +32,9 @@ What the traced span is, per recording script, and how the prediction covers the
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
   (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
   ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+* JasperSolt/EoR_NN ``counterfactuals.py``: the model run once before the loop (``get_samples``), then
+  Adam on the input image for 10 steps; memfit's step says so (``StepOptions(forward_before_loop=True)``:
+  the forward's cuBLAS workspace exists before the first step) and its own loop replay is the script's.
 * Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
   under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
   from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
@@ -86,9 +89,13 @@ CASES = [
 # image. The trace's own sizes confirm it: conv0's weight 17,280 B (16 x 30 x 3 x 3 floats), linear0's
 # 51,200 B (200 x 64), the image 7,864,320 B (30 x 256 x 256), two cuBLAS workspaces of 8,519,680 B
 # (torch's default before Hopper), one 7,864,320 B Adam temporary (_multi_tensor_adam). The recording
-# began after the model was on the GPU and had run a forward (get_samples) and spans the image's copy
-# to the GPU and 10 steps (the first creates Adam's state). Not modelled: the script's
-# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (small transient tensors in backward).
+# began after the model was on the GPU and had run a forward (get_samples: the trace starts with the
+# forward's cuBLAS workspace alive in the 20 MiB segment of that forward's input copy), which the step
+# says (StepOptions.forward_before_loop), and spans the image's copy to the GPU and 10 steps (the first
+# creates Adam's state). The two loss terms the script logs (x_loss_e, y_loss_e) live until the next
+# step rebinds them: two 512 B blocks alive at the backward peak. Not modelled: the script's
+# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (1-byte blocks allocated and freed
+# in backward, none alive at the peak).
 CASES.append(
     {
         "name": "small CNN, Adam on its input image",
@@ -390,11 +397,8 @@ import json, sys, types
 import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
 import torch
 from torch import nn, optim
-from dataclasses import replace
 from memfit.measure import _fake_cuda
-from memfit.measure.allocator import replay_training
 from memfit.measure.gpu import GPUS
-from memfit.measure.ledger import Category
 
 case = json.loads(sys.argv[1])
 # latent_cnn.py imports, for its training functions, modules the model class does not use (h5py, pandas)
@@ -424,11 +428,14 @@ class Counterfactual(nn.Module):
         return self.cnn(self.x_prime), self.x_prime, x
 
 
-def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs
+logged = [None, None]  # the script's x_loss_e, y_loss_e: alive until the next step rebinds them
+
+
+def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs and keeps
     y_prime, x_prime, x = out
     total = ((x_prime - x) ** 2).mean() - (y_prime - y) ** 2
-    ((x_prime - x) ** 2).mean().detach()
-    (-((y_prime - y) ** 2)).detach()
+    logged[0] = ((x_prime - x) ** 2).mean().detach()
+    logged[1] = (-((y_prime - y) ** 2)).detach()
     return total
 
 
@@ -440,18 +447,17 @@ x = torch.randn(1, 30, 256, 256)
 y = cnn(x).detach()
 model = Counterfactual(cnn, x + torch.randn_like(x))
 optimizer = optim.Adam([model.x_prime], lr=0.005)
-prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda")
-led = prof.ledger
-# The script ran the model once before the loop (get_samples: y = model(x)), so the forward's cuBLAS
-# workspace was made before the loop, not at the first step's first matmul: the rest is memfit's replay.
-forward_ws = min(i for i, t in led.first_use.items() if led.blocks[i].category is Category.WORKSPACE)
-warm = replay_training(replace(led, first_use={i: t for i, t in led.first_use.items() if i != forward_ws}), prof.cuda_memory.settings)
+# The script ran the model once before its loop (get_samples: y = model(x)), so the forward's cuBLAS
+# workspace was made before the loop, not at the first step's first matmul: StepOptions says so
+# (forward_before_loop) and memfit's own replay of the loop is then the script's.
+step = memfit.StepOptions(forward_before_loop=True)
+prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda", step=step)
 print(json.dumps({
     "peak_bytes": prof.peak_bytes,
     "allocated_peak_bytes": prof.allocated_peak_bytes,
     "reserved_peak_bytes": prof.reserved_peak_bytes,
-    "warm_allocated_peak_bytes": warm.stats.allocated_peak_bytes,
-    "warm_reserved_peak_bytes": warm.stats.reserved_peak_bytes,
+    "warm_allocated_peak_bytes": prof.allocated_peak_bytes,
+    "warm_reserved_peak_bytes": prof.reserved_peak_bytes,
     "peak_phase": prof.peak["phase"],
 }))
 """

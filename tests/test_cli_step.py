@@ -23,6 +23,7 @@ FLAGS = [
     (["--foreach", "on"], StepOptions(foreach=True)),
     (["--optimizer-8bit"], StepOptions(optimizer_8bit=True)),
     (["--offload"], StepOptions(offload=True)),
+    (["--forward-before-loop"], StepOptions(forward_before_loop=True)),
     ([], None),
 ]
 

@@ -91,6 +91,36 @@ def test_reserved_peak_replays_the_loop_by_default(default_profile):
     assert replay_ledger(ledger).reserved_peak_bytes > 0  # the one-step replay is still there, not the default
 
 
+def test_forward_before_loop_makes_the_forward_workspace_before_the_first_step(shim_cache, default_profile, tmp_path):
+    """StepOptions.forward_before_loop (--forward-before-loop): the program ran the model's
+    forward before its loop, so the forward thread's cuBLAS workspace exists before the first
+    step: it leaves Ledger.first_use (the replay places it with the program's start) and the
+    autograd thread's, first used in backward, stays. The step itself is the same."""
+    from memfit.measure.allocator import AllocatorSettings, replay_training
+    from memfit.measure.ledger import Ledger, Phase
+
+    base, _ = default_profile
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC}
+    env.pop("MEMFIT_FAKE_CUDA", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    args = [sys.executable, "-m", "memfit", "profile", *GPT, "--device", "fake-cuda", "--forward-before-loop"]
+    done = subprocess.run([*args, "--json", str(tmp_path / "p.json")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["step"]["forward_before_loop"] is True and "forward_before_loop" not in base["step"]
+    ledger, before = Ledger.from_dict(data["ledger"]), Ledger.from_dict(base["ledger"])
+    assert ledger.blocks == before.blocks and ledger.ticks == before.ticks
+    workspaces = [i for i in before.first_use if before.blocks[i].category.value == "kernel_workspace"]
+    phases = {i: before.ticks[before.first_use[i]].phase for i in workspaces}
+    assert sorted(phases.values()) == [Phase.BACKWARD, Phase.FORWARD]
+    assert ledger.first_use == {i: t for i, t in before.first_use.items() if phases.get(i) is not Phase.FORWARD}
+    run = replay_training(ledger, AllocatorSettings())
+    assert (data["allocated_peak_bytes"], data["reserved_peak_bytes"]) == (
+        run.stats.allocated_peak_bytes,
+        run.stats.reserved_peak_bytes,
+    )
+
+
 def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_profile, tmp_path):
     base, _ = default_profile
     done = _profile(shim_cache, tmp_path, "expandable_segments:True")

@@ -701,7 +701,12 @@ def record_step(
     # hooks, which is the one inside a wrapper such as DDP's when the plan is verified per rank
     checkpointed = scope.model.__dict__.get(CHECKPOINTED) or {}
     recorder = Recorder(
-        scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None, probe=probe
+        scope,
+        device=_model_device(box.model),
+        checkpointed=checkpointed,
+        fake=box.fake_mode is not None,
+        probe=probe,
+        forward_before_loop=box.options.forward_before_loop,
     )
     _register_start(recorder, box)
     try:

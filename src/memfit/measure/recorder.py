@@ -197,6 +197,7 @@ class Recorder(TorchDispatchMode):
         checkpointed: Iterable[str] = (),
         fake: bool = False,
         probe: bool = False,
+        forward_before_loop: bool = False,
     ) -> None:
         """``checkpointed``: modules running under a checkpoint (an applied plan, or one
         being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
@@ -204,7 +205,10 @@ class Recorder(TorchDispatchMode):
         nothing; their workspace comes from :data:`memfit.measure.workspace.TABLE`, which
         real steps fill. ``probe``: on a fake CPU step, an op kind the table lacks is run
         once for real on zeros of its shapes to measure it (:func:`memfit.measure.workspace.probe`)
-        instead of being left unmeasured."""
+        instead of being left unmeasured. ``forward_before_loop``: the program ran the model's
+        forward once before its loop (:attr:`memfit.StepOptions.forward_before_loop`), so what
+        the step's forward makes for itself and keeps (the forward thread's cuBLAS workspace, a
+        cache a module fills) existed before the loop's first step: not in ``Ledger.first_use``."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
@@ -248,6 +252,7 @@ class Recorder(TorchDispatchMode):
         # record index -> the tick before which the step first touched a block alive at its
         # start that only the step revealed (Ledger.first_use)
         self._first_use: dict[int, int] = {}
+        self._forward_before_loop = forward_before_loop
         self._recording = False
         # (op, phase, module) -> what the step's note says of it (memfit.measure.determinism)
         self._nondeterministic: dict[tuple[str, str, str | None], determinism.Finding] = {}
@@ -276,7 +281,7 @@ class Recorder(TorchDispatchMode):
         if at_start:
             born, phase, module = START_TICK, Phase.START, None
             if self._recording:
-                self._first_use[idx] = len(self.ticks)
+                self._first_used(idx)
         else:
             born = self._tick()
             phase, module = self.scope.phase, self.scope.module
@@ -543,12 +548,19 @@ class Recorder(TorchDispatchMode):
             device = storage.device if storage.device.type != "meta" else torch.device(self.device_type or "cpu")
             self._add(storage, device, Category.UNSHARDED, at_start=False)
 
+    def _first_used(self, idx: int) -> None:
+        """Record ``idx``, a block alive at the start that the step only now touched, in
+        ``Ledger.first_use``: made by the program's first step where the step first used it,
+        unless a forward the program ran before its loop made it (we are in the forward)."""
+        if not (self._forward_before_loop and self.scope.phase is Phase.FORWARD):
+            self._first_use[idx] = len(self.ticks)
+
     def _cublas_workspace(self) -> None:
         key = (threading.get_ident(), _cuda_stream())
         if key in self._cublas_keys:
             return
         self._cublas_keys.add(key)
-        self._first_use[len(self.records)] = len(self.ticks)
+        self._first_used(len(self.records))
         self.records.append(_Record(self._cublas_bytes, Category.WORKSPACE, Phase.START, None, START_TICK))
 
     @property

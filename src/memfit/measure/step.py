@@ -94,6 +94,13 @@ class StepOptions:
     inference: bool = False
     """An evaluation step instead: the model in eval mode, forward and loss under
     ``torch.inference_mode()``, no backward and no optimizer step."""
+    forward_before_loop: bool = False
+    """The program runs the model's forward once after building it and before its loop,
+    keeping nothing of it (a target computed with the model, a shape check): what the forward
+    makes for itself and keeps, the forward thread's cuBLAS workspace or a cache a module
+    fills, exists before the loop's first step instead of being made in it, which changes
+    where the caching allocator places the loop's blocks (CUDA steps). The blocks that
+    forward made and freed are not replayed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -130,10 +137,12 @@ class StepOptions:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        # Left out at their defaults (fields added later): the JSON of such a step stays
+        # readable by a memfit from before them, while one that uses them is refused there.
         if self.accumulate == 1:
-            # Left out at its default (a field added later): the JSON of such a step stays
-            # readable by a memfit from before it, while one that accumulates is refused there.
             del data["accumulate"]
+        if not self.forward_before_loop:
+            del data["forward_before_loop"]
         return data
 
     @classmethod
