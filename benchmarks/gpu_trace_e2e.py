@@ -30,13 +30,15 @@ What the traced span is, per recording script, and how the prediction covers the
 * MAGMA27/assignment2-systems ``cs336_systems/benchmarking_script.py``: 5 warm-up passes (forward,
   cross_entropy, backward) with no ``zero_grad`` and no optimizer, then one traced pass. The trace
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
-  (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
-  ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+  (``set_to_none=False``), steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``) and
+  holds the previous pass's logits until the next forward returns, as the script does
+  (``StepOptions(holds_output=True)``: ``lm_head = model(data)`` rebinds them then).
 * JasperSolt/EoR_NN ``counterfactuals.py``: the model run once before the loop (``get_samples``), then
   Adam on the input image for 10 steps; memfit's step says so (``StepOptions(forward_before_loop=True)``:
   the forward's cuBLAS workspace exists before the first step) and its own loop replay is the script's.
 * Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
-  under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
+  under ``no_grad``, two batches, the first's logits held until the second forward returns
+  (``output = model(images)``: memfit's step says so, ``StepOptions(holds_output=True)``), recorded
   from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
   Its cuBLAS workspace (32 MiB) is the script's ``CUBLAS_WORKSPACE_CONFIG`` (the case's ``env``).
 
@@ -161,6 +163,7 @@ CASES += [
         "warmup": 5,
         "optimizer": None,
         "set_to_none": False,
+        "holds_output": True,  # `lm_head = model(data)`: the previous pass's logits live until it is rebound
         "del_output": False,
         "gpu": "A100-80GB",
         "span": "forward + loss + backward, gradients accumulating",
@@ -230,7 +233,13 @@ else:
 x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 inference = case.get("inference", False)
-step = memfit.StepOptions(autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True))
+# The script binds the output to a name and the traced step starts with the last warm-up's (no `del`
+# before it): memfit's step holds it so (a script that `del`s it before the traced step starts without;
+# its warm-up steps' holding is the loop replay's, below).
+holds = case.get("holds_output", not inference) and not case.get("del_output", True)
+step = memfit.StepOptions(
+    autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True), holds_output=holds
+)
 if inference:  # the script calls the model and drops what it returns: no loss, no targets
     prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
 else:
@@ -297,7 +306,9 @@ assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embedd
 x = torch.randint(3, config.vocab_size, (case["batch"], case["seq_len"]))
 # memfit's step always has an optimizer; an inference step never steps it (the script's Adam is never stepped)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-step = memfit.StepOptions(inference=True)
+# `output = model(images)`: the first batch's MaskedLMOutput (its logits) lives until the second
+# forward returns; memfit's evaluation step holds the whole output so (StepOptions.holds_output)
+step = memfit.StepOptions(inference=True, holds_output=case.get("holds_output", False) and not case.get("del_output", True))
 prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
 """
 
@@ -338,13 +349,17 @@ def run(evs):
                 alloc.free(b)
 
 # The script keeps `output` (the logits) until the next step's forward has returned
-# (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
-# drops it after backward. The logits: the largest tensor the forward made in the model's last module.
-# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps; one
-# that assigns it (`output = model(x)`, "holds_output") holds it until the next forward returns.
+# (`output = model(...)` rebinds it then), and `del`s it only before the traced step. The logits: the
+# largest tensor the forward made in the model's last module. An evaluation loop that drops the output
+# (`model(x)` unassigned) holds nothing across steps; one that assigns it (`output = model(x)`,
+# "holds_output") holds it until the next forward returns. Where memfit's step holds it already
+# (StepOptions.holds_output: the traced step starts with it, no `del` before), its ledger has the
+# previous step's output alive at the start, freed as the forward returns, and its own alive at the end,
+# which the pairing above joins: nothing to do here. Else (memfit's step drops it after backward) the
+# warm-up steps hold it by hand.
 last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
 logits = max(last_module, key=lambda b: b.nbytes).id
-holds_output = case.get("holds_output", not inference)
+holds_output = case.get("holds_output", not inference) and not prof.step.holds_output
 rebound = next(
     i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
 )
