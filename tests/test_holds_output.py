@@ -124,6 +124,11 @@ def test_micro_batches_hold_each_passs_output_until_the_next_forward_returns():
     assert len(outputs) == 2
     first, last = sorted(outputs, key=lambda b: b.born)
     assert first.died == forwards[1] and last is after and last.died is None
+    # the autograd nodes each pass's output keeps after its backward go with it
+    graph = [b for b in led.blocks if b.category is Category.GRAPH and b.born != START_TICK and b.module is not None]
+    nodes = [b for b in graph if not b.savers]  # (not the saved-tensor records: backward used them)
+    assert {b.died for b in nodes if b.born < forwards[0]} == {forwards[1] + 1}
+    assert {b.died for b in nodes if b.born > forwards[0]} == {None}
 
 
 def test_a_dict_output_is_held_whole():
