@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean docs pictures pictures-timeline pictures-snapshot pictures-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,35 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
+
+# docs/cli.md, the command-line reference, written from the parser (tests/test_docs.py checks it).
+docs: $(STAMP)
+	$(BIN)/python tools/gen_cli_docs.py
+
+# The pictures under docs/assets, made by the commands the docs show.
+# pictures-timeline and pictures-snapshot take a minute or two; pictures-bench runs every
+# configuration of `memfit bench` in fresh processes (tens of minutes on a 2-core CPU), and its
+# numbers are a new run's: docs/benchmarks/bench.md records the run those files came from.
+ASSETS ?= docs/assets
+pictures: pictures-timeline pictures-snapshot pictures-bench
+
+pictures-timeline: $(STAMP)
+	$(BIN)/memfit plan gpt --budget 50% --device fake --plot $(ASSETS)/timeline-gpt.png --html $(ASSETS)/timeline-gpt.html
+
+# A synthetic GPU trace (benchmarks/timeline_render.py's synthetic_snapshot, 20,000 events),
+# read by `memfit snapshot` from a temporary folder, as the page names the file it read.
+pictures-snapshot: $(STAMP)
+	tmp=$$(mktemp -d) && \
+	PYTHONPATH=benchmarks $(BIN)/python -c "import pickle, sys, timeline_render as t; pickle.dump(t.synthetic_snapshot(20000), open(sys.argv[1], 'wb'))" $$tmp/synthetic_snapshot.pickle && \
+	(cd $$tmp && $(abspath $(BIN))/memfit snapshot synthetic_snapshot.pickle --plot $(abspath $(ASSETS))/snapshot-synthetic.png --html $(abspath $(ASSETS))/snapshot-synthetic.html); \
+	rc=$$?; rm -rf $$tmp; exit $$rc
+
+pictures-bench: $(STAMP)
+	$(BIN)/memfit bench gpt --json $(ASSETS)/bench-gpt.json --plot $(ASSETS)/bench-gpt.png --html $(ASSETS)/bench-gpt.html
+	$(BIN)/memfit bench resnet --json $(ASSETS)/bench-resnet.json --plot $(ASSETS)/bench-resnet.png --html $(ASSETS)/bench-resnet.html
+	$(BIN)/memfit bench mlp-deep --json $(ASSETS)/bench-mlp-deep.json --plot $(ASSETS)/bench-mlp-deep.png --html $(ASSETS)/bench-mlp-deep.html
+	$(BIN)/memfit bench resnet152 --scenario resnet152-layer1-layer2 --json $(ASSETS)/scenario-resnet152.json
+	$(BIN)/memfit bench bert-base --scenario bert-per-layer --json $(ASSETS)/scenario-bert.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -3,7 +3,7 @@
     python benchmarks/allocator_replay.py DIR [--sources DIR/sources.tsv] [--out table.md]
 
 ``DIR`` holds ``torch.cuda.memory._dump_snapshot`` pickles recorded on real GPUs (fetched
-separately, never committed: see BENCHMARKS.md for where they come from). For each trace the
+separately, never committed: see docs/benchmarks/gpu-traces.md for where they come from). For each trace the
 recorded requests are replayed through :class:`memfit.cuda.allocator.CachingAllocator` from the
 state the trace began with, and compared with what the GPU's allocator did: the share of
 allocations placed at the very address it chose, whether every ``segment_alloc`` (``cudaMalloc``)
@@ -11,7 +11,7 @@ happened at the same request with the same size, reserved bytes at the end, and 
 predicted vs recorded (the recorded ones re-lived from the trace's own addresses). No torch, no GPU.
 
 ``--sources`` is a tab-separated file: pickle name, repository, commit, path in the repository
-(``benchmarks/allocator_traces.tsv`` lists the public traces BENCHMARKS.md reports; its
+(``benchmarks/allocator_traces.tsv`` lists the public traces docs/benchmarks/gpu-traces.md reports; its
 section says how to fetch them).
 """
 

@@ -4,7 +4,7 @@ memfit's plan at a budget; beside what Megatron's, DeepSpeed's and accelerate's 
     python benchmarks/distributed_plan.py WORLD_SIZE BUDGET [KEY=VALUE ...]   # zoo llama sizes, e.g. preset=8b
 
 Every peak is rank 0's on the fake process group and fake tensors (memfit's ledger). The formulas
-are computed here from the model's dimensions, as their sources write them (cited in BENCHMARKS.md):
+are computed here from the model's dimensions, as their sources write them (cited in docs/benchmarks/distributed.md):
 none of them runs the step.
 """
 

@@ -16,7 +16,7 @@ wrapping the functions fit calls; this works on any version of fit.
 after a warm-up each, and prints each one's median: which choice is faster, measured in the
 same conditions.
 
-The nanoGPT-style case in BENCHMARKS.md is nanoGPT's shakespeare-char model:
+The nanoGPT-style case in docs/benchmarks/fit.md is nanoGPT's shakespeare-char model:
 ``--size n_layer=6 n_head=6 n_embd=384 block_size=256 vocab_size=65 dropout=0.2 --batch-size 8``.
 """
 

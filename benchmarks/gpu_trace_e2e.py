@@ -5,7 +5,7 @@ public with the trace.
     python benchmarks/gpu_trace_e2e.py MIRRORS [--deps DIR] [--only NAME] [--out table.md]
 
 ``MIRRORS`` holds the fetched repositories as the fetch tool lays them out
-(``MIRRORS/<owner>+<name>/repo``, a bare git directory; never committed: BENCHMARKS.md says which).
+(``MIRRORS/<owner>+<name>/repo``, a bare git directory; never committed: docs/benchmarks/gpu-traces.md says which).
 For each case below, the recording repository's model and optimizer code is exported at the
 trace's commit into a temporary directory and imported from there; the same step (dims, batch,
 context length, autocast, optimizer, the recording script's loop) runs on fake CUDA in a fresh
@@ -30,10 +30,15 @@ What the traced span is, per recording script, and how the prediction covers the
 * MAGMA27/assignment2-systems ``cs336_systems/benchmarking_script.py``: 5 warm-up passes (forward,
   cross_entropy, backward) with no ``zero_grad`` and no optimizer, then one traced pass. The trace
   starts with the gradients and the last warm-up's logits alive. memfit's step keeps gradients
-  (``set_to_none=False``) and steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``);
-  ``warm`` holds the previous pass's logits until the next forward returns, as the script does.
+  (``set_to_none=False``), steps a stand-in optimizer that allocates nothing (``SGD(lr=0)``) and
+  holds the previous pass's logits until the next forward returns, as the script does
+  (``StepOptions(holds_output=True)``: ``lm_head = model(data)`` rebinds them then).
+* JasperSolt/EoR_NN ``counterfactuals.py``: the model run once before the loop (``get_samples``), then
+  Adam on the input image for 10 steps; memfit's step says so (``StepOptions(forward_before_loop=True)``:
+  the forward's cuBLAS workspace exists before the first step) and its own loop replay is the script's.
 * Maphsge4/select_n ``bert/bert_original.py`` -> ``validate_old.py``: BERT-large masked-LM evaluation
-  under ``no_grad``, two batches, the first's logits held until the second forward returns, recorded
+  under ``no_grad``, two batches, the first's logits held until the second forward returns
+  (``output = model(images)``: memfit's step says so, ``StepOptions(holds_output=True)``), recorded
   from before the first; the model is the repository's bundled transformers 4.31 BERT (``BERT_MODEL``).
   Its cuBLAS workspace (32 MiB) is the script's ``CUBLAS_WORKSPACE_CONFIG`` (the case's ``env``).
 
@@ -86,9 +91,13 @@ CASES = [
 # image. The trace's own sizes confirm it: conv0's weight 17,280 B (16 x 30 x 3 x 3 floats), linear0's
 # 51,200 B (200 x 64), the image 7,864,320 B (30 x 256 x 256), two cuBLAS workspaces of 8,519,680 B
 # (torch's default before Hopper), one 7,864,320 B Adam temporary (_multi_tensor_adam). The recording
-# began after the model was on the GPU and had run a forward (get_samples) and spans the image's copy
-# to the GPU and 10 steps (the first creates Adam's state). Not modelled: the script's
-# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (small transient tensors in backward).
+# began after the model was on the GPU and had run a forward (get_samples: the trace starts with the
+# forward's cuBLAS workspace alive in the 20 MiB segment of that forward's input copy), which the step
+# says (StepOptions.forward_before_loop), and spans the image's copy to the GPU and 10 steps (the first
+# creates Adam's state). The two loss terms the script logs (x_loss_e, y_loss_e) live until the next
+# step rebinds them: two 512 B blocks alive at the backward peak. Not modelled: the script's
+# set_detect_anomaly(True), whose NaN checks fake tensors cannot run (1-byte blocks allocated and freed
+# in backward, none alive at the peak).
 CASES.append(
     {
         "name": "small CNN, Adam on its input image",
@@ -154,6 +163,7 @@ CASES += [
         "warmup": 5,
         "optimizer": None,
         "set_to_none": False,
+        "holds_output": True,  # `lm_head = model(data)`: the previous pass's logits live until it is rebound
         "del_output": False,
         "gpu": "A100-80GB",
         "span": "forward + loss + backward, gradients accumulating",
@@ -223,7 +233,13 @@ else:
 x = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 y = torch.randint(0, d["vocab_size"], (case["batch"], d["context_length"]))
 inference = case.get("inference", False)
-step = memfit.StepOptions(autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True))
+# The script binds the output to a name and the traced step starts with the last warm-up's (no `del`
+# before it): memfit's step holds it so (a script that `del`s it before the traced step starts without;
+# its warm-up steps' holding is the loop replay's, below).
+holds = case.get("holds_output", not inference) and not case.get("del_output", True)
+step = memfit.StepOptions(
+    autocast=case["autocast"], inference=inference, set_to_none=case.get("set_to_none", True), holds_output=holds
+)
 if inference:  # the script calls the model and drops what it returns: no loss, no targets
     prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
 else:
@@ -290,7 +306,9 @@ assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embedd
 x = torch.randint(3, config.vocab_size, (case["batch"], case["seq_len"]))
 # memfit's step always has an optimizer; an inference step never steps it (the script's Adam is never stepped)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-step = memfit.StepOptions(inference=True)
+# `output = model(images)`: the first batch's MaskedLMOutput (its logits) lives until the second
+# forward returns; memfit's evaluation step holds the whole output so (StepOptions.holds_output)
+step = memfit.StepOptions(inference=True, holds_output=case.get("holds_output", False) and not case.get("del_output", True))
 prof = memfit.profile(model, x, optimizer=optimizer, fake="cuda", step=step, gpu=case.get("gpu"))
 """
 
@@ -332,13 +350,17 @@ def run(evs):
                 alloc.free(b)
 
 # The script keeps `output` (the logits) until the next step's forward has returned
-# (`output = model(...)` rebinds it then), and `del`s it only before the traced step; memfit's step
-# drops it after backward. The logits: the largest tensor the forward made in the model's last module.
-# An evaluation loop that drops the output (`model(x)` unassigned) holds nothing across steps; one
-# that assigns it (`output = model(x)`, "holds_output") holds it until the next forward returns.
+# (`output = model(...)` rebinds it then), and `del`s it only before the traced step. The logits: the
+# largest tensor the forward made in the model's last module. An evaluation loop that drops the output
+# (`model(x)` unassigned) holds nothing across steps; one that assigns it (`output = model(x)`,
+# "holds_output") holds it until the next forward returns. Where memfit's step holds it already
+# (StepOptions.holds_output: the traced step starts with it, no `del` before), its ledger has the
+# previous step's output alive at the start, freed as the forward returns, and its own alive at the end,
+# which the pairing above joins: nothing to do here. Else (memfit's step drops it after backward) the
+# warm-up steps hold it by hand.
 last_module = [b for b in led.blocks if b.phase is Phase.FORWARD and b.module == case["output_module"]]
 logits = max(last_module, key=lambda b: b.nbytes).id
-holds_output = case.get("holds_output", not inference)
+holds_output = case.get("holds_output", not inference) and not prof.step.holds_output
 rebound = next(
     i for i, t in enumerate(led.ticks) if i > blocks[logits].born and (t.module is None or t.phase is not Phase.FORWARD)
 )
@@ -391,11 +413,8 @@ import json, sys, types
 import memfit  # first: loads the fake CUDA shim before torch (MEMFIT_FAKE_CUDA=1)
 import torch
 from torch import nn, optim
-from dataclasses import replace
 from memfit.cuda import fake as _fake_cuda
-from memfit.measure.replay import replay_training
 from memfit.cuda.gpu import GPUS
-from memfit.measure.ledger import Category
 
 case = json.loads(sys.argv[1])
 # latent_cnn.py imports, for its training functions, modules the model class does not use (h5py, pandas)
@@ -425,11 +444,14 @@ class Counterfactual(nn.Module):
         return self.cnn(self.x_prime), self.x_prime, x
 
 
-def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs
+logged = [None, None]  # the script's x_loss_e, y_loss_e: alive until the next step rebinds them
+
+
+def loss_fn(out, y):  # CounterfactualLoss, and the two detached terms the script logs and keeps
     y_prime, x_prime, x = out
     total = ((x_prime - x) ** 2).mean() - (y_prime - y) ** 2
-    ((x_prime - x) ** 2).mean().detach()
-    (-((y_prime - y) ** 2)).detach()
+    logged[0] = ((x_prime - x) ** 2).mean().detach()
+    logged[1] = (-((y_prime - y) ** 2)).detach()
     return total
 
 
@@ -441,18 +463,17 @@ x = torch.randn(1, 30, 256, 256)
 y = cnn(x).detach()
 model = Counterfactual(cnn, x + torch.randn_like(x))
 optimizer = optim.Adam([model.x_prime], lr=0.005)
-prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda")
-led = prof.ledger
-# The script ran the model once before the loop (get_samples: y = model(x)), so the forward's cuBLAS
-# workspace was made before the loop, not at the first step's first matmul: the rest is memfit's replay.
-forward_ws = min(i for i, t in led.first_use.items() if led.blocks[i].category is Category.WORKSPACE)
-warm = replay_training(replace(led, first_use={i: t for i, t in led.first_use.items() if i != forward_ws}), prof.cuda_memory.settings)
+# The script ran the model once before its loop (get_samples: y = model(x)), so the forward's cuBLAS
+# workspace was made before the loop, not at the first step's first matmul: StepOptions says so
+# (forward_before_loop) and memfit's own replay of the loop is then the script's.
+step = memfit.StepOptions(forward_before_loop=True)
+prof = memfit.profile(model, x, targets=y, loss_fn=loss_fn, optimizer=optimizer, fake="cuda", step=step)
 print(json.dumps({
     "peak_bytes": prof.peak_bytes,
     "allocated_peak_bytes": prof.allocated_peak_bytes,
     "reserved_peak_bytes": prof.reserved_peak_bytes,
-    "warm_allocated_peak_bytes": warm.stats.allocated_peak_bytes,
-    "warm_reserved_peak_bytes": warm.stats.reserved_peak_bytes,
+    "warm_allocated_peak_bytes": prof.allocated_peak_bytes,
+    "warm_reserved_peak_bytes": prof.reserved_peak_bytes,
     "peak_phase": prof.peak["phase"],
 }))
 """

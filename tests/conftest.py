@@ -265,7 +265,7 @@ def settled(
     Why more than one run: gloo lets go of a finished collective's buffer around the next
     collective call, and now and then it is still alive at the next allocation; a real
     peak can then hold one extra all-gather buffer (seen once in CI: +31,475 B on a Llama
-    step; 5 of 20 runs here had one rank 1-4% high, BENCHMARKS.md). That only ever raises a
+    step; 5 of 20 runs here had one rank 1-4% high, docs/benchmarks/distributed.md). That only ever raises a
     real peak, so the lowest of a few runs is the step's own, and a prediction that is wrong
     stays wrong in every run."""
     best: list[T] = []

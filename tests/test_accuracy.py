@@ -104,7 +104,7 @@ def test_autograd_graph_estimate_where_it_is_the_whole_step():
     # Zoo heavy at 30k scalar ops: the step's RSS rise is autograd's host memory, not
     # tensors. memfit's graph blocks (counted nodes and saved tensors x constants fitted on
     # other op patterns, whose own figures spread by up to 15%) must carry the prediction:
-    # measured +7.7% here, +2.6% at heavy's default 100k ops (BENCHMARKS.md).
+    # measured +7.7% here, +2.6% at heavy's default 100k ops (docs/benchmarks/accuracy.md).
     sizes = {"n_ops": 30_000}
     out = run_child("heavy", sizes=sizes)
     work = zoo.build("heavy", **sizes)

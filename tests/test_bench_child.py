@@ -1,4 +1,4 @@
-"""``python -m memfit.bench.child`` as the README shows it: run by hand, without the
+"""``python -m memfit.bench.child`` as docs/levers.md shows it: run by hand, without the
 allocator setting, beside a workload that prints."""
 
 from __future__ import annotations

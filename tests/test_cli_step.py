@@ -23,6 +23,8 @@ FLAGS = [
     (["--foreach", "on"], StepOptions(foreach=True)),
     (["--optimizer-8bit"], StepOptions(optimizer_8bit=True)),
     (["--offload"], StepOptions(offload=True)),
+    (["--forward-before-loop"], StepOptions(forward_before_loop=True)),
+    (["--holds-output"], StepOptions(holds_output=True)),
     ([], None),
 ]
 
@@ -36,6 +38,8 @@ def test_each_flag_parses_to_its_step_option(command, flags, step):
 
 def test_eval_is_the_inference_step():
     assert _step_options(_parser().parse_args(["profile", "gpt", "--eval"])) == StepOptions(inference=True)
+    both = StepOptions(inference=True, holds_output=True)  # an evaluation loop holds its output too
+    assert _step_options(_parser().parse_args(["profile", "gpt", "--eval", "--holds-output"])) == both
 
 
 def test_every_memory_field_has_a_flag():
@@ -92,3 +96,29 @@ def test_profile_and_plan_json_record_the_step(tmp_path, capsys):
     # each module runs once per pass: three calls, as the plan says (it said "1 calls" before)
     assert plan.excluded["transformer.h.0"].startswith("called 3 times in a step")
     assert "runs every module 3 times" in " ".join(capsys.readouterr().out.split())
+
+
+def test_holds_output_is_recorded_and_kept_by_plans(tmp_path, capsys):
+    """--holds-output: the profile JSON says so, its ledger pairs the previous step's output with
+    the step's own, and a plan is verified on that step and records it (its unplanned peak is the
+    held step's). Left out of the JSON when not given, as readers before it expect."""
+    from memfit.measure.ledger import Ledger
+
+    assert main(["profile", "gpt", *SMALL, "--device", "fake", "--json", str(tmp_path / "base.json")]) == 0
+    assert main(["profile", "gpt", *SMALL, "--device", "fake", "--holds-output", "--json", str(tmp_path / "p.json")]) == 0
+    assert "holds output" in capsys.readouterr().out
+    base, data = (json.loads((tmp_path / n).read_text()) for n in ("base.json", "p.json"))
+    assert "holds_output" not in base["step"] and "held_output" not in base["ledger"]
+    assert data["step"]["holds_output"] is True
+    ledger = Ledger.from_dict(data["ledger"])
+    logits = 4 * 32 * 512 * 4  # batch 4 x 32 tokens x 512 vocabulary, float32
+    # the whole output is held: zoo gpt returns (logits, loss)
+    pairs = [(ledger.blocks[i].nbytes, ledger.blocks[j].nbytes) for i, j in ledger.held_output.items()]  # type: ignore[index]
+    assert pairs == [(logits, logits), (4, 4)]
+    # the step starts with the held output (and, on the CPU, the graph its tensors keep)
+    assert data["start_bytes"] > base["start_bytes"] + logits
+    flags = ["--device", "fake", "--budget", "1GiB", "--holds-output", "--json", str(tmp_path / "q.json")]
+    assert main(["plan", "gpt", *SMALL, *flags]) == 0
+    plan = Plan.from_json((tmp_path / "q.json").read_text())
+    assert plan.step == StepOptions(holds_output=True)
+    assert (plan.start_bytes, plan.none_peak_bytes) == (data["start_bytes"], data["peak_bytes"])

@@ -92,6 +92,98 @@ def test_reserved_peak_replays_the_loop_by_default(default_profile):
     assert replay_ledger(ledger).reserved_peak_bytes > 0  # the one-step replay is still there, not the default
 
 
+def test_forward_before_loop_makes_the_forward_workspace_before_the_first_step(shim_cache, default_profile, tmp_path):
+    """StepOptions.forward_before_loop (--forward-before-loop): the program ran the model's
+    forward before its loop, so the forward thread's cuBLAS workspace exists before the first
+    step: it leaves Ledger.first_use (the replay places it with the program's start) and the
+    autograd thread's, first used in backward, stays. The step itself is the same."""
+    from memfit.cuda.allocator import AllocatorSettings
+    from memfit.measure.ledger import Ledger, Phase
+    from memfit.measure.replay import replay_training
+
+    base, _ = default_profile
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC}
+    env.pop("MEMFIT_FAKE_CUDA", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    args = [sys.executable, "-m", "memfit", "profile", *GPT, "--device", "fake-cuda", "--forward-before-loop"]
+    done = subprocess.run([*args, "--json", str(tmp_path / "p.json")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["step"]["forward_before_loop"] is True and "forward_before_loop" not in base["step"]
+    ledger, before = Ledger.from_dict(data["ledger"]), Ledger.from_dict(base["ledger"])
+    assert ledger.blocks == before.blocks and ledger.ticks == before.ticks
+    workspaces = [i for i in before.first_use if before.blocks[i].category.value == "kernel_workspace"]
+    phases = {i: before.ticks[before.first_use[i]].phase for i in workspaces}
+    assert sorted(phases.values()) == [Phase.BACKWARD, Phase.FORWARD]
+    assert ledger.first_use == {i: t for i, t in before.first_use.items() if phases.get(i) is not Phase.FORWARD}
+    run = replay_training(ledger, AllocatorSettings())
+    assert (data["allocated_peak_bytes"], data["reserved_peak_bytes"]) == (
+        run.stats.allocated_peak_bytes,
+        run.stats.reserved_peak_bytes,
+    )
+
+
+HOLDS_SCRIPT = r"""
+import json
+import memfit  # first: the fake CUDA shim loads before torch
+import torch
+from torch import nn
+from memfit.cuda.allocator import AllocatorSettings
+from memfit.measure.replay import replay_training
+
+
+class BigOutput(nn.Module):  # a 2 MiB output; the forward peaks at a scratch tensor 4x its size
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2048)
+
+    def forward(self, x):
+        torch.ones(x.shape[0], 4 * 2048, device=x.device).sum()
+        return self.lin(x)
+
+
+out = {}
+for name, step, loss in (("eval", {"inference": True}, lambda o: o[0, 0]), ("train", {}, lambda o: o.sum())):
+    for holds in (False, True):
+        torch.manual_seed(0)
+        p = memfit.profile(
+            BigOutput(), torch.randn(256, 4), fake="cuda", loss_fn=loss, step=memfit.StepOptions(holds_output=holds, **step)
+        )
+        led = p.ledger
+        run = replay_training(led, AllocatorSettings())
+        out[f"{name} {holds}"] = {
+            "allocated": p.allocated_peak_bytes,
+            "reserved": p.reserved_peak_bytes,
+            "phase": p.peak["phase"],
+            "held": [[led.blocks[i].nbytes, led.blocks[j].nbytes] for i, j in led.held_output.items()],
+            "steps": p.cuda_memory.replayed_steps,
+            "replay": [run.stats.allocated_peak_bytes, run.stats.reserved_peak_bytes, run.steps, run.steady],
+        }
+print(json.dumps(out))
+"""
+
+
+def test_holds_output_adds_the_held_block_at_a_forward_peak(shim_cache):
+    """StepOptions.holds_output on fake CUDA: the step starts with the previous step's output
+    (one 2 MiB block) and frees it as its forward returns. The loop replay places it where the
+    program does: absent from the first step, then each step's output in the place the one
+    before it is not (by turns: the replay stops when a state repeats, at the third step).
+    Evaluation and training alike peak in the forward, higher by exactly that block."""
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    done = subprocess.run([sys.executable, "-c", HOLDS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("eval", "train"):
+        base, held = out[f"{name} False"], out[f"{name} True"]
+        assert base["held"] == [] and held["held"] == [[2 * MiB, 2 * MiB]]
+        assert base["phase"] == held["phase"] == "forward"
+        assert held["allocated"] - base["allocated"] == 2 * MiB, name
+        assert held["reserved"] >= base["reserved"]
+        assert held["replay"] == [held["allocated"], held["reserved"], held["steps"], True]
+        assert held["steps"] == 3 and base["steps"] == 2
+
+
 def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_profile, tmp_path):
     base, _ = default_profile
     done = _profile(shim_cache, tmp_path, "expandable_segments:True")

@@ -72,7 +72,7 @@ def test_tp_ledger_equals_real_gloo_run():
     _compare("tp", 2)
 
     # FSDP2+TP and HSDP at 4 real ranks take 20 s here: benchmarks/distributed_gloo.py
-    # compares them (BENCHMARKS.md), and the fake-only tests below profile them.
+    # compares them (docs/benchmarks/distributed.md), and the fake-only tests below profile them.
 
 
 # -- what a rank holds under tensor parallelism ---------------------------------------------------

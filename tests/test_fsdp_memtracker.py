@@ -1,4 +1,4 @@
-"""torch's private FSDPMemTracker beside memfit on the same fake FSDP2 step (BENCHMARKS.md,
+"""torch's private FSDPMemTracker beside memfit on the same fake FSDP2 step (docs/benchmarks/distributed.md,
 "Beside torch's FSDPMemTracker"), through benchmarks/distributed_memtracker.py's functions.
 
 Pins the reconciliation: on the step memfit records the tracker's storages equal memfit's, and the
@@ -53,5 +53,5 @@ def test_tracker_counts_global_shape_propagation_tensors_in_the_warm_up_step(run
     phantom = [n for name, n in warm.live if name == "OPT" and n == global_head]
     # a rank holds a 1/WORLD shard of it (and its moments): these are DTensor's sharding
     # propagation running the op once on global-shape fake tensors, under the step's fake mode
-    assert phantom, "torch's FSDPMemTracker no longer counts DTensor's propagation: update BENCHMARKS.md"
+    assert phantom, "torch's FSDPMemTracker no longer counts DTensor's propagation: update docs/benchmarks/distributed.md"
     assert warm.total - sum(phantom) <= phases["optimizer"]

@@ -202,6 +202,8 @@ def _step_options(ns: argparse.Namespace) -> memfit.StepOptions | None:
         optimizer_8bit=ns.optimizer_8bit or None,
         offload=ns.offload or None,
         inference=getattr(ns, "eval", False) or None,
+        forward_before_loop=ns.forward_before_loop or None,
+        holds_output=ns.holds_output or None,
     )
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
@@ -225,6 +227,8 @@ _STEP_FLAGS = {
     "accumulate": "--accumulate",
     "foreach": "--foreach",
     "offload": "--offload",
+    "forward_before_loop": "--forward-before-loop",
+    "holds_output": "--holds-output",
 }
 """StepOptions' field names as the command line spells them, for its errors."""
 
@@ -945,6 +949,19 @@ def _step_args(p: argparse.ArgumentParser) -> None:
         "--offload",
         action="store_true",
         help="tensors saved for backward go to pinned host memory (save_on_cpu; a CUDA step)",
+    )
+    g.add_argument(
+        "--forward-before-loop",
+        action="store_true",
+        help="the program runs the model's forward once before its loop (a target computed with the model, a check): "
+        "the forward's cuBLAS workspace exists before the first step (where a CUDA step's blocks are placed)",
+    )
+    g.add_argument(
+        "--holds-output",
+        action="store_true",
+        help="the loop binds the model's output to a name (output = model(x)) and does not del it: the previous "
+        "step's output stays alive until the next step's forward returns (the whole output object; with micro-batches "
+        "or --accumulate, each pass's until the next pass's forward returns)",
     )
 
 

@@ -190,6 +190,13 @@ class Ledger:
     thread's first cuBLAS call; a tensor a module caches), found only when used. A replay of the
     program's first step (:func:`memfit.measure.replay.replay_training`) allocates them
     there rather than before the step."""
+    held_output: dict[int, int | None] = field(default_factory=dict)
+    """:attr:`memfit.StepOptions.holds_output`: the blocks alive at the start that are the
+    previous step's model output, which the loop holds until this step's forward returns, by
+    id, each with the block of this step's output the loop holds in its place at the end (the
+    tensor in the same place of the output; None if none fits). The program's first step starts
+    without them; every later step frees the one the step before left (the allocator replay,
+    :func:`memfit.measure.replay.replay_training`, pairs them so)."""
     _curve: list[int] | None = field(default=None, repr=False, compare=False)
     _op_outputs: tuple[list[int], dict[int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -291,6 +298,8 @@ class Ledger:
             "attention_estimates": self.attention_estimates,
             "first_use": [[i, t] for i, t in self.first_use.items()],
             "nondeterministic": [f.to_dict() for f in self.nondeterministic],
+            # only where the step holds its output: other ledgers read as before
+            **({"held_output": [[i, j] for i, j in self.held_output.items()]} if self.held_output else {}),
         }
 
     @classmethod
@@ -314,6 +323,7 @@ class Ledger:
             attention_estimates=int(data.get("attention_estimates", 0)),
             first_use={int(i): int(t) for i, t in data.get("first_use", [])},
             nondeterministic=[Finding.from_dict(f) for f in data.get("nondeterministic", [])],
+            held_output={int(i): None if j is None else int(j) for i, j in data.get("held_output", [])},
         )
 
 

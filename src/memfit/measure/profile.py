@@ -685,8 +685,10 @@ def fake_peaks(
 
 def _held_bytes(ledger: Ledger) -> tuple[int, int]:
     """Bytes other than the inputs alive at the step's start and at its end: equal, and equal
-    from step to step, in a steady training step."""
-    kept = [b for b in ledger.blocks if b.category is not Category.INPUT]
+    from step to step, in a steady training step. A model output the loop holds is left out
+    with the inputs: sized by the batch as they are (``Ledger.held_output``)."""
+    outputs = set(ledger.held_output) | {j for j in ledger.held_output.values() if j is not None}
+    kept = [b for b in ledger.blocks if b.category is not Category.INPUT and b.id not in outputs]
     return sum(b.nbytes for b in kept if b.born == START_TICK), sum(b.nbytes for b in kept if b.died is None)
 
 
@@ -698,19 +700,37 @@ def record_step(
 ) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module).
     ``probe``: a fake CPU step measures the workspace of op kinds no real step measured by
-    running each once on real zeros (the recorder's ``probe``)."""
+    running each once on real zeros (the recorder's ``probe``). With ``holds_output`` the step
+    starts with the output the step before it left (one unrecorded step runs first when none
+    has), frees it as its forward returns, and leaves its own alive (``Ledger.held_output``)."""
+    held = box.held
+    if held is not None and not held.filled:
+        # StepOptions.holds_output: the loop's steady step starts with the output of the step
+        # before it, which no step of this sandbox has made yet (its first, or the first at
+        # other inputs): that step runs now, unrecorded
+        run_step(box, scope, loss_fn)
     # a plan applied (or being verified), named as the scope names modules: on the model it
     # hooks, which is the one inside a wrapper such as DDP's when the plan is verified per rank
     checkpointed = scope.model.__dict__.get(CHECKPOINTED) or {}
     recorder = Recorder(
-        scope, device=_model_device(box.model), checkpointed=checkpointed, fake=box.fake_mode is not None, probe=probe
+        scope,
+        device=_model_device(box.model),
+        checkpointed=checkpointed,
+        fake=box.fake_mode is not None,
+        probe=probe,
+        forward_before_loop=box.options.forward_before_loop,
     )
     _register_start(recorder, box)
+    if held is not None:
+        recorder.register_held(held.value)
+        held.on_replace = recorder.held_replaced
     try:
         with recorder:
             _run_recorded(box, scope, loss_fn, recorder)
         return recorder.ledger(), dict(recorder.flops)
     finally:
+        if held is not None:
+            held.on_replace = None
         recorder.close()
 
 

@@ -11,7 +11,9 @@ On a CPU step, autograd's graph takes from the same memory as the tensors: each 
 op that records a node, and each tensor saved for backward, adds a block of
 :attr:`~memfit.measure.ledger.Category.GRAPH` (an estimate, see
 :data:`~memfit.measure.ledger.GRAPH_NODE_BYTES`). Saved records go when backward unpacks
-them; nodes when the graph is freed after backward (:meth:`Recorder.free_graph`).
+them; nodes when the graph is freed after backward (:meth:`Recorder.free_graph`), except
+those of a model output the loop holds (:attr:`memfit.StepOptions.holds_output`), which live
+until the next forward returns (:meth:`Recorder.register_held`).
 
 Memory a kernel allocates for itself (:mod:`memfit.measure.workspace`) becomes a block of
 :attr:`~memfit.measure.ledger.Category.WORKSPACE` alive across the op: measured on real
@@ -28,6 +30,7 @@ runs without it (see :class:`memfit.measure.scope.Clock`).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import threading
 import weakref
@@ -59,7 +62,7 @@ from memfit.measure.ledger import (
 from memfit.measure.observer import Observer
 from memfit.measure.scope import Scope
 
-__all__ = ["Recorder", "storage_bytes"]
+__all__ = ["Recorder", "storage_bytes", "output_tensors"]
 
 # Ops whose CPU kernel is Python made of torch ops (bitsandbytes' optimizer updates: the
 # 8-bit one dequantises both moments to float32 temporaries). Dispatched as one op, their
@@ -149,6 +152,25 @@ def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
+def output_tensors(output: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in what a model returned, in order: a tensor, or tensors inside tuples,
+    lists, dicts (a transformers ``ModelOutput`` is one: its fields that are set) and
+    dataclasses, nested. What the loop holds when it holds the output."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if _depth > 8:
+        return []
+    if isinstance(output, dict):
+        values: Iterable[Any] = output.values()
+    elif isinstance(output, (list, tuple)):
+        values = output
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        values = (getattr(output, f.name, None) for f in dataclasses.fields(output))
+    else:
+        return []
+    return [t for v in values for t in output_tensors(v, _depth + 1)]
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = _distributed.local_tensor(t)  # a DTensor's memory is its shard on this rank
     if t.layout is not torch.strided:
@@ -195,6 +217,7 @@ class Recorder(TorchDispatchMode):
         checkpointed: Iterable[str] = (),
         fake: bool = False,
         probe: bool = False,
+        forward_before_loop: bool = False,
     ) -> None:
         """``checkpointed``: modules running under a checkpoint (an applied plan, or one
         being verified), whose ops keep the checkpoint's per-node bookkeeping instead of
@@ -202,7 +225,10 @@ class Recorder(TorchDispatchMode):
         nothing; their workspace comes from :data:`memfit.measure.workspace.TABLE`, which
         real steps fill. ``probe``: on a fake CPU step, an op kind the table lacks is run
         once for real on zeros of its shapes to measure it (:func:`memfit.measure.workspace.probe`)
-        instead of being left unmeasured."""
+        instead of being left unmeasured. ``forward_before_loop``: the program ran the model's
+        forward once before its loop (:attr:`memfit.StepOptions.forward_before_loop`), so what
+        the step's forward makes for itself and keeps (the forward thread's cuBLAS workspace, a
+        cache a module fills) existed before the loop's first step: not in ``Ledger.first_use``."""
         super().__init__()
         self.scope = scope
         self.device_type = device.type if device is not None else None
@@ -246,6 +272,18 @@ class Recorder(TorchDispatchMode):
         # record index -> the tick before which the step first touched a block alive at its
         # start that only the step revealed (Ledger.first_use)
         self._first_use: dict[int, int] = {}
+        self._forward_before_loop = forward_before_loop
+        # StepOptions.holds_output (register_held): the previous step's output's blocks alive at
+        # the start, one entry per tensor of it (None: not its own block); the record of the graph
+        # it keeps (CPU steps, training); node records made since the last backward, those of the
+        # output now held (its forward's) and those of the output held from an earlier pass
+        # (alive after backward until the next forward returns); the held output's blocks.
+        self._held_start: list[int | None] = []
+        self._held_graph_start: int | None = None
+        self._pass_nodes: list[int] = []
+        self._output_nodes: list[int] = []
+        self._held_nodes: list[int] = []
+        self._held_end: list[int | None] = []
         self._recording = False
         # (op, phase, module) -> what the step's note says of it (memfit.measure.determinism)
         self._nondeterministic: dict[tuple[str, str, str | None], determinism.Finding] = {}
@@ -274,7 +312,7 @@ class Recorder(TorchDispatchMode):
         if at_start:
             born, phase, module = START_TICK, Phase.START, None
             if self._recording:
-                self._first_use[idx] = len(self.ticks)
+                self._first_used(idx)
         else:
             born = self._tick()
             phase, module = self.scope.phase, self.scope.module
@@ -353,6 +391,11 @@ class Recorder(TorchDispatchMode):
         self._graph_live.append(len(self.records) - 1)
         return len(self.records) - 1
 
+    def _add_node(self) -> None:
+        """An autograd node for the op just run (under a checkpoint, with its bookkeeping)."""
+        self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
+        self._pass_nodes.append(len(self.records) - 1)
+
     def _records_node(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
         """Whether autograd records a node for this forward op: grad mode on, an input
         that requires grad, an output that can have a gradient."""
@@ -371,14 +414,56 @@ class Recorder(TorchDispatchMode):
 
     def free_graph(self) -> None:
         """The step let go of the graph (after backward): its nodes and any saved record
-        backward did not use die now."""
-        if self._graph_live:
+        backward did not use die now, but the nodes of a model output the loop holds
+        (:meth:`held_replaced`), which live until the next forward returns."""
+        keep = set(self._output_nodes)
+        if self._graph_live and (not keep or any(i not in keep for i in self._graph_live)):
             tick = self._tick()
             for idx in self._graph_live:
-                if self.records[idx].died is None:
+                if idx not in keep and self.records[idx].died is None:
                     self.records[idx].died = tick
+        self._held_nodes += [i for i in self._output_nodes if self.records[i].died is None]
         self._graph_live.clear()
         self._saved.clear()
+        self._pass_nodes.clear()
+        self._output_nodes = []
+
+    def register_held(self, output: Any) -> None:
+        """:attr:`memfit.StepOptions.holds_output`: ``output``, what the model returned in the
+        step before, is alive at the start (the loop's name for it) until this step's forward
+        returns (:meth:`held_replaced`): its tensors' storages (those not registered already,
+        a parameter the model returns), and on a CPU step the autograd nodes its tensors keep
+        after backward (one block, as many nodes as this step's output keeps: the same step).
+        Register after the step's other tensors."""
+        tensors = output_tensors(output)
+        for t in tensors:
+            s = _storage(t)
+            fresh = s is not None and id(s) not in self._live and s.nbytes()
+            self._held_start.append(self._add(s, t.device, Category.TEMPORARY, at_start=True) if fresh else None)
+        if self.graph and any(t.grad_fn is not None for t in tensors):
+            self._held_graph_start = len(self.records)
+            self.records.append(_Record(0, Category.GRAPH, Phase.START, None, START_TICK))  # sized in ledger()
+
+    def held_replaced(self, dropped: bool, output: Any) -> None:
+        """``HeldOutput.on_replace``: a forward returned and the loop's name now holds its
+        output. The one it held before has just been dropped (its tensors' frees are recorded
+        as they happen), with the graph it kept; the new output's graph is the nodes made since
+        the last backward (the forward's), and its tensors are the step's output."""
+        if self._closed:
+            return
+        if dropped:
+            dying = list(self._held_nodes)
+            if self._held_graph_start is not None and self.records[self._held_graph_start].died is None:
+                dying.append(self._held_graph_start)
+            if dying:
+                tick = self._tick()
+                for idx in dying:
+                    self.records[idx].died = tick
+            self._held_nodes = []
+        tensors = output_tensors(output)
+        keeps_graph = self.graph and any(t.grad_fn is not None for t in tensors)
+        self._output_nodes = list(self._pass_nodes) if keeps_graph else []
+        self._held_end = [self._block_of(t) for t in tensors]
 
     def register_start(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
         """Declare tensors alive before the step, with what they are. First claim wins, so
@@ -433,7 +518,7 @@ class Recorder(TorchDispatchMode):
                 ins = _tensors((*args, *(kwargs or {}).values()))
                 plain_grad = any(t.requires_grad and type(t) not in dtensors for t in ins)
                 if not plain_grad and self._records_node(ins, ins):  # a float op on floats makes floats
-                    self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
+                    self._add_node()
             return NotImplemented
         kwargs = kwargs or {}
         if _metadata_only(func):  # allocates nothing, returns no storage: no trace in the ledger
@@ -485,7 +570,7 @@ class Recorder(TorchDispatchMode):
             self.ops.append(OpCall(self.scope.module, self._op, flops, first, len(self.ticks)))
             # After the op's own ticks: the node is not an allocation of the op's kernel.
             if self.graph and self._records_node(in_tensors, out_tensors):
-                self._add_graph(GRAPH_NODE_BYTES + (CHECKPOINT_BYTES_PER_NODE if self._in_checkpoint() else 0))
+                self._add_node()
         return out
 
     def _check_determinism(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> None:
@@ -541,12 +626,19 @@ class Recorder(TorchDispatchMode):
             device = storage.device if storage.device.type != "meta" else torch.device(self.device_type or "cpu")
             self._add(storage, device, Category.UNSHARDED, at_start=False)
 
+    def _first_used(self, idx: int) -> None:
+        """Record ``idx``, a block alive at the start that the step only now touched, in
+        ``Ledger.first_use``: made by the program's first step where the step first used it,
+        unless a forward the program ran before its loop made it (we are in the forward)."""
+        if not (self._forward_before_loop and self.scope.phase is Phase.FORWARD):
+            self._first_use[idx] = len(self.ticks)
+
     def _cublas_workspace(self) -> None:
         key = (threading.get_ident(), _cuda_stream())
         if key in self._cublas_keys:
             return
         self._cublas_keys.add(key)
-        self._first_use[len(self.records)] = len(self.ticks)
+        self._first_used(len(self.records))
         self.records.append(_Record(self._cublas_bytes, Category.WORKSPACE, Phase.START, None, START_TICK))
 
     @property
@@ -669,9 +761,14 @@ class Recorder(TorchDispatchMode):
     def ledger(self) -> Ledger:
         # Workspace blocks measured at zero bytes are dropped with their two ticks: the
         # ledger is then the one a step that knew the figures beforehand records.
+        if self._held_graph_start is not None:
+            # the previous step's held graph: the nodes this step's held output keeps at its end
+            self.records[self._held_graph_start].nbytes = sum(self.records[i].nbytes for i in self._held_nodes)
         empty = {i for i, r in enumerate(self.records) if r.category is Category.WORKSPACE and not r.nbytes}
+        if self._held_graph_start is not None and not self.records[self._held_graph_start].nbytes:
+            empty.add(self._held_graph_start)
         empty |= self.observer.merged  # allocations the unwatched step never makes
-        gone = sorted(t for i in empty for t in (self.records[i].born, self.records[i].died) if t is not None)
+        gone = sorted(t for i in empty for t in (self.records[i].born, self.records[i].died) if t is not None and t >= 0)
 
         def at(tick: int) -> int:  # a tick index (or a span's boundary) once ``gone`` are removed
             return tick - bisect.bisect_left(gone, tick)
@@ -706,4 +803,29 @@ class Recorder(TorchDispatchMode):
             attention_estimates=self.attention_estimates,
             first_use={index[i]: at(t) for i, t in self._first_use.items() if i in index},
             nondeterministic=list(self._nondeterministic.values()),
+            held_output=self._held_pairs(index),
         )
+
+    def _held_pairs(self, index: dict[int, int]) -> dict[int, int | None]:
+        """``Ledger.held_output``: each block of the previous step's held output, with the block
+        of this step's output that the loop holds in its place (the tensor in the same place of
+        the output, of the same size), or None."""
+        pairs: dict[int, int | None] = {}
+        ends = self._held_end if len(self._held_end) == len(self._held_start) else [None] * len(self._held_start)
+        taken: set[int] = set()
+        for start, end in zip(self._held_start, ends):
+            if start is None or start not in index:
+                continue
+            r = self.records[end] if end is not None else None
+            fits = (
+                r is not None
+                and end not in taken
+                and end in index
+                and r.born != START_TICK
+                and r.died is None
+                and r.nbytes == self.records[start].nbytes
+            )
+            pairs[index[start]] = index[end] if fits else None  # type: ignore[index]
+            if fits:
+                taken.add(end)  # type: ignore[arg-type]
+        return pairs

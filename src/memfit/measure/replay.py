@@ -42,7 +42,8 @@ def replay_ledger(ledger, settings: AllocatorSettings | None = None, *, capacity
 
 MAX_STEPS = 8
 """Steps :func:`replay_training` replays at most (the first included): until a step leaves the
-allocator as the step before it did, from when every later step repeats it exactly."""
+allocator as an earlier step did (most often the step before it), from when the later steps
+repeat the ones since exactly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +56,9 @@ class TrainingReplay:
     steps: int
     """Steps replayed: the first (which creates the optimizer state), then steady steps."""
     steady: bool
-    """The last step left the allocator's blocks and segments as the step before it did (every
-    later step repeats it); False when :data:`MAX_STEPS` ran out first."""
+    """The last step left the allocator's blocks and segments as an earlier step did (the step
+    before it, or one before that in a loop that alternates: every later step repeats the steps
+    since); False when :data:`MAX_STEPS` ran out first."""
 
 
 def _start_placement(ledger) -> tuple[list, dict[int, list]]:
@@ -66,15 +68,18 @@ def _start_placement(ledger) -> tuple[list, dict[int, list]]:
     optimizer state at the first optimizer tick (torch's optimizers make a parameter's whole
     state in its first ``step()``, parameters in group order, before updating any), gradients a
     loop keeps (``zero_grad(set_to_none=False)``) at the first backward tick, and what the step
-    revealed only when it used it (``Ledger.first_use``: cuBLAS workspaces, module caches)."""
+    revealed only when it used it (``Ledger.first_use``: cuBLAS workspaces, module caches). The
+    previous step's output a loop holds (``Ledger.held_output``) is in neither: the program's first
+    step starts without one, and each later step frees the one the step before left (:func:`_successors`)."""
     first: dict = {}
     for t, tick in enumerate(ledger.ticks):
         first.setdefault(tick.phase, t)
     made_at = {Category.OPTIMIZER: first.get(Phase.OPTIMIZER), Category.GRADIENT: first.get(Phase.BACKWARD)}
+    held = getattr(ledger, "held_output", {})
     before, during = [], {}
     for b in sorted(ledger.blocks, key=lambda b: b.id):
-        if b.born != START_TICK or b.category is Category.GRAPH or b.nbytes <= 0:
-            continue
+        if b.born != START_TICK or b.category is Category.GRAPH or b.nbytes <= 0 or b.id in held:
+            continue  # (the previous step's output, held by the loop: the first step has none)
         tick = ledger.first_use.get(b.id, made_at.get(b.category))
         if tick is None:
             before.append(b)
@@ -112,10 +117,19 @@ def _successors(ledger) -> tuple[dict[int, int], list[int]]:
     replaces its state, ``state["m"] = beta * m + ...``, frees the old and keeps the new): paired
     in order where the sizes agree. Returns the pairs and the step's other survivors, which the
     replay frees as the next step begins (they would pile up step after step otherwise, which
-    the measured step, starting without them, says does not happen)."""
-    dying = sorted((b for b in ledger.blocks if b.born == START_TICK and b.died is not None), key=lambda b: (b.died, b.id))
-    kept = sorted((b for b in ledger.blocks if b.born != START_TICK and b.died is None), key=lambda b: (b.born, b.id))
-    pairs, left, i = {}, [], 0
+    the measured step, starting without them, says does not happen). The previous step's output
+    a loop holds is the one the step leaves in its place as the ledger pairs them
+    (``Ledger.held_output``), before the rest are paired."""
+    pairs = {i: j for i, j in getattr(ledger, "held_output", {}).items() if j is not None}
+    ends = set(pairs.values())
+    dying = sorted(
+        (b for b in ledger.blocks if b.born == START_TICK and b.died is not None and b.id not in pairs),
+        key=lambda b: (b.died, b.id),
+    )
+    kept = sorted(
+        (b for b in ledger.blocks if b.born != START_TICK and b.died is None and b.id not in ends), key=lambda b: (b.born, b.id)
+    )
+    left, i = [], 0
     for b in kept:
         while i < len(dying) and dying[i].nbytes != b.nbytes:
             i += 1
@@ -139,7 +153,7 @@ def replay_training(
     """A measured step as a training loop runs it, through one :class:`CachingAllocator`: the
     blocks the program makes before its first step, in program order (:func:`_start_placement`);
     the first step, which makes the optimizer state (and what else the step keeps) as it goes;
-    then the step again until it leaves the allocator as the step before it did (the segments
+    then the step again until it leaves the allocator as an earlier step did (the segments
     the earlier steps cached are the ones later steps reuse). The peaks are over all of it, as
     ``max_memory_allocated`` / ``max_memory_reserved`` read in a loop that has run the steps: a
     step replayed from an empty cache with its start in some other order places blocks where
@@ -172,7 +186,12 @@ def _loop(
     before, during = _start_placement(ledger)
     successor, leftover = _successors(ledger)
     run(Alloc(("start", b.id), b.nbytes) for b in before)
-    state, steady, k = None, False, 0
+    # A step that leaves the allocator as an earlier step did repeats from there on what the
+    # steps between did (the replay is deterministic in that state): their peaks are all in. Most
+    # loops repeat the step before; one whose output the loop holds into the next step
+    # (StepOptions.holds_output) puts each step's output where the one before it is not, by turns.
+    seen: list[tuple] = []
+    steady, k = False, 0
     limit = max(max_steps, 1) if last is None else last
     while k < limit and (not steady or last is not None):
         k += 1
@@ -183,7 +202,8 @@ def _loop(
             hook(START_TICK)
         run(_step_events(ledger, k, successor, during if k == 1 else None, ticks=hook is not None), hook)
         now = _state(alloc, live)
-        steady, state = now == state, now
+        steady = now in seen
+        seen.append(now)
     return k, steady
 
 

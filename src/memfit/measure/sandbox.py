@@ -13,7 +13,9 @@ optimizer of the same class and settings over them. The user's objects are never
 :class:`~memfit.measure.step.StepOptions` that change what the step runs on are applied
 here: parameters in another dtype (real tensors: a cast copy, built the way the fake one
 is, so the user's model keeps its dtype), the optimizer's ``foreach`` flag, the 8-bit
-optimizer that stands in for the user's, gradients alive at the start (a loop with ``zero_grad(set_to_none=False)``) and the GradScaler.
+optimizer that stands in for the user's, gradients alive at the start (a loop with ``zero_grad(set_to_none=False)``), the GradScaler,
+and the loop's name for the model's output (``holds_output``: a :class:`~memfit.measure.step.HeldOutput`
+that keeps each step's output into the next, dropped when the sandbox closes).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from memfit.cuda import fake as fake_cuda
 from memfit.errors import WorkloadError
 from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import Phase
-from memfit.measure.step import FakeGradScaler, StepOptions, train_step
+from memfit.measure.step import FakeGradScaler, HeldOutput, StepOptions, train_step
 
 __all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device", "step_sandbox", "copy_model"]
 
@@ -55,13 +57,19 @@ class Sandbox:
     # fake sandboxes: how real inputs and targets become this sandbox's tensors, so
     # :meth:`use_inputs` can run the same warm copy at another batch
     copy_inputs: Callable[[tuple, dict, Any], tuple[tuple, dict, Any]] | None = None
+    held: HeldOutput | None = None
+    """``StepOptions.holds_output``: the previous step's model output, alive into the next step."""
 
     def use_inputs(self, args: tuple, kwargs: dict, targets: Any = None) -> None:
         """Run the next steps on other (real) inputs, copied as the first ones were: a fake
-        copy of the step warmed once can then be recorded at many batch sizes."""
+        copy of the step warmed once can then be recorded at many batch sizes. An output held
+        from the last step (of the other inputs) is dropped: a loop at these inputs holds one
+        of their own, which the next recorded step makes first (:func:`~memfit.measure.profile.record_step`)."""
         if self.copy_inputs is None:
             raise TypeError("use_inputs is for fake sandboxes (a real one steps on the inputs it is given)")
         self.args, self.kwargs, self.targets = self.copy_inputs(args, kwargs, targets)
+        if self.held is not None:
+            self.held.clear()
 
     def step(self, loss_fn: Any, on_phase: Callable[[Phase], None] = lambda phase: None) -> float:
         """One training step on the sandbox's objects, as its options say (call it inside
@@ -83,6 +91,7 @@ class Sandbox:
             inference=o.inference,
             offload=o.offload,
             targets=self.targets,
+            held=self.held,
         )
 
     @contextmanager
@@ -170,7 +179,20 @@ def _prepare(box: Sandbox) -> Sandbox:
             # (as the first steps of a real run do) and measure a step without it.
             scale = 1.0
             box.scaler = FakeGradScaler(device, scale) if box.fake_mode is not None else torch.amp.GradScaler(device.type, scale)
+    if o.holds_output:
+        box.held = HeldOutput()
     return box
+
+
+@contextmanager
+def _holding(box: Sandbox) -> Iterator[Sandbox]:
+    """``box``, whose held output (if any) is dropped when the block ends: before the
+    sandbox puts back what the steps changed, and whether they succeeded or raised."""
+    try:
+        yield box
+    finally:
+        if box.held is not None:
+            box.held.clear()
 
 
 @contextmanager
@@ -212,7 +234,8 @@ def real_sandbox(
     for p in params:
         p.grad = None  # a steady-state step starts after zero_grad(set_to_none=True)
     try:
-        yield _prepare(Sandbox(model, args, kwargs, optimizer, options=options, targets=targets))
+        with _holding(_prepare(Sandbox(model, args, kwargs, optimizer, options=options, targets=targets))) as box:
+            yield box
     finally:
         with torch.no_grad():
             for p, v, g in zip(params, saved_params, saved_grads):
@@ -312,7 +335,8 @@ def _cast_sandbox(
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
-        yield _prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, options=options, targets=targets))
+        with _holding(_prepare(Sandbox(new_model, new_args, new_kwargs, new_opt, options=options, targets=targets))) as box:
+            yield box
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
@@ -410,6 +434,7 @@ def fake_sandbox(
     try:
         box = Sandbox(new_model, new_args, new_kwargs, new_opt, mode, options=options, targets=new_targets)
         box.copy_inputs = copy_inputs
-        yield _prepare(box)
+        with _holding(_prepare(box)):
+            yield box
     finally:
         torch.set_rng_state(cpu_rng)  # fake dropout does not draw, but be sure

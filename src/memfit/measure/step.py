@@ -3,7 +3,8 @@
 One steady-state step: forward, loss, backward (the model's output stays alive through
 backward, as it does in a loop that writes ``out = model(x); out.loss.backward()``),
 then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Gradients are ``None``
-when it starts and when it ends.
+when it starts and when it ends. With :attr:`StepOptions.holds_output`, the output outlives
+the step as the loop's name for it keeps it (:class:`HeldOutput`).
 
 :class:`StepOptions` describes the variants :func:`memfit.fit` weighs (micro-batches,
 autocast with or without a GradScaler, ``zero_grad(set_to_none=False)``, parameters in
@@ -28,7 +29,15 @@ from memfit.errors import WorkloadError
 from memfit.measure.ledger import Phase
 from memfit.workload import call_loss, check_loss, split_batch
 
-__all__ = ["train_step", "StepOptions", "FakeGradScaler", "eval_mode", "offload_saved", "first_micro_batches"]
+__all__ = [
+    "train_step",
+    "StepOptions",
+    "HeldOutput",
+    "FakeGradScaler",
+    "eval_mode",
+    "offload_saved",
+    "first_micro_batches",
+]
 
 _RUN_MICRO_BATCHES: ContextVar[int | None] = ContextVar("memfit_run_micro_batches", default=None)
 
@@ -94,6 +103,26 @@ class StepOptions:
     inference: bool = False
     """An evaluation step instead: the model in eval mode, forward and loss under
     ``torch.inference_mode()``, no backward and no optimizer step."""
+    forward_before_loop: bool = False
+    """The program runs the model's forward once after building it and before its loop,
+    keeping nothing of it (a target computed with the model, a shape check): what the forward
+    makes for itself and keeps, the forward thread's cuBLAS workspace or a cache a module
+    fills, exists before the loop's first step instead of being made in it, which changes
+    where the caching allocator places the loop's blocks (CUDA steps). The blocks that
+    forward made and freed are not replayed."""
+    holds_output: bool = False
+    """The loop binds the model's output to a name (``output = model(x)``, ``out = model(x);
+    loss = loss_fn(out, y)``) and does not ``del`` it, so the previous step's output is alive
+    until the next step's forward returns and the name is rebound: the step starts with it
+    and frees it when its forward returns, and ends with its own output alive. What is held
+    is the whole object the model returns (a transformers ``ModelOutput``: its logits, and
+    its loss in training), with, on a CPU step, the autograd graph its tensors keep after
+    backward (the nodes, not the saved tensors backward freed). With micro-batches or
+    ``accumulate``, each pass's output is held until the next pass's forward returns, as a
+    loop ``for mb in batch: out = model(mb); ...`` holds it, and the step ends holding its last
+    pass's. memfit runs it so: the step before the measured one leaves its output alive, and
+    the measured step drops it right after its forward returns. Values are not touched. The
+    loss a loop binds beside it (``loss = ...``, a scalar and its node) is not held."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -130,15 +159,48 @@ class StepOptions:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        # Left out at their defaults (fields added later): the JSON of such a step stays
+        # readable by a memfit from before them, while one that uses them is refused there.
         if self.accumulate == 1:
-            # Left out at its default (a field added later): the JSON of such a step stays
-            # readable by a memfit from before it, while one that accumulates is refused there.
             del data["accumulate"]
+        if not self.forward_before_loop:
+            del data["forward_before_loop"]
+        if not self.holds_output:
+            del data["holds_output"]
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepOptions:
         return cls(**data)
+
+
+class HeldOutput:
+    """The name a training loop binds the model's output to (:attr:`StepOptions.holds_output`):
+    :func:`train_step` hands it each forward's output right after the forward returns, which
+    drops the output held before, as ``output = model(x)`` rebinds ``output``. What it holds
+    outlives the step, so the next step starts with it. ``on_replace(dropped, output)``, when
+    set, is called after each replacement: whether an output was held (and is now dropped), and
+    the one now held (memfit's recorder listens)."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.filled = False
+        """A forward's output has been held: a step ran (the next one starts holding it)."""
+        self.on_replace: Callable[[bool, Any], None] | None = None
+
+    def replace(self, output: Any) -> None:
+        """Hold ``output``; the output held until now is dropped here (its tensors freed
+        unless something else keeps them)."""
+        had = self.filled
+        self.value, self.filled = output, True
+        # The old object's last reference was the one just overwritten: it is freed above,
+        # before the listener hears of it, as the loop frees it when the name is rebound.
+        if self.on_replace is not None:
+            self.on_replace(had, output)
+
+    def clear(self) -> None:
+        """Drop what is held (the loop ended, or the next step runs at another batch)."""
+        self.value, self.filled = None, False
 
 
 class FakeGradScaler:
@@ -204,13 +266,15 @@ def train_step(
     inference: bool = False,
     offload: bool = False,
     targets: Any = None,
+    held: HeldOutput | None = None,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
     micro-batches or ``accumulate`` passes, the sum of the scaled losses of the passes (their
     mean, by default); each micro-batch's loss sees its own slice of ``targets``.
-    With ``inference``, an evaluation step (see :attr:`StepOptions.inference`)."""
+    With ``inference``, an evaluation step (see :attr:`StepOptions.inference`). With ``held``,
+    each forward's output is handed to it as the forward returns (:attr:`StepOptions.holds_output`)."""
     if inference:
-        return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast, targets)
+        return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast, targets, held)
     if loss_scale is None and micro_batches * accumulate > 1:
         loss_scale = 1.0 / (micro_batches * accumulate)
     total: torch.Tensor | None = None
@@ -224,6 +288,8 @@ def train_step(
             offload_saved() if offload else contextlib.nullcontext(),
         ):
             output = model(*margs, **mkwargs)
+            if held is not None:
+                held.replace(output)  # `output = model(x)`: the previous output goes now
             loss = check_loss(call_loss(loss_fn, output, mtargets))
             if loss_scale is not None:
                 loss = loss * loss_scale
@@ -266,12 +332,15 @@ def _inference_step(
     on_phase: Callable[[Phase], None],
     autocast: torch.dtype | None,
     targets: Any,
+    held: HeldOutput | None = None,
 ) -> float:
     """Forward and loss as an evaluation loop runs them; the modules' training flags are restored."""
     on_phase(Phase.FORWARD)
     with eval_mode(model), torch.inference_mode():
         with torch.autocast(_device_type(model), dtype=autocast) if autocast is not None else contextlib.nullcontext():
             output = model(*args, **kwargs)
+            if held is not None:
+                held.replace(output)
             loss = call_loss(loss_fn, output, targets)
         del output
     try:

@@ -396,7 +396,7 @@ def render_profile(
         console.print(
             f"[yellow]note:[/] {format_bytes(graph)} of the peak is autograd's graph in host memory ({profile.graph_ops:,} "
             "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
-            "it varies by op type by up to 15% (README, Known limitations)"
+            "it varies by op type by up to 15% (docs/limitations.md)"
         )
     ledger = profile.ledger
     if ledger.cublas_workspaces:
