@@ -385,7 +385,8 @@ PLAN_SCRIPT = textwrap.dedent(
     # plan is judged by what it reserves (the reserved peaks replay the training loop from an
     # empty cache: the lowest a plan reaches is over the step's allocated peak here)
     budget = base.reserved_peak_bytes - 8 * 2**20
-    plan = memfit.plan(w.model, w.inputs, budget, optimizer=w.make_optimizer(), fake="cuda", **kw)
+    planned = []
+    plan = memfit.plan(w.model, w.inputs, budget, optimizer=w.make_optimizer(), fake="cuda", on_planned=planned.append, **kw)
     memfit.apply(w.model, plan)
     after = memfit.profile(w.model, w.inputs, optimizer=w.make_optimizer(), fake="cuda", **kw)
     # float16 autocast takes the flash kernel: its softmax_d and float32 dq_accum, estimated
@@ -403,6 +404,8 @@ PLAN_SCRIPT = textwrap.dedent(
         "flash": flash, "flash_ops": sorted({t.op for t in led.ticks if "attention_backward" in t.op}),
         "budget": budget, "base_reserved": base.reserved_peak_bytes, "base_allocated": base.allocated_peak_bytes,
         "plan": plan.to_dict(), "reserved": after.reserved_peak_bytes, "allocated": after.allocated_peak_bytes,
+        "drawn": [planned[0].reserved_peak_bytes, planned[0].allocated_peak_bytes, len(planned[0].ledger.ticks)],
+        "ticks": len(after.ledger.ticks),
     }))
     """
 )
@@ -418,6 +421,8 @@ def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_prof
     # the planned step, profiled again with the plan applied, reserves exactly what the plan predicted
     assert r["reserved"] == plan["predicted_peak_bytes"] <= r["budget"]
     assert r["allocated"] == plan["allocated_peak_bytes"] < plan["predicted_peak_bytes"]
+    # what `memfit plan --plot` draws as the planned step (the run that verified the plan) is that profile
+    assert r["drawn"] == [r["reserved"], r["allocated"], r["ticks"]]
     # flash backward at (batch 2, heads 4, seq 100, dim 16): softmax_d 2*4*128 floats and
     # dq_accum 2*128*4*32 floats (seq rounded to 128, dim to 32), each in 512 B blocks
     assert r["flash_ops"] == ["_scaled_dot_product_flash_attention_backward"]

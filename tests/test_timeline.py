@@ -357,8 +357,9 @@ def test_an_expandable_segments_trace_draws_its_pages_as_segments_made():
 
 
 def test_cli_plan_pictures_report_progress_while_made(tmp_path, monkeypatch):
-    """Issue 24: the planned step's profile and the drawing took minutes with no line; they
-    now report stages (the profile's own, then the PNG, then the page) to a progress bar."""
+    """Issue 24: the planned step's profile and the drawing took minutes with no line; the
+    drawing reports its stages (the PNG, then the page) to a progress bar, and the planned
+    step is the run that verified the plan (no profile of its own: issue 24, item 5)."""
     import contextlib
 
     from memfit.report import console as console_mod
@@ -375,6 +376,29 @@ def test_cli_plan_pictures_report_progress_while_made(tmp_path, monkeypatch):
     args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
     assert main(args) == 0
     stages = seen["drawing the pictures"]
-    assert "recorded step" in stages  # the planned step's profile, measured for the pictures
-    assert stages[-2:] == ["drawing the PNG", "writing the HTML page"]
+    assert stages == ["drawing the PNG", "writing the HTML page"]  # no step profiled for the pictures
     assert png.read_bytes()[:4] == b"\x89PNG" and "modules recomputed" in page.read_text()
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_the_planned_step_drawn_is_the_step_profiled_with_the_plan(fake):
+    """Issue 24, items 4-5: ``memfit plan --plot`` draws the step with the plan applied as the
+    run that verified the plan recorded it, instead of profiling it again: its peak is the plan's
+    predicted peak, and equal to a fresh profile of the step with the plan applied (fake CUDA:
+    tests/test_fake_cuda.py, the reserved-budget plan)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)])
+    x = torch.randn(64, 64)
+    got: list[memfit.Profile] = []
+    plan = memfit.plan(model, x, "30%", fake=fake, on_planned=got.append)
+    assert plan.checkpointed and len(got) == 1
+    planned = got[0]
+    memfit.apply(model, plan)
+    try:
+        fresh = memfit.profile(model, x, fake=fake)
+    finally:
+        memfit.remove(model)
+    assert planned.peak_bytes == plan.predicted_peak_bytes
+    if fake:  # a real step's graph bytes are an estimate that moves with the run; fake ones are exact
+        assert planned.peak_bytes == fresh.peak_bytes
+    assert len(planned.ledger.ticks) == len(fresh.ledger.ticks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +58,12 @@ class Run:
     tensor_bytes: int
     """The ledger's peak; on CUDA the allocator model's allocated peak."""
     step_flops: int
+    ledger: Ledger | None = field(default=None, compare=False, repr=False)
+    """The run's recorded step (None for the unplanned step, which the profile is): what
+    ``memfit plan --plot`` draws as the planned step, so the picture is the run the plan's
+    predicted peak came from, and costs no profile of its own."""
+    fake: bool = field(default=False, compare=False)
+    """Whether the run was on fake tensors (a fake copy may verify a real profile's plans)."""
 
 
 class RecomputeFailed(Exception):
@@ -204,7 +210,8 @@ class Verifier:
             remove(self.box.model)
         if ledger.unmeasured_ops and self._fallback() is not None:
             return self._fallback().run(chosen)
-        return Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()))
+        fake = self.box.fake_mode is not None
+        return Run(*_peaks(ledger, self.settings), step_flops=sum(flops.values()), ledger=ledger, fake=fake)
 
 
 def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int]:

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.cache_check import real_switch_check
 from memfit.measure.inputs import input_bytes
 from memfit.measure.ledger import Category
-from memfit.measure.profile import Profile, Progress, check_step, profile_step
+from memfit.measure.profile import Profile, Progress, check_step, model_cuda_memory, profile_step
 from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
@@ -136,6 +137,7 @@ def plan(
     targets: Any = None,
     op_overhead_s: float | None = None,
     on_profile: Callable[[Profile], None] | None = None,
+    on_planned: Callable[[Profile], None] | None = None,
 ) -> Plan:
     """Choose what to recompute so one training step peaks within ``budget``.
 
@@ -164,6 +166,9 @@ def plan(
             step as the plans run it: with transformers' KV cache off where they turn it
             off). Saved with ``to_json``, it is a ``profile=`` that plans this step again
             without measuring it (``memfit plan --profile PATH`` writes it when PATH is new).
+        on_planned: called with the step with the plan applied, as the run that verified
+            the plan recorded it (its peak is the plan's predicted peak; no times): what
+            ``memfit plan --plot`` draws beside ``on_profile``'s, without profiling again.
 
     Returns:
         A :class:`Plan`; nothing about the model, its gradients, buffers, the optimizer
@@ -309,8 +314,30 @@ def plan(
             overhead = 0.0
 
         found = search(Search(prof, verifier, model, spec, objective, excluded, overhead=overhead, costing=costing), report)
+        if on_planned is not None:
+            on_planned(planned_profile(prof, found.run, verifier.settings))
     report("done", 2, 2)
     return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started, verify_note=verify_note)
+
+
+def planned_profile(prof: Profile, run: Run, settings: AllocatorSettings | None) -> Profile:
+    """``prof``'s step with a plan applied, as ``run`` (the run that verified the plan)
+    recorded it: its ledger and FLOPs, on CUDA its allocator replay, and no times (a
+    verification run is not timed). The unplanned step's run is ``prof`` itself."""
+    if run.ledger is None:
+        return prof
+    return replace(
+        prof,
+        ledger=run.ledger,
+        step_flops=run.step_flops,
+        fake=run.fake,
+        device=f"fake:{prof.device}" if run.fake and not prof.fake else prof.device,
+        time_source="omitted",
+        step_time_s=None,
+        step_times_s=(),
+        cuda_memory=model_cuda_memory(run.ledger, settings) if settings is not None else None,
+        meta={**prof.meta, "recorded_by": "the run that verified the plan"},
+    )
 
 
 def _fake_refused(exc: BaseException) -> str:

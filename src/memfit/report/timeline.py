@@ -928,7 +928,8 @@ e.id='memfit-error';e.textContent='error: '+m+' (line '+l+')';document.body.appe
 
 def _source(prof: Profile) -> str:
     on = "fake tensors (simulated, no memory used)" if prof.fake else f"real tensors on {prof.device}"
-    return f"recorded by memfit.profile on {on}: {len(prof.ledger.ticks)} ticks, {len(prof.ledger.blocks)} blocks"
+    how = prof.meta.get("recorded_by", "memfit.profile")
+    return f"recorded by {how} on {on}: {len(prof.ledger.ticks)} ticks, {len(prof.ledger.blocks)} blocks"
 
 
 def _conf(settings: AllocatorSettings) -> str:
