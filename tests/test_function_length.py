@@ -25,7 +25,7 @@ KNOWN = {
     ("levers/rank_fit.py", "max_batch_ranks"): 105,
     ("report/timeline.py", "trace_track"): 102,
     ("measure/timing.py", "time_steps"): 102,
-    ("report/console.py", "render_profile"): 100,
+    ("report/profiles.py", "render_profile"): 100,
     ("report/timeline.py", "timeline_html"): 97,
     ("measure/profile.py", "profile_step"): 90,
     ("cuda/snapshot.py", "replay_trace"): 84,
