@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: demo test test-fast install clean docs pictures pictures-timeline pictures-snapshot pictures-bench
+.PHONY: demo test test-fast slow-list install clean docs pictures pictures-timeline pictures-snapshot pictures-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PYTEST) -n $(WORKERS) --dist loadgroup -m "not slow and not timing"
+
+# tests/slow.txt, what `slow` means: the tests over 2 CPU seconds, measured on the whole suite.
+slow-list: $(STAMP)
+	rm -f .slow-cpu.tsv
+	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadgroup
+	$(BIN)/python tools/slow_list.py .slow-cpu.tsv
+	rm -f .slow-cpu.tsv
 
 # docs/cli.md, the command-line reference, written from the parser (tests/test_docs.py checks it).
 docs: $(STAMP)

@@ -27,6 +27,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+_SLOW = Path(__file__).with_name("slow.txt")
+"""The tests that take over 2 CPU seconds, one node id a line (`make test-fast` leaves them out;
+`make slow-list` measures the suite and writes it again)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in slow.txt `slow`. And under xdist, a module- or session-scoped
+    fixture a test module defines (a real profile, a brute-force search) would be built once
+    per worker: the tests sharing it go to one worker (`make test` runs --dist loadgroup), so
+    it is built once, as without xdist."""
+    slow = set(_SLOW.read_text().splitlines()) if _SLOW.exists() else set()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        for name in item.fixturenames if info else ():
+            defs = info.name2fixturedefs.get(name) or ()
+            shared = [d for d in defs if d.scope in ("module", "session") and d.baseid == item.nodeid.split("::")[0]]
+            if shared:
+                item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}::{name}"))
+                break
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
