@@ -293,11 +293,13 @@ def test_cli_runs_the_readme_example_from_another_directory(readme_project):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
     for argv in (
         ["-m", "memfit", "profile", target, "--batch-size", "4", "--device", "fake"],
-        ["-m", "memfit.bench.child", target, "--measure", "flops"],  # what memfit bench runs per configuration
+        ["-m", "memfit.bench.child", target, "--measure", "time+flops", "--steps", "1"],  # what memfit bench runs per configuration
     ):
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=elsewhere, env=env)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "error" not in json.loads(proc.stdout.splitlines()[-1]), proc.stdout  # the child reports failures as JSON
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert "error" not in out, proc.stdout  # the child reports failures as JSON
+    assert out["step_flops"] > 0 and out["step_time_s"] > 0, out
 
 
 def test_file_target_with_batch_size(tmp_path, capsys):

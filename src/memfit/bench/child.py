@@ -1,6 +1,6 @@
 """Measure one configuration of a training step in a fresh process: the bench's child.
 
-    python -m memfit.bench.child TARGET --method M --measure memory|time|flops
+    python -m memfit.bench.child TARGET --method M --measure memory|time|flops|time+flops
         [--batch-size N] [--size K=V] [--device cpu|cuda] [--steps 5]
 
 It prints one JSON object, on its own stdout: the workload's own output (a ``print`` in the
@@ -149,7 +149,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memfit.bench.child")
     parser.add_argument("target")
     parser.add_argument("--method", default="none")
-    parser.add_argument("--measure", default="memory", choices=["memory", "time", "flops"])
+    parser.add_argument("--measure", default="memory", choices=["memory", "time", "flops", "time+flops"])
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--size", action="append", default=[])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -209,7 +209,8 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
 
     step()  # warm-up: creates the optimizer state (and compiles, for torch.compile)
     gc.collect()
-    if ns.measure == "time":
+    out: dict[str, Any] = {}
+    if ns.measure in ("time", "time+flops"):
         step()
         times = []
         for _ in range(ns.steps):
@@ -218,13 +219,17 @@ def _measure(ns: argparse.Namespace) -> dict[str, Any]:
             step()
             sync()
             times.append(time.perf_counter() - t0)
-        return {"step_time_s": statistics.median(times), "step_times_s": times}
-    if ns.measure == "flops":
+        out.update(step_time_s=statistics.median(times), step_times_s=times)
+    if ns.measure in ("flops", "time+flops"):
+        # After the timed steps, never before them: the counting mode must not slow what is timed.
+        # One process for both saves a start-up of torch per configuration.
         from memfit.compat.torch_compat import CORRECTED_FLOPS
 
         with FlopCounterMode(display=False, custom_mapping=CORRECTED_FLOPS) as counter:
             step()
-        return {"step_flops": int(counter.get_total_flops())}
+        out["step_flops"] = int(counter.get_total_flops())
+    if out:
+        return out
     if ns.device == "cuda":
         sync()
         before = torch.cuda.memory_allocated()

@@ -138,11 +138,12 @@ def run_bench(
                 rows.append(row)
                 continue
             row.measured_peak_bytes = prof.start_bytes + mem["step_peak_bytes"]
-            timing = run_child(target, method=child_method, measure="time", steps=steps, **common)
+            counted = "compile" not in method  # compiled kernels run below FlopCounterMode's dispatch
+            timing = run_child(target, method=child_method, measure="time+flops" if counted else "time", steps=steps, **common)
             row.step_time_s = timing.get("step_time_s")
             row.error = timing.get("error")
-            if "compile" not in method:  # compiled kernels run below FlopCounterMode's dispatch
-                flops = run_child(target, method=child_method, measure="flops", **common).get("step_flops")
+            if counted:
+                flops = timing.get("step_flops")
                 if method == "none":
                     base_flops = flops
                 if flops is not None and base_flops is not None:
