@@ -7,12 +7,13 @@ step), and its RSS rise over the recorded step is taken as a second, recorder-fr
 The prediction is memfit's profile of that rank on the fake process group, fake tensors,
 one process. Usage:
 
-    python benchmarks/distributed_gloo.py [--world-sizes 2,4] [--parallel fsdp2,ddp] [--model llama|resnet] [--json PATH]
+    python benchmarks/distributed_gloo.py [--world-sizes 2,4] [--parallel fsdp2,ddp] [--model llama|resnet] [--batch-size N] [--json PATH]
 
 ``--model resnet``: zoo ``resnet`` (a bottleneck CNN with BatchNorm), FSDP2 ``fully_shard`` per
-bottleneck and root in fp32, or DDP. Its peak, in backward, overlaps a reduce-scatter: gloo's
-own copy of the reduce-scatter input is then alive at the peak, which RSS sees and the tensor
-prediction leaves out (issue 26 item 4).
+bottleneck and root in fp32, or DDP (``--batch-size``: images per rank). At batch 4 under FSDP2
+its peak falls inside a reduce-scatter. gloo's own copy of the input is then alive at the peak.
+RSS sees that copy and the convolutions' kernel workspaces; the tensor prediction leaves both out
+(issue 26 item 4; docs/benchmarks/distributed.md).
 """
 
 from __future__ import annotations
@@ -123,9 +124,12 @@ def main() -> int:
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--parallel", default="fsdp2,ddp")
     ap.add_argument("--model", default="llama", choices=("llama", "resnet"))
+    ap.add_argument("--batch-size", type=int, help="resnet: images per rank (default 16)")
     ap.add_argument("--json")
     ns = ap.parse_args()
     sizes = None if ns.model == "llama" else {"model": ns.model}
+    if ns.batch_size is not None and sizes is not None:
+        sizes["batch_size"] = ns.batch_size
     rows = []
     for parallel in ns.parallel.split(","):
         for n in map(int, ns.world_sizes.split(",")):
@@ -144,6 +148,7 @@ def main() -> int:
                 rows.append(
                     dict(
                         model=ns.model,
+                        batch_size=ns.batch_size,
                         parallel=parallel,
                         world_size=n,
                         rank=r,
