@@ -555,7 +555,12 @@ FIXED_SIZES = [n for n, about in zoo.describe().items() if "needs [hf]" not in a
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_batch_size_as_a_size_is_one_line_naming_batch_size_flag(name, capsys):
     # every zoo model, and every command that builds a target: the batch is --batch-size's
-    commands = (["profile", "--device", "fake"], ["plan", "--device", "fake", "--budget", "50%"], ["fit", "--budget", "1GiB"], ["bench"])
+    commands = (
+        ["profile", "--device", "fake"],
+        ["plan", "--device", "fake", "--budget", "50%"],
+        ["fit", "--budget", "1GiB"],
+        ["bench"],
+    )
     for argv in commands:
         assert main([*argv, name, "--size", "batch_size=2"]) == 2
         err = _error_line(capsys)

@@ -158,7 +158,9 @@ def test_users_own_ddp_on_the_fake_group():
     theirs = profile_ranks(_workload("users_ddp"), world_size=2)
     for r in (0,):
         a, b = ours.profiles[r].ledger, theirs.profiles[r].ledger
-        assert [(x.category, x.nbytes, x.born, x.died) for x in a.blocks] == [(x.category, x.nbytes, x.born, x.died) for x in b.blocks]
+        assert [(x.category, x.nbytes, x.born, x.died) for x in a.blocks] == [
+            (x.category, x.nbytes, x.born, x.died) for x in b.blocks
+        ]
     # gradients as views of the buckets: one bucket's worth of memory for both, not two
     views = profile_ranks(_workload("users_ddp_bucket_views"), world_size=2).profiles[0]
     assert views.breakdown["ddp_buckets"] == PARAM_BYTES
@@ -181,7 +183,10 @@ def _unused_ddp(model, mesh):
 
 @pytest.mark.parametrize(
     "fn, words",
-    [(_meta_ddp, "built over parameters on the meta device: materialise"), (_unused_ddp, "find_unused_parameters=True is not measured")],
+    [
+        (_meta_ddp, "built over parameters on the meta device: materialise"),
+        (_unused_ddp, "find_unused_parameters=True is not measured"),
+    ],
 )
 def test_users_ddp_refused_in_one_line(fn, words):
     work = Workload(_workload("ddp").model, torch.randn(BATCH, WIDTH), parallel=Parallel(fn, name="mine"))
