@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: demo test install clean docs pictures pictures-timeline pictures-snapshot pictures-bench
+.PHONY: demo test test-fast slow-list install clean docs pictures pictures-timeline pictures-snapshot pictures-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,29 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/memfit demo
 
+# The test tiers (docs/architecture.md, "Test tiers"). `make test`, the full suite as CI runs it,
+# is two pytest runs: every test not marked `timing` on WORKERS xdist workers (one torch thread
+# each, set in tests/conftest.py), then the `timing` tests (they judge measured step times) alone
+# on the machine. Both run even when the first fails; make test fails if either does.
+# `make test-fast`: the inner loop, the tests marked neither `slow` nor `timing` (under 2 minutes).
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q --durations=20
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	@status=0; \
+	echo "$(PYTEST) -n $(WORKERS) --dist loadgroup -m 'not timing'"; $(PYTEST) -n $(WORKERS) --dist loadgroup -m "not timing" || status=$$?; \
+	echo "$(PYTEST) -m timing"; $(PYTEST) -m timing || status=$$?; \
+	exit $$status
+
+test-fast: $(STAMP)
+	$(PYTEST) -n $(WORKERS) --dist loadgroup -m "not slow and not timing"
+
+# tests/slow.txt, what `slow` means: the tests over 2 CPU seconds, measured on the whole suite.
+slow-list: $(STAMP)
+	rm -f .slow-cpu.tsv
+	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadgroup
+	$(BIN)/python tools/slow_list.py .slow-cpu.tsv
+	rm -f .slow-cpu.tsv
 
 # docs/cli.md, the command-line reference, written from the parser (tests/test_docs.py checks it).
 docs: $(STAMP)

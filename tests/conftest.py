@@ -19,6 +19,58 @@ from torch import nn
 import memfit
 from memfit import Choice, Plan
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two xdist workers on a 2-core machine: one intra-op thread each (and in
+    # the processes they start, through the environment), else OpenMP's threads of one worker
+    # wait on a core the other holds and every step runs several times slower.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+_SLOW = Path(__file__).with_name("slow.txt")
+"""The tests that take over 2 CPU seconds, one node id a line (`make test-fast` leaves them out;
+`make slow-list` measures the suite and writes it again)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in slow.txt `slow`. And under xdist, a module- or session-scoped
+    fixture a test module defines (a real profile, a brute-force search) would be built once
+    per worker: the tests sharing it go to one worker (`make test` runs --dist loadgroup), so
+    it is built once, as without xdist."""
+    slow = set(_SLOW.read_text().splitlines()) if _SLOW.exists() else set()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        for name in item.fixturenames if info else ():
+            defs = info.name2fixturedefs.get(name) or ()
+            shared = [d for d in defs if d.scope in ("module", "session") and d.baseid == item.nodeid.split("::")[0]]
+            if shared:
+                item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}::{name}"))
+                break
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
+    for) and wall seconds are appended to FILE: on a shared 2-core host wall times say more about
+    the neighbours than about the test, CPU times do not (how the tiers were sized)."""
+    out = os.environ.get("MEMFIT_TEST_CPU")
+    if not out:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    cpu0, wall0 = cpu(), time.perf_counter()
+    yield
+    with open(out, "a") as f:
+        f.write(f"{cpu() - cpu0:.2f}\t{time.perf_counter() - wall0:.2f}\t{item.nodeid}\n")
+
 
 class TinyNet(nn.Module):
     """Linear -> BatchNorm -> ReLU -> Dropout -> Linear: buffers, RNG and saved tensors."""
@@ -210,15 +262,27 @@ def assert_equivalent(
 
 @pytest.fixture(scope="session")
 def shim_cache(tmp_path_factory) -> Path:
-    """A cache holding the built fake-CUDA shim (built once per session); the tests that use
-    it skip, saying why, where it cannot be built."""
+    """A cache holding the built fake-CUDA shim (built once per session, and under xdist once
+    for all the workers: the first builds it while the others wait on a lock, then find it
+    built); the tests that use it skip, saying why, where it cannot be built."""
     from memfit.cuda import fake as _fake_cuda
 
-    cache = tmp_path_factory.mktemp("memfit-cache")
-    try:
-        _fake_cuda.build(cache=cache)
-    except _fake_cuda.FakeCudaError as exc:
-        pytest.skip(f"fake CUDA unavailable here: {exc}")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's temporary root, which every worker's basetemp is under
+    cache = root / "memfit-cache"
+    cache.mkdir(exist_ok=True)
+    with open(root / "memfit-cache.lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: each worker builds its own (build() replaces the file atomically)
+            pass
+        try:
+            _fake_cuda.build(cache=cache)
+        except _fake_cuda.FakeCudaError as exc:
+            pytest.skip(f"fake CUDA unavailable here: {exc}")
     return cache
 
 

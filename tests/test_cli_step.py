@@ -8,7 +8,8 @@ import json
 import pytest
 
 from memfit import Plan, StepOptions
-from memfit.cli import _parser, _step_options, main
+from memfit.cli import build_parser, main
+from memfit.cli.options import step_options
 
 SMALL = ["--size", "n_layer=2", "n_embd=64", "n_head=4", "block_size=32", "vocab_size=512", "--batch-size", "4"]
 
@@ -32,18 +33,18 @@ FLAGS = [
 @pytest.mark.parametrize("command", ["profile", "plan"])
 @pytest.mark.parametrize("flags, step", FLAGS)
 def test_each_flag_parses_to_its_step_option(command, flags, step):
-    ns = _parser().parse_args([command, "gpt", *flags])
-    assert _step_options(ns) == step
+    ns = build_parser().parse_args([command, "gpt", *flags])
+    assert step_options(ns) == step
 
 
 def test_eval_is_the_inference_step():
-    assert _step_options(_parser().parse_args(["profile", "gpt", "--eval"])) == StepOptions(inference=True)
+    assert step_options(build_parser().parse_args(["profile", "gpt", "--eval"])) == StepOptions(inference=True)
     both = StepOptions(inference=True, holds_output=True)  # an evaluation loop holds its output too
-    assert _step_options(_parser().parse_args(["profile", "gpt", "--eval", "--holds-output"])) == both
+    assert step_options(build_parser().parse_args(["profile", "gpt", "--eval", "--holds-output"])) == both
 
 
 def test_every_memory_field_has_a_flag():
-    text = _parser()._subparsers._group_actions[0].choices["plan"].format_help()  # type: ignore[union-attr]
+    text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()  # type: ignore[union-attr]
     for field in StepOptions.__dataclass_fields__:
         flag = {"set_to_none": "--keep-grads", "inference": None}.get(field, "--" + field.replace("_", "-"))
         assert flag is None or flag in text, field

@@ -10,7 +10,7 @@ from conftest import TinyNet, make_plan
 from rich.console import Console
 
 import memfit
-from memfit.cli import _DemoTiming
+from memfit.cli.demo import DemoTiming
 from memfit.report.console import render_before_after, render_plan, render_profile
 
 
@@ -20,7 +20,7 @@ def _console() -> Console:
 
 def test_the_host_too_busy_is_said_once_in_place_of_the_times():
     console = _console()
-    timing = _DemoTiming(console)
+    timing = DemoTiming(console)
     assert timing.judge([15.40, 15.9])  # steady so far: times shown
     timing.say()
     assert console.export_text() == ""

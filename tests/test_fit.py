@@ -233,6 +233,7 @@ def test_micro_batching_is_left_out_when_not_exact():
 # -- fit ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timing  # micro-batches fit this budget too: that none is used rests on fit's measured step times
 def test_fit_uses_no_lever_when_the_step_fits(tmp_path):
     model, inputs = _act_net(8)
     opt = _with_state(model, inputs)
@@ -338,6 +339,7 @@ def optimizer_bound():
     return model, x, opt, peaks
 
 
+@pytest.mark.timing  # foreach with micro-batches fits too: that foreach alone is chosen rests on measured step times
 def test_opt_in_levers_are_used_only_when_allowed(optimizer_bound):
     model, x, opt, peaks = optimizer_bound
     before = snapshot(model, opt)
@@ -370,6 +372,7 @@ def test_opt_in_levers_are_used_only_when_allowed(optimizer_bound):
     assert torch.isfinite(torch.tensor(run.step(x)))
 
 
+@pytest.mark.timing  # 8-bit state with micro-batches fits too: that 8bit alone is chosen rests on measured step times
 def test_eight_bit_state_is_opt_in_and_applies_as_a_new_bitsandbytes_optimizer():
     bnb = pytest.importorskip("bitsandbytes")
     # Many mid-sized tensors: the state shrinks by 6 bytes per parameter, while the CPU
@@ -427,6 +430,7 @@ def test_eight_bit_kernel_temporaries_are_counted(optimizer_bound):
     assert temporaries >= 4 * 4 * biggest  # at least both moments, the gradient and the denominator in float32
 
 
+@pytest.mark.timing  # 1 GiB holds micro-batched steps too: that no lever is used rests on measured step times
 def test_eight_bit_state_is_left_out_with_the_reason():
     from memfit.compat import optim8bit as _optim8bit
 
@@ -546,6 +550,7 @@ class SlowForward(ActNet):
         return super().forward(x, y)
 
 
+@pytest.mark.timing  # compares real step times
 def test_fit_chooses_what_timing_every_combination_chooses_and_times_few():
     torch.manual_seed(0)
     model, inputs = SlowForward(), (torch.randn(16, 32, 64), torch.randn(16, 32, 8))
@@ -579,6 +584,7 @@ def test_fit_chooses_what_timing_every_combination_chooses_and_times_few():
     assert recipe.predicted_peak_bytes <= budget and _close(recipe.predicted_peak_bytes, recipe.measured_peak_bytes)
 
 
+@pytest.mark.timing  # real step times, scaled: the host's own speed between timings must hold still
 @pytest.mark.parametrize("slower", ["the candidates", "the host"])
 def test_fit_says_when_prediction_and_measurement_part(monkeypatch, slower):
     from memfit.levers import fit as fit_module

@@ -45,6 +45,7 @@ LAYERS: dict[str, set[str]] = {
     # the edges
     "memfit": _BASE | {"cuda", "workload", "measure", "plan", "levers", "apply", "target"},  # __init__: the public API
     "bench": _BASE | {"memfit", "compat", "workload", "recompute", "measure", "plan", "levers", "apply", "zoo", "target"},
+    # the top: the memfit command (cli/, a module per command); nothing but __main__ imports it
     "cli": _BASE | {"memfit", "cuda", "workload", "measure", "plan", "levers", "zoo", "integrations", "report", "bench"},
     "__main__": {"cli"},
 }
@@ -297,3 +298,43 @@ def test_no_underscore_name_across_folders():
     assert ("torch_compat", "memfit.compat.torch_compat") in {imp.bound for imp in _imports(mods)}  # modules bound to names
     bad = _private_across(mods)
     assert not bad, "underscore names taken from another folder (make them public, or move the code):\n" + "\n".join(bad)
+
+
+ARGV_READERS = {
+    "memfit.cli": "main: the memfit command's own command line",
+    "memfit.bench.child": "the child process's own command line (python -m memfit.bench.child ...), run again as it was",
+}
+"""The only modules that read ``sys.argv`` or ``sys.orig_argv``, and why: the library never
+decides anything from the process's command line (issue 25)."""
+
+
+def _argv_readers(mods: dict[str, Path]) -> set[str]:
+    """The modules that read ``sys.argv`` or ``sys.orig_argv`` (as ``sys.X``, or imported from sys)."""
+    out = set()
+    for mod, path in mods.items():
+        for node in ast.walk(_parse(path)):
+            attr = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "sys"
+            taken = isinstance(node, ast.ImportFrom) and node.module == "sys"
+            names = [node.attr] if attr else [a.name for a in node.names] if taken else []
+            if any(n in ("argv", "orig_argv") for n in names):
+                out.add(mod)
+    return out
+
+
+def test_finds_modules_reading_the_command_line(tmp_path):
+    mods = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "measure/a.py": "import sys\nflag = '--x' in sys.orig_argv\n",
+            "measure/b.py": "from sys import argv\n",
+            "measure/c.py": "import sys\nsys.path\n",
+        },
+    )
+    assert _argv_readers(mods) == {"memfit.measure.a", "memfit.measure.b"}
+
+
+def test_only_the_command_reads_the_command_line():
+    found = _argv_readers(_modules())
+    assert "memfit.cli" in found  # the walk sees main's reading
+    assert found <= set(ARGV_READERS), f"modules reading sys.argv: {sorted(found - set(ARGV_READERS))}; take it as an argument"

@@ -19,6 +19,7 @@ from memfit.levers.max_batch import BatchLimit, MaxBatch
 from memfit.levers.recipe import Recipe, WhatIf
 from memfit.measure.step import StepOptions
 from memfit.report import console as rc
+from memfit.report import progress as rp
 
 MiB = 1 << 20
 
@@ -264,17 +265,17 @@ def test_progress_lines_are_rate_limited():
         clock.t = 0.1 * i
         lines.update(f"timing: lever {i}", i, None)
         lines.update("done", 3, 3)  # an inner step's end is not a stage
-    assert 1 <= len(out) <= 100 / rc._GAP_S + 1
+    assert 1 <= len(out) <= 100 / rp._GAP_S + 1
     assert all(re.fullmatch(r"memfit: fitting gpt: timing: lever \d+, \d+\.\d s\n", line) for line in out)
     times = [float(line.rsplit(", ", 1)[1].split()[0]) for line in out]
-    assert times[0] >= rc._QUIET_S and all(b - a >= rc._GAP_S for a, b in zip(times, times[1:]))
+    assert times[0] >= rp._QUIET_S and all(b - a >= rp._GAP_S for a, b in zip(times, times[1:]))
     # one long stage: a heartbeat now and then, not a line per tick
     out.clear()
     lines.update("cheapest plan within the budget", 1, 2)
     for _ in range(1200):
         clock.t += 0.5
         lines.tick()
-    assert 1 + 600 / rc._HEARTBEAT_S - 2 <= len(out) <= 1 + 600 / rc._HEARTBEAT_S + 1
+    assert 1 + 600 / rp._HEARTBEAT_S - 2 <= len(out) <= 1 + 600 / rp._HEARTBEAT_S + 1
     assert all("cheapest plan within the budget (1/2)" in line for line in out)
     lines.finish()
     assert out[-1].startswith("memfit: fitting gpt: finished, ")
@@ -292,7 +293,7 @@ def test_progress_lines_quiet_for_a_quick_command():
 
 @pytest.mark.parametrize("tty", [False, True])
 def test_progress_goes_to_stderr_and_lines_only_off_a_terminal(tty, monkeypatch):
-    monkeypatch.setattr(rc, "_live", lambda err: tty)
+    monkeypatch.setattr(rp, "_live", lambda err: tty)
     out, err = io.StringIO(), io.StringIO()
     monkeypatch.setattr("sys.stdout", out)
     monkeypatch.setattr("sys.stderr", err)

@@ -87,6 +87,7 @@ def test_small_ledger_is_drawn_tick_by_tick():
     assert t.at_peak[0][:3] == (100, Category.PARAMETER, "a")
 
 
+@pytest.mark.timing  # a wall-clock bound (under 5 s)
 def test_100k_ticks_aggregate_with_the_peak_exact_and_render_small_and_fast(tmp_path):
     ledger = _synthetic(100_000)
     curve = np.array(ledger.curve())

@@ -1,0 +1,142 @@
+"""What the commands share when they run: the target's workload, the device it runs on, a
+profile with a progress bar, and the pictures (``--plot``, ``--html``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+import memfit
+from memfit import zoo
+from memfit.errors import MemfitError, TargetError
+
+FAKE = {"fake": True, "fake-cuda": "cuda"}
+"""``--device`` values that run on fake tensors, and the ``fake=`` each passes."""
+
+
+def workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workload:
+    """The target's workload; unless measured per rank, refused in one line when it is built on
+    meta to be parallelized (Llama-3-8B: too big to build in this process)."""
+    work = memfit.load_target(ns.target, batch_size=ns.batch_size, sizes=zoo.parse_sizes(ns.size))
+    if not per_rank and work.parallel is not None and any(p.device.type == "meta" for p in work.model.parameters()):
+        raise TargetError(
+            f"{ns.target} is built on the meta device to be parallelized (too big to build in this process): "
+            "measure, plan or fit it per rank with `memfit profile|plan|fit ... --world-size N --device fake`"
+        )
+    return work
+
+
+def workload_at(ns: argparse.Namespace, batch_size: int) -> memfit.Workload:
+    return memfit.load_target(ns.target, batch_size=batch_size, sizes=zoo.parse_sizes(ns.size))
+
+
+def require_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("--device cuda: this torch build sees no CUDA device; use --device cpu, fake or fake-cuda")
+    if device == "fake-cuda":
+        from memfit.cuda import fake as fake_cuda
+
+        fake_cuda.require()  # loaded before torch when this is the command (main); else says why not
+
+
+def on_device(work: memfit.Workload, device: str) -> tuple[Any, Any]:
+    """The model and inputs on ``device``; the workload's targets are moved with them."""
+    from memfit.measure.inputs import map_shared
+    from memfit.workload import check_not_meta
+
+    require_device(device)
+    check_not_meta(work.model, work.inputs, work.targets)  # torch cannot move a meta tensor anywhere
+    model = work.model.to(device)
+    # together: inputs and targets that share storage (labels=ids) stay one tensor there
+    inputs, work.targets = map_shared(lambda x: x.to(device), (work.inputs, work.targets))
+    return model, inputs
+
+
+def profile_work(
+    work: memfit.Workload,
+    device: str,
+    console: Console,
+    *,
+    step: memfit.StepOptions | None = None,
+    gpu: Any = None,
+    capacity: int | None = None,
+) -> memfit.Profile:
+    from memfit.report.console import progress_bar
+
+    require_device(device)
+    fake = FAKE.get(device, False)
+    model, inputs = on_device(work, "cpu" if fake else device)
+    optimizer = work.make_optimizer()
+    with progress_bar(console, f"profiling {work.name}") as progress:
+        return memfit.profile(
+            model,
+            inputs,
+            loss_fn=work.loss_fn,
+            optimizer=optimizer,
+            fake=fake,
+            progress=progress,
+            step=step,
+            targets=work.targets,
+            gpu=gpu,
+            capacity=capacity,
+        )
+
+
+def write_pictures(ns: argparse.Namespace, console: Console, timeline: Any, *, profile: Callable[[Any], Any] | None = None) -> None:
+    """``--plot`` and ``--html``: the timeline as a PNG and as a self-contained page, with
+    progress lines on stderr while they are made (a large step's profile and drawing took
+    minutes with no sign of life, issue 24). ``timeline`` is the Timeline, or a function of
+    ``profile``'s result (a profile measured first, given the progress callback) making it."""
+    from memfit.report.console import progress_bar
+    from memfit.report.timeline import timeline_html, timeline_png
+
+    wrote = []
+    with progress_bar(console, "drawing the pictures") as progress:
+        if profile is not None:
+            timeline = timeline(profile(progress))
+        stages = [s for s in ("png", "html") if getattr(ns, "plot" if s == "png" else "html")]
+        if ns.plot:
+            progress("drawing the PNG", stages.index("png"), len(stages))
+            Path(ns.plot).write_bytes(timeline_png(timeline))
+            wrote.append(ns.plot)
+        if ns.html:
+            progress("writing the HTML page", stages.index("html"), len(stages))
+            Path(ns.html).write_text(timeline_html(timeline))
+            wrote.append(ns.html)
+    for path in wrote:
+        console.print(f"wrote {path}")
+
+
+def applied_profile(
+    work: memfit.Workload,
+    model: Any,
+    inputs: Any,
+    plan: memfit.Plan | None,
+    fake: bool,
+    step: memfit.StepOptions | None = None,
+    progress: Any = None,
+) -> memfit.Profile:
+    """The step profiled with ``plan`` applied (and ``step``'s options); the model left as it was."""
+    if plan is not None and plan.checkpointed:
+        memfit.apply(model, plan)
+    try:
+        optimizer = work.make_optimizer()
+        return memfit.profile(
+            model,
+            inputs,
+            loss_fn=work.loss_fn,
+            optimizer=optimizer,
+            fake=fake,
+            step=step,
+            targets=work.targets,
+            progress=progress,
+        )
+    finally:
+        if plan is not None and plan.checkpointed:
+            memfit.remove(model)

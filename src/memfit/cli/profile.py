@@ -1,0 +1,106 @@
+"""``memfit profile``: where the memory of one training step goes (per rank with ``--world-size``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from memfit.cli.common import profile_work, require_device, workload, write_pictures
+from memfit.cli.options import (
+    device_arg,
+    gpu_args,
+    gpu_options,
+    json_arg,
+    picture_args,
+    ranks_arg,
+    read_ranks,
+    step_args,
+    step_label,
+    step_options,
+    target_args,
+    world_size_arg,
+)
+from memfit.errors import TargetError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("profile", help="measure where the memory of one training step goes")
+    target_args(p)
+    device_arg(
+        p,
+        "fake: fake tensors, no memory used; fake-cuda: fake tensors on a simulated CUDA GPU (CUDA's autocast, "
+        "attention kernels and optimizer defaults), on a CPU build of torch (builds a small C++ shim with g++ once)",
+    )
+    json_arg(p, "also write the profile as JSON")
+    picture_args(p)
+    p.add_argument("--top", type=int, default=12, help="modules to list (default 12)")
+    p.add_argument(
+        "--eval", action="store_true", help="an evaluation step: eval mode, forward and loss under torch.inference_mode()"
+    )
+    world_size_arg(
+        p,
+        "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp) as "
+        "one rank of N on torch's fake process group (with --device fake)",
+    )
+    ranks_arg(p, "with --world-size: the ranks to measure (default 0)")
+    gpu_options(p)
+    step_args(p)
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import render_profile
+
+    if ns.world_size is not None:
+        return _run_ranks(ns, console)
+    if ns.ranks is not None:
+        raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    step = step_options(ns)
+    gpu, capacity = gpu_args(ns)
+    require_device(ns.device)  # before building the model
+    work = workload(ns)
+    prof = profile_work(work, ns.device, console, step=step, gpu=gpu, capacity=capacity)
+    prof.meta.update({"target": ns.target, **work.meta})
+    title = work.name + step_label(step)
+    render_profile(prof, console, title=title, top=ns.top)
+    if ns.json:
+        Path(ns.json).write_text(prof.to_json())
+        console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import profile_timeline
+
+        write_pictures(ns, console, profile_timeline(prof, f"memfit profile {ns.target}: {title} on {prof.device}"))
+    return 0
+
+
+def _run_ranks(ns: argparse.Namespace, console: Console) -> int:
+    """``profile --world-size N``: each asked-for rank of the parallelized step on the fake process group."""
+    from memfit.measure.distributed import profile_ranks
+    from memfit.report.console import progress_bar, render_ranks
+
+    if ns.device != "fake":
+        raise TargetError(
+            f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
+        )
+    if ns.eval or ns.gpu or ns.capacity or step_options(ns) is not None:
+        raise TargetError("--world-size does not take --eval, --gpu, --capacity or step options yet; drop them")
+    ranks = read_ranks(ns.ranks, ns.world_size)
+    work = workload(ns, per_rank=True)
+    with progress_bar(console, f"profiling {work.name} per rank") as progress:
+        result = profile_ranks(work, world_size=ns.world_size, ranks=ranks, progress=progress)
+    for prof in result.profiles.values():
+        prof.meta["target"] = ns.target
+    render_ranks(result, console, title=work.name, top=ns.top)
+    if ns.json:
+        Path(ns.json).write_text(result.to_json())
+        console.print(f"wrote {ns.json}")
+    if ns.plot or ns.html:
+        from memfit.report.timeline import profile_timeline
+
+        worst = result.profiles[result.worst_rank]
+        title = f"memfit profile {ns.target}: {work.name}, rank {result.worst_rank} of {ns.world_size} on {worst.device}"
+        write_pictures(ns, console, profile_timeline(worst, title))
+    return 0

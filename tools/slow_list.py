@@ -1,0 +1,31 @@
+"""Write tests/slow.txt: the tests whose CPU seconds (recorded by tests/conftest.py under
+MEMFIT_TEST_CPU=FILE) exceed a threshold. `make slow-list` runs the suite and then this.
+
+    python tools/slow_list.py CPU.tsv [--over 2.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "slow.txt"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tsv", type=Path, help="the file MEMFIT_TEST_CPU wrote: cpu seconds, wall seconds, node id per line")
+    ap.add_argument("--over", type=float, default=2.0, help="CPU seconds above which a test is slow (default 2)")
+    args = ap.parse_args()
+    cpu: dict[str, float] = {}
+    for line in args.tsv.read_text().splitlines():
+        seconds, _, node = line.split("\t", 2)
+        cpu[node] = max(cpu.get(node, 0.0), float(seconds))
+    slow = sorted(node for node, s in cpu.items() if s > args.over)
+    OUT.write_text("".join(f"{node}\n" for node in slow))
+    total = sum(cpu.values())
+    print(f"{len(slow)} of {len(cpu)} tests over {args.over} CPU s ({sum(cpu[n] for n in slow):.0f} of {total:.0f} s): {OUT}")
+
+
+if __name__ == "__main__":
+    main()
