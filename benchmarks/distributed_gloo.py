@@ -7,7 +7,13 @@ step), and its RSS rise over the recorded step is taken as a second, recorder-fr
 The prediction is memfit's profile of that rank on the fake process group, fake tensors,
 one process. Usage:
 
-    python benchmarks/distributed_gloo.py [--world-sizes 2,4] [--parallel fsdp2,ddp] [--json PATH]
+    python benchmarks/distributed_gloo.py [--world-sizes 2,4] [--parallel fsdp2,ddp] [--model llama|resnet] [--batch-size N] [--json PATH]
+
+``--model resnet``: zoo ``resnet`` (a bottleneck CNN with BatchNorm), FSDP2 ``fully_shard`` per
+bottleneck and root in fp32, or DDP (``--batch-size``: images per rank). At batch 4 under FSDP2
+its peak falls inside a reduce-scatter. gloo's own copy of the input is then alive at the peak.
+RSS sees that copy and the convolutions' kernel workspaces; the tensor prediction leaves both out
+(issue 26 item 4; docs/benchmarks/distributed.md).
 """
 
 from __future__ import annotations
@@ -33,10 +39,29 @@ SIZES = dict(
 )
 
 
-def workload(parallel: str, sizes: dict | None = None):
-    from memfit import zoo
+# zoo resnet's defaults: batch 16, 64 px, base 32, (2, 2, 2, 2) bottlenecks, 100 classes.
+RESNET_SIZES: dict = {}
 
-    return zoo.build("llama", parallel=parallel, **(SIZES if sizes is None else sizes))
+
+def _bottlenecks(model):
+    return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
+
+
+def workload(parallel: str, sizes: dict | None = None):
+    """zoo ``llama`` at ``sizes`` (default :data:`SIZES`), or with ``sizes={"model": "resnet", ...}``
+    zoo ``resnet`` (default :data:`RESNET_SIZES`) under ``parallel`` (fsdp2: fp32, per bottleneck; ddp)."""
+    import dataclasses
+
+    import memfit
+    from memfit import zoo
+    from memfit.measure.distributed import ddp, fsdp2
+
+    sizes = dict(SIZES if sizes is None else sizes)
+    if sizes.pop("model", "llama") != "resnet":
+        return zoo.build("llama", parallel=parallel, **sizes)
+    work = zoo.build("resnet", **{**RESNET_SIZES, **sizes})
+    schemes = {"fsdp2": fsdp2(_bottlenecks, param_dtype=None, reduce_dtype=None), "ddp": ddp}
+    return dataclasses.replace(work, parallel=memfit.Parallel(schemes[parallel], name=parallel))
 
 
 def _rank(rank: int, world_size: int, parallel: str, sizes: dict | None) -> dict:
@@ -98,16 +123,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--parallel", default="fsdp2,ddp")
+    ap.add_argument("--model", default="llama", choices=("llama", "resnet"))
+    ap.add_argument("--batch-size", type=int, help="resnet: images per rank (default 16)")
     ap.add_argument("--json")
     ns = ap.parse_args()
+    sizes = None if ns.model == "llama" else {"model": ns.model}
+    if ns.batch_size is not None and sizes is not None:
+        sizes["batch_size"] = ns.batch_size
     rows = []
     for parallel in ns.parallel.split(","):
         for n in map(int, ns.world_sizes.split(",")):
             t = time.perf_counter()
-            fake = fake_ranks(n, parallel)
+            fake = fake_ranks(n, parallel, sizes)
             t_fake = time.perf_counter() - t
-            real = real_ranks(n, parallel)
-            rss = real_rss(n, parallel)
+            real = real_ranks(n, parallel, sizes)
+            rss = real_rss(n, parallel, sizes)
             Ledger, without_backend_buffers = _ledger_tools()
             for r in range(n):
                 pred, meas = fake["ranks"][r], real[r]
@@ -117,6 +147,8 @@ def main() -> int:
                 recorded_rise = raw.peak_bytes - raw.start_bytes  # gloo's copies included: RSS sees them
                 rows.append(
                     dict(
+                        model=ns.model,
+                        batch_size=ns.batch_size,
                         parallel=parallel,
                         world_size=n,
                         rank=r,

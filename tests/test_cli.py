@@ -14,6 +14,7 @@ import pytest
 from conftest import SMALL
 
 import memfit
+from memfit import zoo
 from memfit.cli import main
 
 
@@ -544,3 +545,43 @@ def test_a_size_without_equals_once_the_target_is_given_is_one_line(argv, capsys
     assert main(argv) == 2
     err = _error_line(capsys)
     assert "'oops'" in err and "KEY=VALUE" in err
+
+
+# -- sizes that are not sizes (issue 26 item 4: `--size batch_size=2` ended in a TypeError) ------
+
+ZOO_NAMES = zoo.names()
+# the transformers models take any config field as a size (`name` too: a config attribute)
+FIXED_SIZES = [n for n, about in zoo.describe().items() if "needs [hf]" not in about]
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_batch_size_as_a_size_is_one_line_naming_batch_size_flag(name, capsys):
+    # every zoo model, and every command that builds a target: the batch is --batch-size's
+    commands = (
+        ["profile", "--device", "fake"],
+        ["plan", "--device", "fake", "--budget", "50%"],
+        ["fit", "--budget", "1GiB"],
+        ["bench"],
+    )
+    for argv in commands:
+        assert main([*argv, name, "--size", "batch_size=2"]) == 2
+        err = _error_line(capsys)
+        assert "give --batch-size 2" in err, (argv, err)
+
+
+@pytest.mark.parametrize("name", FIXED_SIZES)
+def test_the_zoo_builders_own_argument_names_are_not_sizes(name, capsys):
+    # `name` is zoo.build's own argument: judged as any unknown size, not a clash of arguments
+    assert main(["profile", name, "--size", "name=2", "--device", "fake"]) == 2
+    assert f"zoo model {name!r} has no size 'name'" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "size, flag", [("batch_size=2", "--batch-size N"), ("seq_len=64", "--seq-len N"), ("model_type=gpt2", "as CONFIG")]
+)
+def test_estimate_step_shape_as_a_size_is_one_line(size, flag, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    assert main(["estimate", "llama", "--size", "num_hidden_layers=1", size]) == 2
+    err = _error_line(capsys)
+    assert "is not a config override" in err and flag in err

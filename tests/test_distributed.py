@@ -47,6 +47,26 @@ class Blocks(nn.Module):
         return self.head(x).square().mean()
 
 
+def users_ddp(model: nn.Module, mesh) -> nn.Module:
+    """A parallelize as a user writes it: their own DistributedDataParallel over the mesh's
+    group, none of memfit's helpers (issue 26 item 4: its construction failed on the fake group)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to_empty(device="cpu")
+    return DistributedDataParallel(model, process_group=mesh.get_group())
+
+
+def users_ddp_bucket_views(model: nn.Module, mesh) -> nn.Module:
+    """As :func:`users_ddp`, the gradients views into DDP's buckets (no separate copy)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to_empty(device="cpu")
+    return DistributedDataParallel(model, process_group=mesh.get_group(), gradient_as_bucket_view=True)
+
+
+SCHEMES = {"ddp": ddp, "users_ddp": users_ddp, "users_ddp_bucket_views": users_ddp_bucket_views}
+
+
 def _workload(parallel: str, world_size: int | None = None) -> Workload:
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -54,7 +74,7 @@ def _workload(parallel: str, world_size: int | None = None) -> Workload:
     scheme = (
         Parallel(fsdp2(lambda m: m.blocks, param_dtype=None, reduce_dtype=None), world_size=world_size, name="fsdp2")
         if parallel == "fsdp2"
-        else Parallel(ddp, world_size=world_size, name="ddp")
+        else Parallel(SCHEMES[parallel], world_size=world_size, name=parallel)
     )
     return Workload(model, torch.randn(BATCH, WIDTH), parallel=scheme)
 
@@ -129,6 +149,51 @@ def test_ddp_buckets_visible():
     buckets = sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.DDP_BUCKET)
     assert buckets == PARAM_BYTES  # one fp32 bucket slot per gradient element
     assert prof.breakdown["ddp_buckets"] == PARAM_BYTES
+
+
+def test_users_own_ddp_on_the_fake_group():
+    # the user's DistributedDataParallel, built inside their parallelize, runs on the fake
+    # group as memfit's ddp does: the same ledger, the same peak
+    ours = profile_ranks(_workload("ddp"), world_size=2)
+    theirs = profile_ranks(_workload("users_ddp"), world_size=2)
+    for r in (0,):
+        a, b = ours.profiles[r].ledger, theirs.profiles[r].ledger
+        assert [(x.category, x.nbytes, x.born, x.died) for x in a.blocks] == [
+            (x.category, x.nbytes, x.born, x.died) for x in b.blocks
+        ]
+    # gradients as views of the buckets: one bucket's worth of memory for both, not two
+    views = profile_ranks(_workload("users_ddp_bucket_views"), world_size=2).profiles[0]
+    assert views.breakdown["ddp_buckets"] == PARAM_BYTES
+    assert views.breakdown.get("gradients", 0) == 0
+    assert views.peak_bytes < theirs.profiles[0].peak_bytes
+
+
+def _meta_ddp(model, mesh):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=mesh.get_group())
+
+
+def _unused_ddp(model, mesh):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to_empty(device="cpu")
+    return DistributedDataParallel(model, process_group=mesh.get_group(), find_unused_parameters=True)
+
+
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (_meta_ddp, "built over parameters on the meta device: materialise"),
+        (_unused_ddp, "find_unused_parameters=True is not measured"),
+    ],
+)
+def test_users_ddp_refused_in_one_line(fn, words):
+    work = Workload(_workload("ddp").model, torch.randn(BATCH, WIDTH), parallel=Parallel(fn, name="mine"))
+    with pytest.raises(MemfitError, match=words) as info:
+        profile_ranks(work, world_size=2)
+    assert "\n" not in str(info.value) and str(info.value).startswith("mine: ")
+    assert not torch_dist.is_initialized()
 
 
 def test_worst_rank_and_spread():
@@ -206,7 +271,7 @@ def _settled_gloo_run(parallel: str, predicted: list[int], slack: int = 0) -> li
     return settled(lambda: _gloo_run(parallel), lambda L: L.peak_bytes, predicted, slack)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp", "users_ddp", "users_ddp_bucket_views"])
 def test_fake_group_ledger_equals_real_gloo_run(parallel):
     fake = profile_ranks(_workload(parallel), world_size=2, ranks=(0, 1))
     predicted = [_tensors(fake.profiles[r].ledger) for r in range(2)]
@@ -331,6 +396,34 @@ def test_file_target_returns_a_distributed_workload(tmp_path, capsys):
     assert main(["profile", f"{target}:workload", "--world-size", "2", "--device", "fake", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["ranks"][0]["breakdown"]["parameters"] > 0 and data["parallel"] == "fsdp2"
+
+
+def test_cli_file_target_with_users_own_ddp(tmp_path):
+    # issue 26 item 4: a parallelize building its own DistributedDataParallel, profiled and
+    # planned per rank from the command line
+    from memfit.cli import main
+
+    target = tmp_path / "train_setup.py"
+    target.write_text(
+        "import torch, memfit\n"
+        "from torch.nn.parallel import DistributedDataParallel\n"
+        "def parallelize(model, mesh):\n"
+        "    model.to_empty(device='cpu')\n"
+        "    return DistributedDataParallel(model, process_group=mesh.get_group(), gradient_as_bucket_view=True)\n"
+        "def workload():\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU())\n"
+        "    return memfit.Workload(model, torch.randn(64, 32), parallel=memfit.Parallel(parallelize, name='mine'))\n"
+    )
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    argv = [f"{target}:workload", "--world-size", "2", "--ranks", "all", "--device", "fake"]
+    assert main(["profile", *argv, "--json", str(prof)]) == 0
+    data = json.loads(prof.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["parallel"] == "mine"
+    assert all(r["breakdown"]["ddp_buckets"] == (2 * (32 * 32 + 32)) * 4 for r in data["ranks"])
+    assert main(["plan", *argv, "--budget", "50%", "--json", str(plan)]) == 0
+    planned = json.loads(plan.read_text())
+    assert planned["world_size"] == 2 and set(planned["rank_peak_bytes"]) == {"0", "1"}
 
 
 def test_transformers_still_finds_fake_positions_packed():

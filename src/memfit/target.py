@@ -60,6 +60,9 @@ def load_target(target: str, *, batch_size: int | None = None, sizes: Mapping[st
         raise TargetError("target must be a zoo name or path/to/file.py:function")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise TargetError(f"batch size must be a positive integer, got {batch_size!r}")
+    if sizes and "batch_size" in sizes:
+        # the batch is every target's own knob (a file's function takes batch_size= too), set once
+        raise TargetError(f"the batch size is not a --size: give --batch-size {sizes['batch_size']} (in Python, batch_size=)")
     if ":" not in target and not target.endswith(".py"):
         return zoo.build(target, batch_size=batch_size, **(sizes or {}))
     if ":" not in target:

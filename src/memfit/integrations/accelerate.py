@@ -366,6 +366,16 @@ def estimate_memory(
         raise TargetError(f"estimate_memory runs on fake tensors: fake is True or 'cuda', got {fake!r}")
     if batch_size < 1 or seq_len < 1:
         raise TargetError(f"batch_size and seq_len are positive, got {batch_size} and {seq_len}")
+    instead = {
+        "batch_size": "--batch-size N (in Python, batch_size=)",
+        "seq_len": "--seq-len N (in Python, seq_len=)",
+        "model_type": "the model type as CONFIG (in Python, config=)",
+    }
+    clash = [k for k in (sizes or {}) if k in instead]
+    if clash:
+        # the step's shape or the config's kind, not config fields: as sizes they would be a
+        # config attribute nothing reads (batch_size, seq_len) or a clash of arguments (model_type)
+        raise TargetError(f"{clash[0]} is not a config override (--size): give {instead[clash[0]]}")
     tell = progress or (lambda message: None)
     cfg = _config(config, dict(sizes or {}))
     model = _model_on_meta(cfg)

@@ -315,7 +315,7 @@ def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: A
     # A copy: the user's model is left as it was (parallelizing changes modules' classes).
     # Every rank starts from meta, as a model too big to build does.
     model = copy_model(workload.model).to(device="meta")
-    with mode if mode is not None else nullcontext():
+    with mode if mode is not None else nullcontext(), _distributed.fake_ddp() if mode is not None else nullcontext():
         try:
             out = parallel.parallelize(model, mesh)
         except MemfitError:
@@ -326,6 +326,10 @@ def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: A
         model = model if out is None else out
         if not isinstance(model, nn.Module):
             raise WorkloadError(f"{parallel.name}: parallelize returned {type(model).__name__}; expected the nn.Module to train")
+        if mode is not None:
+            # any DistributedDataParallel the parallelize built (memfit's ddp or the user's own)
+            for module in model.modules():
+                _fake_group_ddp(module, parallel.name)
         if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
             model.to_empty(device="cpu")
             if mode is None:
@@ -425,31 +429,44 @@ def fsdp2(
 def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     """A ``parallelize`` wrapping the model in DistributedDataParallel, materialised first
     (its buckets are made from the parameters it is built over). On the fake process group
-    its construction's cross-rank checks are skipped and a comm hook that all-reduces each
-    bucket in place is registered (the fake group's futures carry nothing)."""
-    import torch.distributed as dist
+    the rank's sandbox makes it runnable, as any DDP a ``parallelize`` builds (see
+    :func:`_fake_group_ddp`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device="cpu")
         if not torch_compat.is_fake(next(model.parameters(), torch.empty(0))):
             _initialise(model)
-    pg = mesh.get_group()
-    fake = dist.get_backend(pg) == "fake"
-    dynamic = [k for k in ("find_unused_parameters", "static_graph") if kwargs.get(k)]
-    if fake and dynamic:
+    return DistributedDataParallel(model, process_group=mesh.get_group(), **kwargs)
+
+
+def _fake_group_ddp(module: nn.Module, name: str) -> None:
+    """Make a DistributedDataParallel built on the fake process group runnable on fake tensors,
+    whoever built it: its construction's cross-rank checks were skipped
+    (:func:`_distributed.fake_ddp`, around the ``parallelize``), its reducer keeps its first
+    buckets, and, unless the user registered a comm hook of their own, one that all-reduces
+    each bucket in place (the fake group's futures carry nothing the reducer can read). The
+    buckets, and gradients as their views with ``gradient_as_bucket_view``, are DDP's own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return
+    if any(t.device.type == "meta" for t in module.parameters()):
+        raise WorkloadError(
+            f"{name}: DistributedDataParallel was built over parameters on the meta device: "
+            "materialise the model first (model.to_empty(device='cpu'), as memfit.measure.distributed.ddp does)"
+        )
+    dynamic = [k for k in ("find_unused_parameters", "static_graph") if getattr(module, k, False)]
+    if dynamic:
         # the reducer reads which parameters the step used (a tensor's value: .item()), which
         # fake tensors do not have; a plan made without the option trains bitwise alike with it
         raise WorkloadError(
-            f"ddp: {dynamic[0]}=True is not measured on the fake process group (DDP's reducer reads which "
+            f"{name}: DDP's {dynamic[0]}=True is not measured on the fake process group (DDP's reducer reads which "
             "parameters were used, a value fake tensors do not have): measure and plan with it off"
         )
-    with _distributed.fake_ddp() if fake else nullcontext():
-        wrapped = DistributedDataParallel(model, process_group=pg, **kwargs)
-    if fake:
-        wrapped.register_comm_hook(None, _distributed.ddp_comm_hook)
-        _distributed.keep_ddp_buckets(wrapped)
-    return wrapped
+    if not module._comm_hooks:
+        module.register_comm_hook(None, _distributed.ddp_comm_hook)
+    _distributed.keep_ddp_buckets(module)
 
 
 def tensor_parallel(

@@ -82,8 +82,9 @@ def parse_sizes(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def build(name: str, batch_size: int | None = None, **sizes: Any) -> Workload:
-    """Build zoo model ``name`` as a workload on the CPU."""
+def build(name: str, /, batch_size: int | None = None, **sizes: Any) -> Workload:
+    """Build zoo model ``name`` as a workload on the CPU. ``name`` is positional only, so
+    that a size called ``name`` is judged as any other size, not a clash of arguments."""
     entry = _ZOO.get(name)
     if entry is None:
         raise TargetError(f"unknown zoo model {name!r}; choose one of {', '.join(_ZOO)} or give path/to/file.py:function")
