@@ -130,11 +130,17 @@ def test_plans_keep_peft_names_and_train_bitwise():
     assert plan.use_cache_off == ("base_model.model",)
     assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.none_peak_bytes
     trained = assert_equivalent(copy.deepcopy(model), inputs, loss, plan)
-    assert {n for n, p in trained.named_parameters() if p.requires_grad} == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n, p in trained.named_parameters() if p.requires_grad} == {
+        n for n, p in model.named_parameters() if p.requires_grad
+    }
     # micro-batches: profiled as they run, and trained with the plan as without it
     half = [{k: v[i : i + 1] for k, v in inputs.items()} for i in range(BATCH)]
-    split = [memfit.profile(model, inputs, optimizer=_adamw(model), fake=f, step=StepOptions(micro_batches=2)) for f in (True, False)]
-    assert split[0].peak_bytes == split[1].peak_bytes < memfit.profile(model, inputs, optimizer=_adamw(model), fake=True).peak_bytes
+    split = [
+        memfit.profile(model, inputs, optimizer=_adamw(model), fake=f, step=StepOptions(micro_batches=2)) for f in (True, False)
+    ]
+    assert (
+        split[0].peak_bytes == split[1].peak_bytes < memfit.profile(model, inputs, optimizer=_adamw(model), fake=True).peak_bytes
+    )
     assert_equivalent(copy.deepcopy(model), inputs, loss, plan, micro_batches=half)
 
 

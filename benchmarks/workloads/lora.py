@@ -50,12 +50,18 @@ def _llama_base() -> torch.nn.Module:
 
 
 def llama(batch_size: int = 4) -> memfit.Workload:
-    return _lora(_llama_base(), ["q_proj", "k_proj", "v_proj", "o_proj"], batch_size, f"llama LoRA bf16 base, batch {batch_size} x {SEQ}")
+    return _lora(
+        _llama_base(), ["q_proj", "k_proj", "v_proj", "o_proj"], batch_size, f"llama LoRA bf16 base, batch {batch_size} x {SEQ}"
+    )
 
 
 def llama_gc(batch_size: int = 4) -> memfit.Workload:
     return _lora(
-        _llama_base(), ["q_proj", "k_proj", "v_proj", "o_proj"], batch_size, f"llama LoRA bf16 base + checkpointing, batch {batch_size} x {SEQ}", gc=True
+        _llama_base(),
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        batch_size,
+        f"llama LoRA bf16 base + checkpointing, batch {batch_size} x {SEQ}",
+        gc=True,
     )
 
 

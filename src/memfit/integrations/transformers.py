@@ -146,7 +146,11 @@ def _checkpointing_off(trainer_args: Any, model: torch.nn.Module, say: Callable[
     if on_model:
         disable = getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable
         disable()
-    hooks = " and its enable_input_require_grads hook removed (memfit's checkpoints do not need it)" if _input_grads_off(model) else ""
+    hooks = (
+        " and its enable_input_require_grads hook removed (memfit's checkpoints do not need it)"
+        if _input_grads_off(model)
+        else ""
+    )
     say(
         f"gradient_checkpointing=True recomputes every layer whatever the budget: turned off{hooks}; memfit's plan recomputes "
         "only what the budget needs (nothing if the step fits as it is)"
