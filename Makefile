@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(if $(strip $(TORCH)),$(BIN)/python -m pip install --quiet "$(TORCH)")
-	$(BIN)/python -m pip install --quiet -e ".[hf,test,8bit,lightning]"
+	$(BIN)/python -m pip install --quiet -e ".[hf,test,8bit,lightning,peft]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -101,11 +101,38 @@ def trainer_step(trainer: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.o
     return trainer.model, _first_batch(trainer), optimizer, what
 
 
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model that owns the checkpointing switch: the model itself, or the
+    one inside a wrapper such as peft's ``PeftModel`` (whose attribute lookups forward to it,
+    through deprecated aliases, but whose class has no switch of its own)."""
+    inner = unwrap(model)
+    for mod in inner.modules():
+        if hasattr(type(mod), "gradient_checkpointing_disable") or hasattr(type(mod), "activation_checkpointing_disable"):
+            return mod
+    return inner
+
+
+def _input_grads_off(model: torch.nn.Module) -> bool:
+    """Removes transformers' ``enable_input_require_grads`` hooks (which transformers'
+    checkpointing, the Trainer and peft add so that reentrant checkpointing of a frozen
+    base has an input that requires grad), returning whether there were any. memfit's
+    checkpoints are not reentrant and need none; left on, they keep the embeddings' output
+    and its gradient alive for nothing."""
+    found = False
+    for mod in model.modules():
+        own = vars(mod)
+        if (own.get("_require_grads_hooks") or "_require_grads_hook" in own) and hasattr(mod, "disable_input_require_grads"):
+            mod.disable_input_require_grads()
+            own.pop("_require_grads_hook", None)  # transformers < 5 removes the hook and keeps the attribute
+            found = True
+    return found
+
+
 def _checkpointing_off(trainer_args: Any, model: torch.nn.Module, say: Callable[[str], None]) -> None:
     """transformers' own checkpointing recomputes every layer, whatever the budget: memfit's
     plan replaces it (two checkpoints around one layer would recompute it twice)."""
     asked = bool(getattr(trainer_args, "activation_checkpointing", None) or getattr(trainer_args, "gradient_checkpointing", None))
-    inner = unwrap(model)
+    inner = _transformers_model(model)
     on_model = (
         bool(getattr(inner, "is_activation_checkpointing", False))
         if hasattr(type(inner), "is_activation_checkpointing")
@@ -119,8 +146,13 @@ def _checkpointing_off(trainer_args: Any, model: torch.nn.Module, say: Callable[
     if on_model:
         disable = getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable
         disable()
+    hooks = (
+        " and its enable_input_require_grads hook removed (memfit's checkpoints do not need it)"
+        if _input_grads_off(model)
+        else ""
+    )
     say(
-        "gradient_checkpointing=True recomputes every layer whatever the budget: turned off; memfit's plan recomputes "
+        f"gradient_checkpointing=True recomputes every layer whatever the budget: turned off{hooks}; memfit's plan recomputes "
         "only what the budget needs (nothing if the step fits as it is)"
     )
 

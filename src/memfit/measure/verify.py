@@ -29,7 +29,7 @@ from memfit.measure.scope import Scope
 from memfit.measure.step import StepOptions
 from memfit.recompute import cache
 from memfit.recompute.checkpoint import apply_choices, last_recompute, remove, unwrap
-from memfit.recompute.stateful import CACHE_HINT, stateful_modules
+from memfit.recompute.stateful import CACHE_HINT, checking_forward, stateful_modules
 from memfit.workload import Workload
 
 __all__ = ["Verifier", "Run", "RecomputeFailed", "SwitchCheck", "Chosen", "step_verifier", "rank_verifier", "record_rank_on"]
@@ -121,7 +121,7 @@ class Verifier:
             def first() -> None:
                 nonlocal off
                 if box.optimizer.state:
-                    with torch.no_grad():
+                    with checking_forward(self.model):
                         box.model(*box.args, **box.kwargs)
                 else:
                     box.step(self.loss_fn, scope.set_phase)

@@ -25,7 +25,7 @@ from torch import nn
 
 from memfit.compat import torch_compat
 
-__all__ = ["stateful_modules", "call_state", "changed"]
+__all__ = ["stateful_modules", "call_state", "changed", "checking_forward"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward"}
@@ -103,6 +103,20 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
     return None
 
 
+def _transformers_checkpointing(model: nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", None) is True for m in model.modules())
+
+
+def checking_forward(model: nn.Module) -> Any:
+    """The autograd mode for a forward that only checks Python state: ``torch.no_grad()``
+    (the same state changes at half the cost), unless transformers' gradient checkpointing
+    is on (``gradient_checkpointing_enable()``, as peft's LoRA recipes use it). It acts only
+    while grad is enabled: under no_grad the layers run uncheckpointed with the KV cache
+    kept on (``merge_with_config_defaults``, ``GradientCheckpointingLayer``), which the
+    training step never writes, and every attention layer would be excluded for it."""
+    return torch.enable_grad() if _transformers_checkpointing(model) else torch.no_grad()
+
+
 CACHE_HINT = "; transformers models: pass use_cache=False to train"
 """What a reason adds for a module writing transformers' KV cache (the planner replaces it
 when it kept the cache on because turning it off changes the step's numbers)."""
@@ -145,11 +159,10 @@ def stateful_modules(model: nn.Module, args: tuple, kwargs: dict, *, first: Call
         if first is not None:
             first()
         else:
-            with torch.no_grad():
+            with checking_forward(model):
                 model(*args, **kwargs)
         changes.clear()  # the first forward may fill a memo once, which a recompute reuses
-        # Without autograd: Python state changes the same, at half the cost of a forward.
-        with torch.no_grad():
+        with checking_forward(model):
             model(*args, **kwargs)
     finally:
         for h in handles:

@@ -1,0 +1,74 @@
+"""LoRA fine-tunes (peft) for the accuracy benchmark (docs/benchmarks/lora.md): a frozen base
+built from a config (random weights, nothing downloaded) with peft's LoRA adapters, as
+``get_peft_model(model, LoraConfig(...))`` makes them, trained with AdamW over the adapters.
+
+- ``llama``: transformers' Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 2000),
+  the base in bfloat16, adapters r=8 on q/k/v/o (peft keeps them in float32), batch 4 x 256;
+- ``llama_gc``: the same with transformers' gradient checkpointing as peft's recipes enable it
+  (``gradient_checkpointing_enable(use_reentrant=True)`` and ``enable_input_require_grads``);
+- ``gpt2``: GPT-2 (n_embd 256, 4 layers), the base in float32, adapters r=8 on ``c_attn``.
+
+    python benchmarks/profile_accuracy.py --models benchmarks/workloads/lora.py:llama,benchmarks/workloads/lora.py:llama_gc
+    memfit profile benchmarks/workloads/lora.py:llama --device fake-cuda --gpu A10G
+"""
+
+import torch
+
+import memfit
+
+SEQ, VOCAB = 256, 2000
+
+
+def _lora(base: torch.nn.Module, targets: list[str], batch_size: int, name: str, gc: bool = False) -> memfit.Workload:
+    from peft import LoraConfig, get_peft_model
+
+    if gc:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        base.enable_input_require_grads()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.05))
+    ids = torch.randint(0, VOCAB, (batch_size, SEQ))
+    return memfit.Workload(
+        model, {"input_ids": ids, "labels": ids.clone()}, optimizer=lambda params: torch.optim.AdamW(params, lr=2e-4), name=name
+    )
+
+
+def _llama_base() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        max_position_embeddings=SEQ,
+    )
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def llama(batch_size: int = 4) -> memfit.Workload:
+    return _lora(
+        _llama_base(), ["q_proj", "k_proj", "v_proj", "o_proj"], batch_size, f"llama LoRA bf16 base, batch {batch_size} x {SEQ}"
+    )
+
+
+def llama_gc(batch_size: int = 4) -> memfit.Workload:
+    return _lora(
+        _llama_base(),
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        batch_size,
+        f"llama LoRA bf16 base + checkpointing, batch {batch_size} x {SEQ}",
+        gc=True,
+    )
+
+
+def gpt2(batch_size: int = 4) -> memfit.Workload:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=8, n_positions=SEQ)
+    return _lora(transformers.GPT2LMHeadModel(cfg), ["c_attn"], batch_size, f"gpt2 LoRA fp32 base, batch {batch_size} x {SEQ}")
