@@ -52,7 +52,7 @@ def add_parser(sub: Any) -> None:
         help="plan from this target's profile saved by `memfit profile TARGET --json PATH` (same batch and device) "
         "instead of measuring one: no profiling steps; a PATH that does not exist yet is measured and written",
     )
-    world_size_arg(p, "plan one rank of N of the target's distributed step (--device fake)")
+    world_size_arg(p, "plan one rank of N of the target's distributed step (--device fake, or fake-cuda: reserved peaks)")
     ranks_arg(
         p,
         "with --world-size: the ranks to verify the plan on (default 0); with --min-world-size: the ranks that must "
@@ -175,8 +175,11 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
     from memfit.plan.distributed import min_world_size, plan_ranks
     from memfit.report.console import progress_bar, render_plan, render_world_size_fit
 
-    if ns.device != "fake":
-        raise TargetError(f"plans per rank run each rank on torch's fake process group: give --device fake, not {ns.device}")
+    if ns.device not in FAKE:
+        raise TargetError(
+            f"plans per rank run each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
+        )
+    require_device(ns.device)
     if ns.plot or ns.html:
         raise TargetError("plans per rank do not take --plot or --html yet; drop them")
     if ns.min_world_size and ns.world_size is not None:
@@ -194,6 +197,12 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
         sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
         ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
     work = workload(ns, per_rank=True)
+    if ns.device == "fake-cuda" and ns.budget is None and ns.world_size is not None:
+        # the budget is the GPU's memory: NCCL's buffers (outside the allocator) come off it too
+        from memfit.measure.distributed import nccl_outside, world_size_of
+
+        nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
+        raw, label = raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
     if ns.min_world_size:
         with progress_bar(console, f"world sizes for {work.name}") as progress:
             found = min_world_size(
@@ -204,6 +213,7 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
                 max_world_size=ns.max_world_size or 1024,
                 ranks=ranks,
                 progress=progress,
+                fake=FAKE[ns.device],
             )
         render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
         result: Any = found
@@ -216,6 +226,7 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
                 ranks=read_ranks(ns.ranks, ns.world_size),
                 objective=ns.objective,
                 progress=progress,
+                fake=FAKE[ns.device],
             )
         result.budget = label
         ranks_seen = ", ".join(str(r) for r in sorted(result.rank_peak_bytes or {}))

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from memfit.cli.common import profile_work, require_device, workload, write_pictures
+from memfit.cli.common import FAKE, profile_work, require_device, workload, write_pictures
 from memfit.cli.options import (
     device_arg,
     gpu_args,
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
     world_size_arg(
         p,
         "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp) as "
-        "one rank of N on torch's fake process group (with --device fake)",
+        "one rank of N on torch's fake process group (with --device fake, or fake-cuda: allocated and reserved peaks per rank)",
     )
     ranks_arg(p, "with --world-size: the ranks to measure (default 0)")
     gpu_options(p)
@@ -81,16 +81,21 @@ def _run_ranks(ns: argparse.Namespace, console: Console) -> int:
     from memfit.measure.distributed import profile_ranks
     from memfit.report.console import progress_bar, render_ranks
 
-    if ns.device != "fake":
+    if ns.device not in FAKE:
         raise TargetError(
-            f"--world-size runs each rank on torch's fake process group and fake tensors: give --device fake, not {ns.device}"
+            "--world-size runs each rank on torch's fake process group and fake tensors: give --device fake or fake-cuda, "
+            f"not {ns.device}"
         )
-    if ns.eval or ns.gpu or ns.capacity or step_options(ns) is not None:
-        raise TargetError("--world-size does not take --eval, --gpu, --capacity or step options yet; drop them")
+    if ns.eval or step_options(ns) is not None:
+        raise TargetError("--world-size does not take --eval or step options yet; drop them")
+    gpu, capacity = gpu_args(ns)
+    require_device(ns.device)
     ranks = read_ranks(ns.ranks, ns.world_size)
     work = workload(ns, per_rank=True)
     with progress_bar(console, f"profiling {work.name} per rank") as progress:
-        result = profile_ranks(work, world_size=ns.world_size, ranks=ranks, progress=progress)
+        result = profile_ranks(
+            work, world_size=ns.world_size, ranks=ranks, progress=progress, fake=FAKE[ns.device], gpu=gpu, capacity=capacity
+        )
     for prof in result.profiles.values():
         prof.meta["target"] = ns.target
     render_ranks(result, console, title=work.name, top=ns.top)

@@ -200,6 +200,7 @@ def enable(gpu: GpuSpec | None = None) -> None:
         raise FakeCudaError(f"torch {torch.__version__} did not take memfit's fake CUDA hooks: {_HINT}")
     _install_stubs(torch)
     _patch_sdpa(torch)
+    _fused_as_on_cuda(torch)
     _state["enabled"] = True
 
 
@@ -303,15 +304,22 @@ def _hooks_registered(torch: Any) -> bool:
 
 
 class _Stream:
-    """A CUDA stream that orders nothing: fake tensors have no kernels to order."""
+    """A CUDA stream that orders nothing (fake tensors have no kernels to order) but is one
+    stream of its own: ``torch.cuda.stream(s)`` makes it the current stream, so that the
+    recorder notes which stream each block is allocated on (FSDP2 allocates its all-gather
+    buffers on its copy-in stream and its reduce-scatter outputs, the sharded gradients, on
+    its reduce-scatter stream), and the caching-allocator model keeps a pool per stream as
+    the real allocator does. The default stream is ``stream_id`` 0."""
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         import torch
 
         self.device = torch.device("cuda", 0)
         self.priority = priority
-        self.stream_id = 0
-        self.cuda_stream = 0
+        self.stream_id = _streams["made"]
+        _streams["made"] += 1
+        self.cuda_stream = self.stream_id
+        self._entered: list[_Stream] = []
 
     def wait_stream(self, stream: Any) -> None:
         pass
@@ -329,16 +337,40 @@ class _Stream:
         pass
 
     def __enter__(self) -> _Stream:
+        self._entered.append(_streams["current"])
+        _streams["current"] = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        _streams["current"] = self._entered.pop()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Stream)
+        return isinstance(other, _Stream) and other.stream_id == self.stream_id
 
     def __hash__(self) -> int:
-        return 0
+        return self.stream_id
+
+
+_streams: dict[str, Any] = {"made": 0, "current": None}
+"""Streams made so far (the next one's id) and the current stream: one for the process, not
+per thread, as a CUDA device's current stream is (autograd's thread runs backward while the
+forward's thread waits for it)."""
+
+
+class _StreamContext:
+    """``torch.cuda.stream(s)``: ``s`` is the current stream inside (None: unchanged)."""
+
+    def __init__(self, stream: _Stream | None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> _Stream | None:
+        if self.stream is not None:
+            self.stream.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            self.stream.__exit__()
 
 
 class _Event:
@@ -373,10 +405,9 @@ class _Properties:
 
 
 def _install_stubs(torch: Any) -> None:
-    import contextlib
-
     cuda = torch.cuda
-    stream = _Stream()
+    stream = _Stream()  # the default stream, id 0
+    _streams["current"] = stream
 
     def capability(device: Any = None) -> tuple[int, int]:
         return gpu().capability
@@ -392,9 +423,9 @@ def _install_stubs(torch: Any) -> None:
         "synchronize": lambda device=None: None,
         "Stream": _Stream,
         "Event": _Event,
-        "current_stream": lambda device=None: stream,
+        "current_stream": lambda device=None: _streams["current"],
         "default_stream": lambda device=None: stream,
-        "stream": lambda s=None: contextlib.nullcontext(s),
+        "stream": _StreamContext,
         "get_device_capability": capability,
         "get_device_properties": properties,
         "get_device_name": lambda device=None: gpu().name,
@@ -404,6 +435,32 @@ def _install_stubs(torch: Any) -> None:
         setattr(cuda, name, fn)
     # autocast asks this before turning CUDA autocast on (torch/amp/autocast_mode.py)
     cuda.amp.common.amp_definitely_not_available = lambda: False
+
+
+def _fused_as_on_cuda(torch: Any) -> None:
+    """Ops a CUDA build runs as one kernel but a CPU build decomposes on CUDA tensors: those
+    with a CPU kernel and a CompositeImplicitAutograd fallback, which the dispatcher takes
+    for a backend without its own kernel (torch 2.13: ``silu_backward``, ``mish_backward``,
+    ``native_channel_shuffle``). Decomposed, ``silu_backward`` made five temporaries the size
+    of its input inside one op (Llama's MLP backward on fake CUDA), which the CUDA kernel
+    never allocates. A CUDA kernel registered for each (never run: fake tensors answer above
+    it, from the op's meta kernel, as on the CPU) keeps them whole."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = [
+        n
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::") and has(n, "CPU") and has(n, "CompositeImplicitAutograd") and not has(n, "CUDA")
+    ]
+    if not names:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for name in names:
+        lib.impl(name[len("aten::") :], _no_kernel, "CUDA")
+    _state["kernels"] = lib  # registrations last as long as their Library object
+
+
+def _no_kernel(*args: Any, **kwargs: Any) -> Any:
+    raise FakeCudaError("fake CUDA runs no kernels: this op was called on a CUDA tensor outside fake tensors")
 
 
 def _patch_sdpa(torch: Any) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "fake_ddp",
     "ddp_comm_hook",
     "keep_ddp_buckets",
+    "no_runtime_stats",
 ]
 
 
@@ -277,6 +278,25 @@ class _KeptBuckets:
 
 def keep_ddp_buckets(ddp: Any) -> None:
     ddp.reducer = _KeptBuckets(ddp.reducer)
+
+
+class _NoRuntimeStats:
+    """DDP's logger without its runtime statistics: on CUDA they are timed by a CUDA timer
+    the reducer takes from a registry that a CPU build of torch leaves empty (fake CUDA), and
+    the logger asserts it exists. Timing fake kernels would measure nothing anyway."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+def no_runtime_stats(ddp: Any) -> None:
+    ddp.logger = _NoRuntimeStats(ddp.logger)
 
 
 def ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses any annotation but its own

@@ -28,14 +28,29 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.compat import torch_compat
+from memfit.cuda import gpu as gpus
 from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed
+from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import START_TICK, Category, Ledger
-from memfit.measure.profile import Profile, Progress, _model_device, _module_stats, _register_start, record_step, run_step
+from memfit.measure.profile import (
+    Profile,
+    Progress,
+    _device_fit,
+    _model_device,
+    _module_stats,
+    _register_start,
+    _simulated,
+    allocator_settings_from_env,
+    model_cuda_memory,
+    record_step,
+    run_step,
+)
 from memfit.measure.recorder import Recorder
-from memfit.measure.sandbox import Sandbox, copy_model
+from memfit.measure.sandbox import Sandbox, copy_model, fake_device
 from memfit.measure.scope import Scope
 from memfit.recompute.checkpoint import apply_choices
+from memfit.units import parse_bytes
 from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
 
 __all__ = [
@@ -45,6 +60,10 @@ __all__ = [
     "RankProfiles",
     "profile_ranks",
     "profile_rank",
+    "rank_device",
+    "mesh_device",
+    "nccl_outside",
+    "rank_device_fit",
     "world_size_of",
     "named_model",
     "RankState",
@@ -69,8 +88,14 @@ class FakeGroup:
 
     world_size: int
     rank: int = 0
+    device: str = "cpu"
+    """Where the rank's fake tensors live: ``"cpu"``, or ``"cuda"`` (fake CUDA,
+    :mod:`memfit.cuda.fake`: CUDA's kernels and allocator rounding, a CUDA device mesh, and
+    the ledger replayed through the caching-allocator model for the reserved peak)."""
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise WorkloadError(f"a fake rank's device is 'cpu' or 'cuda' (fake CUDA), got {self.device!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise WorkloadError(f"the world size must be a positive integer, got {self.world_size!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
@@ -93,12 +118,20 @@ class RankProfiles:
 
     @property
     def worst_rank(self) -> int:
-        return max(self.profiles, key=lambda r: (self.profiles[r].peak_bytes, -r))
+        """The rank whose budget peak is highest (fake CUDA: its reserved peak)."""
+        return max(self.profiles, key=lambda r: (self.profiles[r].budget_peak_bytes, self.profiles[r].peak_bytes, -r))
 
     @property
     def peak_bytes(self) -> int:
-        """The highest per-rank peak among the measured ranks: what each GPU must hold."""
-        return self.profiles[self.worst_rank].peak_bytes
+        """The highest per-rank tensor peak among the measured ranks (on fake CUDA: the
+        allocated peak, blocks rounded as the caching allocator rounds them)."""
+        return max(p.peak_bytes for p in self.profiles.values())
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        """What each GPU must hold: the highest per-rank reserved peak on fake CUDA (the
+        caching-allocator model's segments), else :attr:`peak_bytes`."""
+        return max(p.budget_peak_bytes for p in self.profiles.values())
 
     @property
     def spread_bytes(self) -> int:
@@ -107,15 +140,18 @@ class RankProfiles:
         return max(peaks) - min(peaks)
 
     def to_dict(self, *, ledger: bool = True) -> dict[str, Any]:
-        return {
+        out = {
             "format": DISTRIBUTED_FORMAT,
             "world_size": self.world_size,
             "parallel": self.parallel,
             "peak_bytes": self.peak_bytes,
             "worst_rank": self.worst_rank,
             "spread_bytes": self.spread_bytes,
-            "ranks": [{"rank": r, **p.to_dict(ledger=ledger)} for r, p in sorted(self.profiles.items())],
         }
+        if any(p.cuda_memory is not None for p in self.profiles.values()):
+            out["reserved_peak_bytes"] = self.budget_peak_bytes
+        out["ranks"] = [{"rank": r, **p.to_dict(ledger=ledger)} for r, p in sorted(self.profiles.items())]
+        return out
 
     def to_json(self, *, ledger: bool = True) -> str:
         return json.dumps(self.to_dict(ledger=ledger))
@@ -127,20 +163,86 @@ def profile_ranks(
     world_size: int | None = None,
     ranks: Sequence[int] = (0,),
     progress: Progress | None = None,
+    fake: bool | str = True,
+    gpu: str | gpus.GpuSpec | None = None,
+    capacity: int | str | None = None,
 ) -> RankProfiles:
     """Measure the distributed step of ``workload`` as each rank in ``ranks`` (default rank 0:
     FSDP2 and DDP ranks hold the same memory when the shards are even) on the fake process
     group, each rank on fake tensors in this one process.
 
-    ``world_size`` overrides the workload's :attr:`Parallel.world_size`."""
+    ``world_size`` overrides the workload's :attr:`Parallel.world_size`. ``fake``: ``True``
+    (or ``"cpu"``) runs each rank on fake CPU tensors; ``"cuda"`` on fake CUDA (as
+    :func:`memfit.profile`'s ``fake="cuda"``: the shim loaded before torch), where each
+    rank's profile also has its allocated and reserved peaks from the caching-allocator
+    model and ``device_fit`` against ``gpu`` (a name from :data:`memfit.cuda.gpu.GPUS`;
+    default the simulated GPU, H100-80GB) or ``capacity`` (bytes, ``"80GiB"``). Each rank's
+    ``device_fit`` takes off, besides the CUDA context, an estimate of NCCL's buffers for
+    the communicators its mesh needs (:func:`nccl_outside`), as a line of its own."""
     parallel = _parallel_of(workload)
     n = world_size_of(workload, world_size)
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to measure, e.g. (0,)")
+    device = rank_device(fake)
+    spec = gpus.find_gpu(gpu) if isinstance(gpu, str) else gpu
+    if spec is not None and device != "cuda":
+        raise gpus.GpuError(f"gpu={spec.key!r} is the GPU fake CUDA simulates: pass fake='cuda' (--device fake-cuda)")
+    capacity_bytes = None if capacity is None else parse_bytes(capacity)
     out = RankProfiles(n, parallel.name)
-    for r in dict.fromkeys(ranks):
-        out.profiles[r] = profile_rank(workload, FakeGroup(n, r), progress=progress)
+    with _simulated(spec):
+        for r in dict.fromkeys(ranks):
+            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress)
+            if capacity_bytes is not None:
+                prof.device_fit = rank_device_fit(prof, parallel, n, capacity_bytes, spec)
+            out.profiles[r] = prof
     return out
+
+
+def nccl_outside(parallel: Parallel, world_size: int) -> gpus.Estimate:
+    """NCCL's device memory outside the caching allocator for one rank of ``parallel`` at
+    ``world_size``: one communicator per dimension of its mesh wider than one rank (FSDP2 or
+    DDP: one over all ranks; FSDP2+TP: the dp and the tp groups; HSDP: the replicate and the
+    shard groups), each :func:`memfit.cuda.gpu.nccl_estimate` of its width. A stated estimate,
+    never in the allocator's figures."""
+    widths = [w for w in parallel.mesh(world_size) if w > 1]
+    parts = [gpus.nccl_estimate(w) for w in widths]
+    if not parts:
+        return gpus.nccl_estimate(1)
+    if len(parts) == 1:
+        return parts[0]
+    groups = " and ".join(f"{w} ranks" for w in widths)
+    return gpus.Estimate(
+        "nccl",
+        sum(p.bytes for p in parts),
+        f"estimate, not measured: {len(parts)} NCCL communicators ({groups}), each at 544 MiB for 2 ranks and 688 MiB "
+        "for more, as PyTorch users measured on A100s over NVLink (NVIDIA/nccl issue #964); the transport, channels "
+        "and NCCL_BUFFSIZE change it",
+    )
+
+
+def rank_device_fit(
+    prof: Profile, parallel: Parallel, world_size: int, capacity: int | None, spec: gpus.GpuSpec | None = None
+) -> gpus.DeviceFit | None:
+    """A rank's step against ``capacity`` (None: the simulated GPU's memory on fake CUDA):
+    :func:`memfit.measure.profile.profile`'s answer, with NCCL's estimate for the rank's
+    communicators (:func:`nccl_outside`) on CUDA in place of a single process's none."""
+    fit = _device_fit(prof, capacity, spec)
+    if fit is None or not any(e.name == "nccl" for e in fit.outside):
+        return fit
+    nccl = nccl_outside(parallel, world_size)
+    outside = tuple(nccl if e.name == "nccl" else e for e in fit.outside)
+    return dataclasses.replace(fit, outside=outside)
+
+
+def rank_device(fake: bool | str) -> str:
+    """The device of a fake rank for ``fake=`` (``True``/``"cpu"``: ``"cpu"``; ``"cuda"``:
+    fake CUDA, switched on here or refused in one line)."""
+    where = fake_device(fake)
+    if where is None:
+        raise WorkloadError(
+            f"fake={fake!r}: ranks are measured on the fake process group and fake tensors: give fake=True or 'cuda'"
+        )
+    return "cuda" if where == "cuda" else "cpu"
 
 
 def world_size_of(workload: Workload, world_size: int | None = None) -> int:
@@ -241,23 +343,30 @@ def box_rank(box: Sandbox) -> tuple[int, int]:
 
 def record_rank(workload: Workload, box: Sandbox, scope: Scope) -> Profile:
     """The profile of one recorded step on an open :func:`rank_sandbox` (warmed up: the
-    optimizer's state exists), its modules named as ``scope`` names them."""
+    optimizer's state exists), its modules named as ``scope`` names them. On fake CUDA the
+    ledger is replayed through the caching-allocator model (allocated and reserved peaks,
+    ``device_fit`` against the simulated GPU)."""
     world_size, rank = box_rank(box)
     fake = box.fake_mode is not None
+    device = _model_device(box.model)
     ledger, flops = record_step(box, scope, workload.loss_fn)
     modules = _module_stats(box.model, scope, ledger, flops, None)
     meta = {**workload.meta, "world_size": world_size, "rank": rank, "parallel": _parallel_of(workload).name}
-    return Profile(
+    cuda = fake and device.type == "cuda"
+    prof = Profile(
         ledger=ledger,
         modules=modules,
-        device="fake:cpu" if fake else "cpu",
+        device=f"fake:{device}" if fake else str(device),
         fake=fake,
         time_source="omitted",
         step_time_s=None,
         model_type=type(workload.model).__name__,
         step_flops=sum(flops.values()),
         meta=meta,
+        cuda_memory=model_cuda_memory(ledger, allocator_settings_from_env()) if cuda else None,
     )
+    prof.device_fit = rank_device_fit(prof, _parallel_of(workload), world_size, None)
+    return prof
 
 
 @contextmanager
@@ -270,11 +379,12 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
     parallel = _parallel_of(workload)
     report = progress or (lambda desc, done, total: None)
     fake = group != CURRENT_GROUP
+    device = "cpu"
     with ExitStack() as stack:
         if fake:
             if not isinstance(group, FakeGroup):
                 raise WorkloadError(f"group must be a FakeGroup or {CURRENT_GROUP!r}, got {group!r}")
-            world_size, rank = group.world_size, group.rank
+            world_size, rank, device = group.world_size, group.rank, rank_device(group.device)
             stack.enter_context(_distributed.fake_process_group(rank, world_size))
             stack.enter_context(_distributed.real_device_meshes())
             stack.enter_context(_distributed.chunks_when_indexed())  # fake tensors: a rank's shard, not all
@@ -285,7 +395,7 @@ def rank_sandbox(workload: Workload, group: FakeGroup | str, *, progress: Progre
                 raise WorkloadError("group='current' measures on this process's process group, but none is initialised")
             world_size, rank = dist.get_world_size(), dist.get_rank()
         report(f"rank {rank} of {world_size}: parallelizing", 0, 3)
-        mesh = _mesh(parallel, world_size)  # outside FakeTensorMode: its setup runs collectives on real tensors
+        mesh = _mesh(parallel, world_size, device)  # outside FakeTensorMode: its setup runs collectives on real tensors
         mode = torch_compat.new_fake_mode() if fake else None
         box = _parallel_sandbox(workload, parallel, mesh, mode)
         yield box
@@ -303,11 +413,19 @@ def without_backend_buffers(ledger: Ledger) -> Ledger:
     return Ledger(kept, ledger.ticks, ledger.spans, ledger.ops, ledger.host_peak_bytes, ledger.unmeasured_ops)
 
 
-def _mesh(parallel: Parallel, world_size: int) -> Any:
+def _mesh(parallel: Parallel, world_size: int, device: str = "cpu") -> Any:
+    """The rank's device mesh; on fake CUDA a CUDA mesh, so that FSDP2 and DDP put the
+    rank's shards, buckets and collective buffers on ``cuda:0`` and use CUDA streams."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = parallel.mesh(world_size)
-    return init_device_mesh("cpu", shape, mesh_dim_names=parallel.mesh_dim_names)
+    return init_device_mesh(device, shape, mesh_dim_names=parallel.mesh_dim_names)
+
+
+def mesh_device(mesh: Any) -> torch.device:
+    """Where a rank's tensors go on ``mesh``: ``cuda:0`` on a CUDA mesh (fake CUDA has one
+    device), else the CPU."""
+    return torch.device("cuda", 0) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
 def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: Any) -> Sandbox:
@@ -330,15 +448,20 @@ def _parallel_sandbox(workload: Workload, parallel: Parallel, mesh: Any, mode: A
             # any DistributedDataParallel the parallelize built (memfit's ddp or the user's own)
             for module in model.modules():
                 _fake_group_ddp(module, parallel.name)
+        device = mesh_device(mesh)
         if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-            model.to_empty(device="cpu")
+            model.to_empty(device=device)
             if mode is None:
                 _initialise(model)
         args, kwargs = split_inputs(workload.inputs)
-        on_rank = (lambda t: mode.from_tensor(t)) if mode is not None else (lambda t: t)
-        args, kwargs, targets = tree_map(
-            lambda t: on_rank(t) if isinstance(t, torch.Tensor) else t, (args, kwargs, workload.targets)
-        )
+        if device.type == "cuda":
+            # together: inputs and targets sharing storage (labels=ids) stay one block on the device
+            args, kwargs, targets = map_shared(lambda t: mode.from_tensor(t).to(device), (args, kwargs, workload.targets))
+        else:
+            on_rank = (lambda t: mode.from_tensor(t)) if mode is not None else (lambda t: t)
+            args, kwargs, targets = tree_map(
+                lambda t: on_rank(t) if isinstance(t, torch.Tensor) else t, (args, kwargs, workload.targets)
+            )
         optimizer = (workload.optimizer or default_optimizer)([p for p in model.parameters() if p.requires_grad])
     return Sandbox(model, args, kwargs, optimizer, mode, targets=targets)
 
@@ -434,7 +557,7 @@ def ddp(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-        model.to_empty(device="cpu")
+        model.to_empty(device=mesh_device(mesh))
         if not torch_compat.is_fake(next(model.parameters(), torch.empty(0))):
             _initialise(model)
     return DistributedDataParallel(model, process_group=mesh.get_group(), **kwargs)
@@ -467,6 +590,8 @@ def _fake_group_ddp(module: nn.Module, name: str) -> None:
     if not module._comm_hooks:
         module.register_comm_hook(None, _distributed.ddp_comm_hook)
     _distributed.keep_ddp_buckets(module)
+    if any(p.device.type == "cuda" for p in module.parameters()):
+        _distributed.no_runtime_stats(module)  # a CPU build of torch has no CUDA timer for DDP's logger
 
 
 def tensor_parallel(

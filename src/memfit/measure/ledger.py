@@ -115,6 +115,10 @@ class Block:
     mutated: bool = False
     """Written in place by a later op in the forward (a ReLU(inplace=True), say): an op
     output that is mutated cannot be kept by selective recompute."""
+    stream: int = 0
+    """CUDA only: the stream it was allocated on (0: the default stream). The caching
+    allocator keeps a pool per stream; FSDP2 allocates its all-gather buffers and the
+    sharded gradients on streams of its own."""
 
     def alive_at(self, tick: int) -> bool:
         return self.born <= tick and (self.died is None or self.died > tick)
@@ -285,7 +289,7 @@ class Ledger:
     def to_dict(self) -> dict:
         return {
             "blocks": [
-                {**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)} for b in self.blocks
+                _block_dict(b) for b in self.blocks
             ],
             # the recompute flag only where set: ledgers without recompute read as before
             "ticks": [[t.phase.value, t.module, t.op, *((True,) if t.recompute else ())] for t in self.ticks],
@@ -333,3 +337,11 @@ def ancestors(name: str) -> Iterable[str]:
     while name:
         name = name.rpartition(".")[0]
         yield name
+
+
+def _block_dict(b: Block) -> dict:
+    """A block as JSON; its stream only where not the default one (other ledgers read as before)."""
+    out = {**asdict(b), "category": b.category.value, "phase": b.phase.value, "savers": list(b.savers)}
+    if not b.stream:
+        del out["stream"]
+    return out

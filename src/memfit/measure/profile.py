@@ -121,8 +121,8 @@ def allocator_settings_from_env() -> AllocatorSettings:
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
     """The ledger replayed through the caching allocator model as the training loop runs it
-    (:func:`~memfit.measure.replay.replay_training`: one stream; the program's construction,
-    its first step, steady steps)."""
+    (:func:`~memfit.measure.replay.replay_training`: each block on the stream it was allocated
+    on; the program's construction, its first step, steady steps)."""
     run = replay_training(ledger, settings)
     st = run.stats
     return CudaMemory(

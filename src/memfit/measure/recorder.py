@@ -203,6 +203,7 @@ class _Record:
     died: int | None = None
     savers: dict[str, None] = field(default_factory=dict)  # ordered set
     mutated: bool = False
+    stream: int = 0
 
 
 class Recorder(TorchDispatchMode):
@@ -316,7 +317,8 @@ class Recorder(TorchDispatchMode):
         else:
             born = self._tick()
             phase, module = self.scope.phase, self.scope.module
-        self.records.append(_Record(storage_bytes(storage.nbytes(), device), category, phase, module, born))
+        stream = _cuda_stream() if device.type == "cuda" else 0  # the allocator's pools are per stream
+        self.records.append(_Record(storage_bytes(storage.nbytes(), device), category, phase, module, born, stream=stream))
         if phase is Phase.BACKWARD:
             self.observer.born(idx, self._op)
         key = id(storage)
@@ -780,7 +782,7 @@ class Recorder(TorchDispatchMode):
             category = r.category or (Category.ACTIVATION if r.savers else Category.TEMPORARY)
             born = r.born if r.born == START_TICK else at(r.born)
             died = None if r.died is None else at(r.died)
-            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, born, died, tuple(r.savers), r.mutated))
+            blocks.append(Block(i, r.nbytes, category, r.phase, r.module, born, died, tuple(r.savers), r.mutated, r.stream))
         dropped = set(gone)
         ticks = [t for i, t in enumerate(self.ticks) if i not in dropped]
         spans = sorted(

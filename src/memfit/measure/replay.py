@@ -24,7 +24,7 @@ def ledger_events(ledger) -> list[Alloc | Free]:
             continue
         # allocations before frees at a shared tick: the order that needs more memory, when the
         # ledger cannot tell which came first
-        timed.append((b.born, 0, b.id, Alloc(b.id, b.nbytes)))
+        timed.append((b.born, 0, b.id, Alloc(b.id, b.nbytes, b.stream)))
         if b.died is not None:
             timed.append((b.died, 1, b.id, Free(b.id)))
     timed.sort(key=lambda t: (t[0], t[1], t[2] if t[0] == START_TICK else 0))
@@ -34,7 +34,7 @@ def ledger_events(ledger) -> list[Alloc | Free]:
 def replay_ledger(ledger, settings: AllocatorSettings | None = None, *, capacity: int | None = None) -> AllocatorStats:
     """What the CUDA caching allocator would hold for a measured step (a
     :class:`~memfit.measure.ledger.Ledger`): everything alive at its start included, as the
-    ledger's ``peak_bytes`` includes it. One stream, no cached segments before the step."""
+    ledger's ``peak_bytes`` includes it. Each block on its stream, no cached segments before the step."""
     return replay(ledger_events(ledger), settings, capacity=capacity)
 
 
@@ -103,11 +103,11 @@ def _step_events(ledger, k: int, successor: dict, during: dict | None, *, ticks:
                 name = (k - 1, successor[b.id]) if k > 1 and b.id in successor else ("start", b.id)
                 timed.append((b.died, 1, b.id, Free(name)))
             continue
-        timed.append((b.born, 0, b.id, Alloc((k, b.id), b.nbytes)))
+        timed.append((b.born, 0, b.id, Alloc((k, b.id), b.nbytes, b.stream)))
         if b.died is not None:
             timed.append((b.died, 1, b.id, Free((k, b.id))))
     for tick, made in (during or {}).items():
-        timed.extend((tick, -1, b.id, Alloc(("start", b.id), b.nbytes)) for b in made)
+        timed.extend((tick, -1, b.id, Alloc(("start", b.id), b.nbytes, b.stream)) for b in made)
     timed.sort(key=lambda t: (t[0], t[1], t[2] if t[1] < 0 else 0))
     return [(t[0], t[3]) for t in timed] if ticks else [t[3] for t in timed]
 
@@ -185,7 +185,7 @@ def _loop(
 
     before, during = _start_placement(ledger)
     successor, leftover = _successors(ledger)
-    run(Alloc(("start", b.id), b.nbytes) for b in before)
+    run(Alloc(("start", b.id), b.nbytes, b.stream) for b in before)
     # A step that leaves the allocator as an earlier step did repeats from there on what the
     # steps between did (the replay is deterministic in that state): their peaks are all in. Most
     # loops repeat the step before; one whose output the loop holds into the next step

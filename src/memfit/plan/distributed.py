@@ -30,6 +30,7 @@ from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
     profile_rank,
+    rank_device,
     profile_ranks,
     rank_state,
     with_recompute,
@@ -56,6 +57,7 @@ def plan_ranks(
     objective: str = "time",
     progress: Progress | None = None,
     unplanned: RankProfiles | None = None,
+    fake: bool | str = True,
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
@@ -70,7 +72,12 @@ def plan_ranks(
 
     ``unplanned``: :func:`~memfit.measure.distributed.profile_ranks` of this workload at this
     world size, holding ``ranks`` (made by the caller already): the planned rank's recorded
-    step is taken from it instead of being recorded again (the same ledger: tested)."""
+    step is taken from it instead of being recorded again (the same ledger: tested).
+
+    ``fake="cuda"``: each rank on fake CUDA (as :func:`~memfit.measure.distributed.profile_ranks`);
+    the budget then bounds each rank's reserved peak (the caching-allocator model replaying
+    every verified run, as :func:`memfit.plan` does on CUDA), and :attr:`~Plan.rank_peak_bytes`
+    holds reserved peaks."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -80,18 +87,19 @@ def plan_ranks(
     ranks = list(dict.fromkeys(ranks))
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to plan for, e.g. (0,)")
+    device = rank_device(fake)
     for r in ranks:
-        FakeGroup(n, r)  # a rank outside the world: refused before any work
+        FakeGroup(n, r, device)  # a rank outside the world: refused before any work
     report = progress or (lambda desc, done, total: None)
     if unplanned is not None and (unplanned.world_size != n or not set(ranks) <= set(unplanned.profiles)):
         raise PlanError(f"unplanned holds ranks {sorted(unplanned.profiles)} of {unplanned.world_size}, not {ranks} of {n}")
     planned_rank = ranks[0]
     if len(ranks) > 1:
-        measured = unplanned or profile_ranks(workload, world_size=n, ranks=ranks)
-        planned_rank = max(ranks, key=lambda r: (measured.profiles[r].peak_bytes, -r))
+        measured = unplanned or profile_ranks(workload, world_size=n, ranks=ranks, fake=fake)
+        planned_rank = max(ranks, key=lambda r: (measured.profiles[r].budget_peak_bytes, -r))
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
-        verifier = rank_verifier(workload, FakeGroup(n, planned_rank))
+        verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
@@ -101,13 +109,32 @@ def plan_ranks(
             prof = unplanned.profiles[planned_rank]
         else:
             prof = record_rank_on(verifier, workload)
+        # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
+        verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
-    # Every asked-for rank, profiled afresh with the plan applied before parallelizing, as it trains.
-    peaks = {}
-    for i, r in enumerate(ranks):
-        report(f"rank {r} of {n}: verifying the plan", i, len(ranks))
-        peaks[r] = profile_rank(planned(workload, plan), FakeGroup(n, r)).peak_bytes
+    peaks, allocated = _verified(workload, plan, [FakeGroup(n, r, device) for r in ranks], planned_rank, report)
+    plan.world_size = n
+    plan.rank_peak_bytes = peaks
+    plan.predicted_peak_bytes = max(peaks.values())
+    if plan.allocated_peak_bytes is not None:  # fake CUDA: the reserved peaks' allocated beside
+        plan.allocated_peak_bytes = max(allocated.values())
+    plan.planning_time_s = time.perf_counter() - started
+    return plan
+
+
+def _verified(
+    workload: Workload, plan: Plan, groups: list[FakeGroup], planned_rank: int, report: Progress
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Every asked-for rank profiled afresh with the plan applied before parallelizing, as it
+    trains: each rank's budget peak (fake CUDA: reserved) and tensor peak; refused in one line
+    when one is over the budget."""
+    peaks, allocated = {}, {}
+    for i, group in enumerate(groups):
+        r = group.rank
+        report(f"rank {r} of {group.world_size}: verifying the plan", i, len(groups))
+        checked = profile_rank(planned(workload, plan), group)
+        peaks[r], allocated[r] = checked.budget_peak_bytes, checked.peak_bytes
     over = {r: b for r, b in peaks.items() if b > plan.budget_bytes}
     if over:
         r = max(over, key=over.__getitem__)
@@ -115,11 +142,7 @@ def plan_ranks(
             f"the plan made on rank {planned_rank} peaks at {format_bytes(over[r])} on rank {r}, over the budget "
             f"{format_bytes(plan.budget_bytes)}: plan for rank {r} (ranks=({r},)) or give a lower budget"
         )
-    plan.world_size = n
-    plan.rank_peak_bytes = peaks
-    plan.predicted_peak_bytes = max(peaks.values())
-    plan.planning_time_s = time.perf_counter() - started
-    return plan
+    return peaks, allocated
 
 
 def planned(workload: Workload, plan: Plan) -> Workload:
@@ -207,6 +230,7 @@ def min_world_size(
     max_world_size: int = 1024,
     ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
+    fake: bool | str = True,
 ) -> WorldSizeFit:
     """The smallest world size at which every one of ``ranks`` of the step peaks within
     ``budget`` bytes per rank: without recompute (the unplanned profile) and with memfit's plan
@@ -227,7 +251,8 @@ def min_world_size(
     parameters, buffers and inputs (alive at its step's start, with or without a plan) over
     the budget skip that size's profile and plan; the unplanned profile's start (those plus
     the optimizer state, which no recompute changes) over the budget skips its plan. The
-    plan reuses the unplanned profile of the rank it is made for."""
+    plan reuses the unplanned profile of the rank it is made for. ``fake="cuda"``: on fake CUDA,
+    every peak judged the budget's way there (reserved; :func:`plan_ranks`)."""
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
@@ -242,7 +267,7 @@ def min_world_size(
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
         asked = list(range(n)) if every else list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
-        states = {r: rank_state(workload, FakeGroup(n, r)) for r in asked}
+        states = {r: rank_state(workload, FakeGroup(n, r, rank_device(fake))) for r in asked}
         row: dict[str, Any] = {"world_size": n, "ranks": [], "worst_rank": None, "none_peak_bytes": None}
         row.update(min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
@@ -253,10 +278,10 @@ def min_world_size(
         layouts: dict[tuple, int] = {}
         for r in asked:
             layouts.setdefault(states[r].layout, r)
-        measured = profile_ranks(workload, world_size=n, ranks=list(layouts.values()))
-        none = measured.peak_bytes
+        measured = profile_ranks(workload, world_size=n, ranks=list(layouts.values()), fake=fake)
+        none = measured.budget_peak_bytes
         row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
-        row["rank_none_peak_bytes"] = {r: p.peak_bytes for r, p in measured.profiles.items()}
+        row["rank_none_peak_bytes"] = {r: p.budget_peak_bytes for r, p in measured.profiles.items()}
         if none <= spec.bytes:
             out.without_recompute = n
             if out.with_recompute is None:
@@ -269,7 +294,7 @@ def min_world_size(
             row.update(lower_bound_bytes=start, skipped="plan")
             continue
         try:
-            p = plan_ranks(workload, spec.bytes, world_size=n, ranks=row["ranks"], unplanned=measured)
+            p = plan_ranks(workload, spec.bytes, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
         except BudgetInfeasibleError as exc:
             row["min_peak_bytes"] = exc.min_peak_bytes
             continue

@@ -185,7 +185,9 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
         peaks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(plan.rank_peak_bytes.items()))
         console.print(
             f"per rank of {plan.world_size}, each re-profiled on the fake process group with the plan applied before "
-            f"parallelizing: {peaks} (tensors only: NCCL's buffers and the CUDA context are not in it)"
+            f"parallelizing: {peaks} ("
+            + ("reserved" if plan.peak_basis == "reserved_peak_bytes" else "tensors only")
+            + ": NCCL's buffers and the CUDA context are not in it)"
         )
     if plan.use_cache_off:
         where = ", ".join(n or "(root)" for n in plan.use_cache_off)

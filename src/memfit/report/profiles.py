@@ -161,15 +161,34 @@ def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int 
     render_profile(
         ranks.profiles[worst], console, title=f"{title} rank {worst} of {ranks.world_size} ({ranks.parallel})", top=top
     )
+    cuda = any(p.cuda_memory is not None for p in ranks.profiles.values())
     if len(ranks.profiles) > 1:
         table = Table(title="Per-rank peak", title_justify="left", box=box.SIMPLE_HEAD)
-        for col, justify in (("rank", "right"), ("peak", "right"), ("at start", "right")):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        cols = ("rank", "allocated", "reserved", "at start") if cuda else ("rank", "peak", "at start")
+        for col in cols:
+            table.add_column(col, justify="right")
         for r, p in sorted(ranks.profiles.items()):
-            table.add_row(str(r), format_bytes(p.peak_bytes), format_bytes(p.start_bytes))
+            if cuda:  # the allocator model's max_memory_allocated / max_memory_reserved
+                peaks = [format_bytes(p.allocated_peak_bytes or 0), format_bytes(p.reserved_peak_bytes or 0)]
+            else:
+                peaks = [format_bytes(p.peak_bytes)]
+            table.add_row(str(r), *peaks, format_bytes(p.start_bytes))
         console.print(table)
-        console.print(f"worst rank {worst}: {format_bytes(ranks.peak_bytes)}; spread {format_bytes(ranks.spread_bytes)}")
-    console.print("per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it")
+        if cuda:
+            console.print(
+                f"worst rank {worst}: reserved {format_bytes(ranks.budget_peak_bytes)}, allocated "
+                f"{format_bytes(ranks.profiles[worst].allocated_peak_bytes or 0)}; tensor peaks spread "
+                f"{format_bytes(ranks.spread_bytes)}"
+            )
+        else:
+            console.print(f"worst rank {worst}: {format_bytes(ranks.peak_bytes)}; spread {format_bytes(ranks.spread_bytes)}")
+    if cuda:
+        console.print(
+            "per rank, the caching allocator's blocks and segments (model): NCCL's own buffers and the CUDA context are "
+            "outside them (estimated apart, in the fit above)"
+        )
+    else:
+        console.print("per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it")
 
 
 def _step_time_line(profile: Profile, console: Console) -> None:
