@@ -38,6 +38,7 @@ def pytest_collection_modifyitems(config, items):
     per worker: the tests sharing it go to one worker (`make test` runs --dist loadgroup), so
     it is built once, as without xdist."""
     slow = set(_SLOW.read_text().splitlines()) if _SLOW.exists() else set()
+    groups: dict[str, list] = {}
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
@@ -46,8 +47,15 @@ def pytest_collection_modifyitems(config, items):
             defs = info.name2fixturedefs.get(name) or ()
             shared = [d for d in defs if d.scope in ("module", "session") and d.baseid == item.nodeid.split("::")[0]]
             if shared:
-                item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}::{name}"))
+                group = f"{item.nodeid.split('::')[0]}::{name}"
+                item.add_marker(pytest.mark.xdist_group(group))
+                groups.setdefault(group, []).append(item)
                 break
+    for members in groups.values():
+        # the fixture is built by whichever test runs first: if one of them is slow, all are
+        if any(item.nodeid in slow for item in members):
+            for item in members:
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(hookwrapper=True)

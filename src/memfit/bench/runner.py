@@ -140,10 +140,8 @@ def run_bench(
             row.measured_peak_bytes = prof.start_bytes + mem["step_peak_bytes"]
             counted = "compile" not in method  # compiled kernels run below FlopCounterMode's dispatch
             timing = run_child(target, method=child_method, measure="time+flops" if counted else "time", steps=steps, **common)
-            row.step_time_s = timing.get("step_time_s")
-            row.error = timing.get("error")
+            row.step_time_s, row.error, flops = timing.get("step_time_s"), timing.get("error"), timing.get("step_flops")
             if counted:
-                flops = timing.get("step_flops")
                 if method == "none":
                     base_flops = flops
                 if flops is not None and base_flops is not None:
