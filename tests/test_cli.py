@@ -577,6 +577,21 @@ def test_the_zoo_builders_own_argument_names_are_not_sizes(name, capsys):
 
 
 @pytest.mark.parametrize(
+    "name, typo, field",
+    [(m, "num_hiden_layers", "num_hidden_layers") for m in ("gpt2", "bert-base", "llama", "vit")]
+    + [("resnet152", "dephts", "depths")],
+)
+def test_a_misspelt_transformers_config_field_is_refused(name, typo, field, capsys):
+    # transformers keeps any keyword as a config attribute: a typo would build the default model
+    pytest.importorskip("transformers")
+    assert main(["profile", name, "--size", f"{typo}=2", "--device", "fake"]) == 2
+    err = _error_line(capsys)
+    assert f"has no field '{typo}'" in err and f"did you mean {field}" in err, err
+    assert main(["profile", name, "--size", "zzz=1", "--device", "fake"]) == 2
+    assert "has no field 'zzz'" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
     "size, flag", [("batch_size=2", "--batch-size N"), ("seq_len=64", "--seq-len N"), ("model_type=gpt2", "as CONFIG")]
 )
 def test_estimate_step_shape_as_a_size_is_one_line(size, flag, capsys):
