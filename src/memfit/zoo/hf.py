@@ -26,9 +26,11 @@ def _transformers() -> Any:
     return transformers
 
 
-def _config(cls: Any, **fields: Any) -> Any:
-    """``cls(**fields)``, refusing a field the config class does not have: transformers keeps
-    any keyword as an attribute, so a misspelt size would build the default model silently."""
+def _config(cls: Any, ours: dict[str, Any], fields: dict[str, Any]) -> Any:
+    """``cls(**ours, **fields)``, refusing a field (the user's size) the config class does not
+    have: transformers keeps any keyword as an attribute, so a misspelt size would build the
+    default model silently. ``ours``, memfit's defaults, are not judged (rope_theta moved into
+    rope_parameters in transformers 5, and is still taken)."""
     default = cls()
     # a keyword the constructor reads but keeps privately (attn_implementation as
     # _attn_implementation) or as a signature argument counts
@@ -45,12 +47,12 @@ def _config(cls: Any, **fields: Any) -> Any:
         near = difflib.get_close_matches(unknown[0], known, n=3)
         hint = f"did you mean {' or '.join(near)}?" if near else f"give a field of transformers' {cls.__name__}"
         raise TargetError(f"{cls.__name__} has no field {unknown[0]!r} (a --size here is a config field): {hint}")
-    return cls(**fields)
+    return cls(**{**ours, **fields})
 
 
 def build_bert(batch_size: int = 8, seq_len: int = 128, **config: Any) -> Workload:
     tf = _transformers()
-    cfg = _config(tf.BertConfig, **config)
+    cfg = _config(tf.BertConfig, {}, config)
     model = tf.BertForMaskedLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
     meta = {"batch_size": batch_size, "seq_len": seq_len, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}
@@ -62,7 +64,7 @@ def build_gpt2(batch_size: int = 4, seq_len: int = 256, **config: Any) -> Worklo
     # A training step keeps no KV cache (transformers turns it off for gradient
     # checkpointing, and a memfit plan does too: plan.use_cache_off); off here, the step
     # is the same with and without a plan.
-    cfg = _config(tf.GPT2Config, **{"use_cache": False, **config})
+    cfg = _config(tf.GPT2Config, {"use_cache": False}, config)
     model = tf.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
     meta = {"batch_size": batch_size, "seq_len": seq_len, "layers": cfg.n_layer, "hidden": cfg.n_embd}
@@ -137,7 +139,7 @@ def build_llama(
     batch, seq = _LLAMA_SEQ[preset]
     batch_size = batch if batch_size is None else batch_size
     seq_len = seq if seq_len is None else seq_len
-    cfg = _config(tf.LlamaConfig, **{**LLAMA_PRESETS[preset], "use_cache": False, **config})
+    cfg = _config(tf.LlamaConfig, {**LLAMA_PRESETS[preset], "use_cache": False}, config)
     with torch.device("meta") if preset != "tiny" else contextlib.nullcontext():
         # too big to build for real (8B is 32 GB of float32): on meta, materialised per rank
         model = tf.LlamaForCausalLM(cfg)
@@ -211,7 +213,7 @@ def build_vit(batch_size: int = 8, image_size: int = 224, **config: Any) -> Work
     tf = _transformers()
     # ViT-S/16 dims (timm's vit_small_patch16_224): 12 x 384, 6 heads, 197 tokens.
     defaults = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, num_labels=1000)
-    cfg = _config(tf.ViTConfig, **{**defaults, **config, "image_size": image_size})
+    cfg = _config(tf.ViTConfig, {**defaults, "image_size": image_size}, config)
     model = tf.ViTForImageClassification(cfg)
     pixels = torch.randn(batch_size, 3, image_size, image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
@@ -222,7 +224,7 @@ def build_vit(batch_size: int = 8, image_size: int = 224, **config: Any) -> Work
 def build_resnet152(batch_size: int = 8, image_size: int = 224, **config: Any) -> Workload:
     tf = _transformers()
     defaults = dict(depths=[3, 8, 36, 3], layer_type="bottleneck", hidden_sizes=[256, 512, 1024, 2048], num_labels=1000)
-    cfg = _config(tf.ResNetConfig, **{**defaults, **config})
+    cfg = _config(tf.ResNetConfig, defaults, config)
     model = tf.ResNetForImageClassification(cfg)
     pixels = torch.randn(batch_size, 3, image_size, image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
