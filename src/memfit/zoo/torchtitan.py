@@ -127,7 +127,7 @@ def _quiet() -> Iterator[None]:
 
     logger = logging.getLogger()
     level = logger.level
-    logger.setLevel(logging.WARNING)
+    logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
@@ -163,6 +163,12 @@ def _refuse_unmodelled(config: Any, world_size_hint: str) -> None:
         raise TargetError(
             "torchtitan's CUDA-graph step (training.disable_cuda_graphs=False, its default) is not modelled; "
             "add --size training.disable_cuda_graphs=True to measure its eager step"
+        )
+    if p.spmd_backend == "spmd_types":
+        # torch 2.13's fully_shard wants DTensor parameters where spmd_types gives plain local ones
+        raise TargetError(
+            "parallelism.spmd_backend='spmd_types' (torchtitan's default) is refused by this torch's fully_shard; "
+            "add --size parallelism.spmd_backend=partial_dtensor (the same FSDP2 shards, as DTensors)"
         )
     if config.compile.enable:
         raise TargetError("torch.compile (compile.enable=True) is not modelled; add --size compile.enable=False")
