@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit import zoo
-from memfit.zoo import torchtitan
 from memfit.errors import TargetError
 from memfit.workload import Workload
+from memfit.zoo import torchtitan
 
 __all__ = ["load_target"]
 

@@ -157,7 +157,7 @@ def _set_field(config: Any, key: str, value: Any) -> None:
     setattr(node, leaf, value)
 
 
-def _refuse_unmodelled(config: Any, world_size_hint: str) -> None:
+def _refuse_unmodelled(config: Any) -> None:
     t, p = config.training, config.parallelism
     if not t.disable_cuda_graphs:
         raise TargetError(
@@ -182,7 +182,7 @@ def _refuse_unmodelled(config: Any, world_size_hint: str) -> None:
     if t.global_batch_size > 0:
         raise TargetError(
             f"training.global_batch_size={t.global_batch_size}: gradient accumulation is not modelled; give -1 "
-            f"(one pass of the local batch{world_size_hint})"
+            "(one pass of the local batch)"
         )
     if t.enable_cpu_offload:
         raise TargetError("training.enable_cpu_offload=True is not modelled; give False")
@@ -208,7 +208,12 @@ class _CausalSdpaAttention(nn.Module):
         if score_mod is not None or out_transform is not None:
             raise TargetError("this torchtitan model's attention uses a score_mod or out_transform, which memfit does not model")
         out = nn.functional.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
         return out.transpose(1, 2)
 
@@ -219,7 +224,9 @@ def _replace_flex(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, FlexAttention):
-            module.__class__ = type("FlexAttentionAsSdpa", (_CausalSdpaAttention, FlexAttention), {"forward": _CausalSdpaAttention.forward})
+            module.__class__ = type(
+                "FlexAttentionAsSdpa", (_CausalSdpaAttention, FlexAttention), {"forward": _CausalSdpaAttention.forward}
+            )
             n += 1
     return n
 
@@ -354,7 +361,7 @@ def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
         config.training.local_batch_size = batch_size
     for key, value in sizes.items():
         _set_field(config, key, value)
-    _refuse_unmodelled(config, "")
+    _refuse_unmodelled(config)
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.tools import utils as titan_utils
 
