@@ -3,7 +3,8 @@
 On CPU the ground truth is the process's RSS high-water mark over the step, with
 MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the OS (see
 memfit/bench/child.py). The issue's bar: within 3% on zoo models with over
-~100 MiB of activations. These are the default zoo sizes, as `memfit profile` runs them.
+~100 MiB of activations. The zoo models run at half their default size (SIZES): still
+well over that bar, at half the CPU seconds.
 """
 
 from __future__ import annotations
@@ -19,18 +20,31 @@ from memfit.bench.child import measure_step_peak, run_child
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS ground truth reads /proc")
 
 
+SIZES = {"resnet": {"batch_size": 8}, "mlp-deep": {"depth": 50}}
+"""Half the default sizes, for time: resnet's activations are 240 MiB at batch 8 (478 MiB at
+the default 16), over twice the issue's 100 MiB; mlp-deep's step peak (gradients and AdamW
+temporaries) is over 200 MiB at 50 layers. RSS noise (pages, the interpreter's own small
+allocations) is a few MiB at most: the 3% bars stay as strict."""
+
+
+def _sized(name: str) -> dict:
+    """measure_step_peak's keywords for ``name`` at its SIZES (zoo.build takes SIZES as they are)."""
+    sizes = dict(SIZES.get(name, {}))
+    return {"batch_size": sizes.pop("batch_size", None), "sizes": sizes}
+
+
 @pytest.fixture(scope="module")
 def zoo_default():
-    """Each default-size zoo model's workload, real profile and RSS-measured step, made once
+    """Each zoo model's workload (at SIZES), real profile and RSS-measured step, made once
     for the module (a profile and a fresh-process step take seconds at these sizes; several
     tests check different things against the same ones)."""
     cache: dict[str, tuple] = {}
 
     def get(name: str) -> tuple:
         if name not in cache:
-            work = zoo.build(name)
+            work = zoo.build(name, **SIZES.get(name, {}))
             prof = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
-            cache[name] = (work, prof, measure_step_peak(name))
+            cache[name] = (work, prof, measure_step_peak(name, **_sized(name)))
         return cache[name]
 
     return get
@@ -43,8 +57,8 @@ def zoo_default():
 
 @pytest.mark.parametrize("name, min_activations", [("resnet", 100 * 2**20), ("mlp-deep", 0)])
 def test_predicted_peak_within_3_percent_of_rss(name, min_activations, zoo_default):
-    # mlp-deep saves only 50 MiB of activations (below the bar) but its peak, in the
-    # optimizer step, is 400 MiB of gradients and AdamW temporaries: checked all the same.
+    # mlp-deep saves only 25 MiB of activations (below the bar) but its peak, in the
+    # optimizer step, is over 200 MiB of gradients and AdamW temporaries: checked all the same.
     _, prof, measured = zoo_default(name)
     activations = sum(b.nbytes for b in prof.ledger.blocks if b.category is memfit.Category.ACTIVATION)
     assert activations > min_activations
@@ -69,7 +83,7 @@ def test_planned_step_stays_within_budget(name, tmp_path, zoo_default):
     assert plan.checkpointed
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    measured = plan.start_bytes + measure_step_peak(name, plan_path=str(path))["step_peak_bytes"]
+    measured = plan.start_bytes + measure_step_peak(name, plan_path=str(path), **_sized(name))["step_peak_bytes"]
     assert measured <= plan.budget_bytes * 1.03, f"{name}: measured {measured} over budget {plan.budget_bytes}"
     assert abs(plan.predicted_peak_bytes - measured) / measured < 0.05
 

@@ -3,11 +3,14 @@ no speed (benchmarks report, tests check behaviour)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 import memfit
+from memfit.bench import runner
+from memfit.bench.child import _measure
 from memfit.bench.methods import applicable, setup
 from memfit.cli import main
 from memfit.zoo import build
@@ -33,7 +36,27 @@ def test_plan_then_compile_method(tmp_path):
     assert plan.checkpointed and all("forward" in work.model.get_submodule(n).__dict__ for n in plan.checkpointed)
 
 
-def test_bench_end_to_end(tmp_path, capsys):
+def _child_in_process(target, *, method="none", measure="memory", batch_size=None, sizes=None, device="cpu", steps=5, **_):
+    """``run_child`` without the fresh process: the child's own measurement (``_measure``) on
+    the arguments ``run_child`` would have given it. Here the harness is under test (its
+    rows, JSON, plot and page), not the child's process: a fresh process per configuration
+    is a start-up of torch each (10 of them, ~80 of this test's ~85 CPU seconds). The child
+    run as a process is tested in test_bench_child.py (its JSON on stdout, the allocator
+    setting), test_cli.py (time+flops) and test_accuracy.py (RSS against predictions)."""
+    ns = argparse.Namespace(
+        target=target,
+        method=method,
+        measure=measure,
+        batch_size=batch_size,
+        size=[f"{k}={v!r}" for k, v in (sizes or {}).items()],
+        device=device,
+        steps=steps,
+    )
+    return {**_measure(ns), "target": target, "method": method, "measure": measure}
+
+
+def test_bench_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "run_child", _child_in_process)
     out, png, page = tmp_path / "bench.json", tmp_path / "b.png", tmp_path / "b.html"
     argv = ["bench", "mlp-deep", "--size", "depth=4", "--size", "width=64", "--batch-size", "8", "--budgets", "0.5"]
     assert main([*argv, "--steps", "2", "--no-compile", "--json", str(out), "--plot", str(png), "--html", str(page)]) == 0

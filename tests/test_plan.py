@@ -50,10 +50,25 @@ def gpt():
     return work, opt, prof
 
 
+_PLANS: dict[tuple[int, float], Plan] = {}
+
+
+def _plan_at(gpt, fraction: float) -> Plan:
+    """The plan of the ``gpt`` fixture's profile at ``fraction``, made once for the module:
+    several tests check different things of the same plans (each takes seconds: the
+    planner verifies its choice on a step). Keyed by the profile, which the fixture keeps
+    alive for the module."""
+    work, opt, prof = gpt
+    key = (id(prof), fraction)
+    if key not in _PLANS:
+        _PLANS[key] = memfit.plan(work.model, work.inputs, fraction, optimizer=opt, profile=prof)
+    return _PLANS[key]
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_plans_meet_their_budget(gpt, fraction):
     work, opt, prof = gpt
-    plan = memfit.plan(work.model, work.inputs, fraction, optimizer=opt, profile=prof)
+    plan = _plan_at(gpt, fraction)
     assert plan.none_peak_bytes == prof.peak_bytes
     assert plan.min_peak_bytes < plan.none_peak_bytes
     assert plan.budget_bytes == int(plan.min_peak_bytes + fraction * (plan.none_peak_bytes - plan.min_peak_bytes))
@@ -69,14 +84,13 @@ def test_plans_meet_their_budget(gpt, fraction):
 
 
 def test_lower_budgets_cost_more(gpt):
-    work, opt, prof = gpt
-    costs = [memfit.plan(work.model, work.inputs, f, optimizer=opt, profile=prof).extra_compute_s for f in (0.75, 0.25, 0.0)]
+    costs = [_plan_at(gpt, f).extra_compute_s for f in (0.75, 0.25, 0.0)]
     assert costs[0] <= costs[1] <= costs[2]
 
 
 def test_predicted_peak_is_the_planned_step_on_fake_tensors(gpt):
     work, opt, prof = gpt
-    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    plan = _plan_at(gpt, 0.5)
     import copy
 
     model = copy.deepcopy(work.model)
@@ -136,8 +150,7 @@ def test_non_reproducible_module_is_excluded_with_a_reason():
 
 
 def test_json_round_trip(gpt):
-    work, opt, prof = gpt
-    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    plan = _plan_at(gpt, 0.5)
     again = Plan.from_json(plan.to_json())
     assert again == plan
     # corrupt files and other bad input: test_bad_input.py
@@ -145,7 +158,7 @@ def test_json_round_trip(gpt):
 
 def test_plan_refuses_a_model_with_a_plan_applied(gpt):
     work, opt, prof = gpt
-    plan = memfit.plan(work.model, work.inputs, 0.5, optimizer=opt, profile=prof)
+    plan = _plan_at(gpt, 0.5)
     memfit.apply(work.model, plan)
     try:
         with pytest.raises(PlanError, match="already has a plan"):
