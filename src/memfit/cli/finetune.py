@@ -22,6 +22,7 @@ from memfit.errors import BudgetInfeasibleError, TargetError
 
 DEVICE = "fake-cuda"
 """The only device: the question is about a GPU this machine need not have."""
+DEFAULT_GPU = "H100-80GB"
 
 
 def add_parser(sub: Any) -> None:
@@ -118,6 +119,8 @@ def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
     parse_allow(ns.allow)
     if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
         raise TargetError(f"{ns.config}: no such file; give a local config.json (or its folder) or a model type (llama)")
+    if ns.gpu is None and ns.capacity is None:
+        ns.gpu = DEFAULT_GPU  # fake CUDA's own default: the question is always "on which GPU?"
     budget, label = read_budget(ns)
     return spec, budget, label
 
