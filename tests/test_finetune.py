@@ -18,9 +18,6 @@ import pytest
 import memfit
 from memfit.cli import main
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
-
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -59,6 +56,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
 
 
 def test_unknown_target_module_names_the_linear_layers(tmp_path, capsys):
+    pytest.importorskip("peft")
     assert main(["finetune", str(_config(tmp_path)), "--lora-targets", "q_proj,qkv"]) == 2
     err = capsys.readouterr().err.strip()
     assert "'qkv'" in err and "q_proj" in err and "down_proj" in err and len(err.splitlines()) == 1, err
@@ -85,7 +83,7 @@ SCRIPT = textwrap.dedent(
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda")
+        prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda", gpu="T4")
         return {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                 "breakdown": prof.breakdown}
 
@@ -100,6 +98,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_config_json_answers_as_the_peft_model_built_by_hand(tmp_path, shim_cache):
+    pytest.importorskip("peft")
     cfg = _config(tmp_path)
     out = tmp_path / "answer.json"
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "MEMFIT_FAKE_CUDA": "1"}

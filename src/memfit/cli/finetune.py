@@ -133,7 +133,9 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         with _without_bitsandbytes():
             from memfit.integrations.finetune import lora_workload
     except ImportError as exc:
-        raise TargetError(f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'") from exc
+        raise TargetError(
+            f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
+        ) from exc
     with status(console, f"building {ns.config} on the meta device with peft's LoRA"):
         work = lora_workload(
             ns.config,

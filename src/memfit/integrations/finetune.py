@@ -105,7 +105,10 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
     base.to(BASE_DTYPES[spec.base_dtype])
     targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
     lora = peft.LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha if spec.alpha is not None else spec.rank, target_modules=targets, lora_dropout=spec.dropout
+        r=spec.rank,
+        lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
+        target_modules=targets,
+        lora_dropout=spec.dropout,
     )
     try:
         model = peft.get_peft_model(base, lora)
