@@ -18,7 +18,7 @@ import memfit
 from memfit import zoo
 from memfit.cli.common import profile_work, require_device
 from memfit.cli.options import batch_size_arg, gpu_options, json_arg, read_budget, size_arg
-from memfit.errors import BudgetInfeasibleError, TargetError
+from memfit.errors import TargetError
 
 DEVICE = "fake-cuda"
 """The only device: the question is about a GPU this machine need not have."""
@@ -69,13 +69,6 @@ def add_parser(sub: Any) -> None:
         help="also the largest batch (at --seq-len) or sequence length (at --batch-size) whose step fits the GPU as it is",
     )
     p.add_argument("--multiple-of", type=int, default=1, metavar="N", help="with --max: sizes that are multiples of N")
-    p.add_argument(
-        "--allow",
-        default="",
-        metavar="LEVERS",
-        help="when the step does not fit: levers that change the numerics memfit fit may weigh (8bit, ...; default: "
-        "exact levers only: recompute, micro-batches, expandable segments)",
-    )
     p.add_argument("--no-levers", action="store_true", help="when the step does not fit, do not search for the levers that fit")
     size_arg(p, "config override, e.g. num_hidden_layers=16")
     json_arg(p, "also write the answers as JSON")
@@ -109,14 +102,11 @@ def _spec(ns: argparse.Namespace) -> Any:
 
 def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
     """Every flag checked before any model is built: the LoRA spec, the budget, the sizes."""
-    from memfit.levers.fit import parse_allow
-
     spec = _spec(ns)
     if ns.batch_size < 1 or ns.seq_len < 1:
         raise TargetError(f"--batch-size and --seq-len are positive, got {ns.batch_size} and {ns.seq_len}")
     if ns.multiple_of < 1:
         raise TargetError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
-    parse_allow(ns.allow)
     if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
         raise TargetError(f"{ns.config}: no such file; give a local config.json (or its folder) or a model type (llama)")
     if ns.gpu is None and ns.capacity is None:
@@ -194,18 +184,35 @@ def _largest(ns: argparse.Namespace, work: memfit.Workload, budget: int, console
     return {"what": ns.max, **found.to_dict()}
 
 
-def _levers(ns: argparse.Namespace, work: memfit.Workload, budget: int, label: str, console: Console) -> dict[str, Any] | None:
-    """The step does not fit: the fastest levers that do (``memfit fit`` on fake CUDA)."""
-    from memfit.report.console import progress_bar, render_fit
+def _levers(ns: argparse.Namespace, work: memfit.Workload, budget: int, label: str, console: Console) -> dict[str, Any]:
+    """The step does not fit: the cheapest levers that do, on fake CUDA (micro-batches, then a recompute plan)."""
+    from memfit.integrations.finetune import levers_that_fit
+    from memfit.report.console import progress_bar
 
-    try:
-        with progress_bar(console, "the levers that fit") as progress:
-            recipe = memfit.fit(
-                work.model, work.inputs, budget, optimizer=work.make_optimizer(), allow=ns.allow, fake="cuda", progress=progress
-            )
-    except BudgetInfeasibleError as exc:
-        console.print(f"[bold red]no lever makes it fit[/]: {exc}", highlight=False)
-        return None
-    recipe.budget = label
-    render_fit(recipe, console, title=work.name)
-    return recipe.to_dict()
+    with progress_bar(console, "the levers that fit") as progress:
+        found = levers_that_fit(work, budget, progress=progress)
+    fmt = memfit.format_bytes
+    for row in found["tried"]:
+        console.print(f"  micro-batches x{row['micro_batches']}: reserved peak {fmt(row['peak_bytes'])}", highlight=False)
+    if not found["fits"]:
+        console.print(f"[bold red]no lever tried makes it fit {label}[/]: {found['why']}", highlight=False)
+        return found
+    k, batch = found["micro_batches"], ns.batch_size
+    accumulate = f"micro-batches x{k} (per_device_train_batch_size={batch // k}, gradient_accumulation_steps={k})"
+    plan = found.get("plan")
+    if plan is None:
+        console.print(f"[bold]fits with {accumulate}[/]: reserved peak {fmt(found['peak_bytes'])}", highlight=False)
+        return found
+    extra = plan.get("extra_compute_s")
+    mods = sorted(plan["checkpointed"])
+    console.print(
+        f"[bold]fits with {accumulate if k > 1 else 'no micro-batches'} and a recompute plan of {len(mods)} modules[/]: "
+        f"predicted reserved peak {fmt(found['peak_bytes'])}"
+        + (f", extra compute about {extra * 1e3:.0f} ms a step (cost model)" if extra else ""),
+        highlight=False,
+    )
+    for name in mods[:8]:
+        console.print(f"  {name}  {plan['checkpointed'][name]['mode']}", highlight=False)
+    if len(mods) > 8:
+        console.print(f"  ... and {len(mods) - 8} more (--json has them all)", highlight=False)
+    return found

@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import TargetError
+from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
-from memfit.measure.profile import fake_peaks
+from memfit.measure.profile import fake_peaks, profile
+from memfit.measure.step import StepOptions
+from memfit.plan.planner import plan as make_plan
 from memfit.workload import Workload
 
-__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "BASE_DTYPES", "QUANTS"]
+__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS"]
 
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTS = ("none", "4bit", "8bit")
@@ -129,7 +131,10 @@ def lora_inputs(model: nn.Module, batch_size: int, seq_len: int) -> dict[str, to
         raise TargetError(f"the batch size and the sequence length are positive, got {batch_size} and {seq_len}")
     vocab = getattr(model.config, "vocab_size", None) or 2
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids.clone()}
+    # use_cache=False as peft's recipes train (the config says so too): memfit's plan then needs
+    # no real-tensor check that turning the cache off changes nothing, which would touch the
+    # never-written weights of a model too big for this host
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -159,10 +164,13 @@ def lora_workload(
     return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=_adamw, name=name, meta=meta)
 
 
-def _cut(inputs: Mapping[str, torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:
+def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:
     """The inputs at ``seq_len`` tokens: cut, or tiled along the sequence (the token ids do not change memory)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, t in inputs.items():
+        if not isinstance(t, torch.Tensor):
+            out[key] = t
+            continue
         reps = -(-seq_len // t.shape[1])
         out[key] = t.repeat(1, reps)[:, :seq_len].contiguous()
     return out
@@ -195,3 +203,33 @@ def largest_seq_len(
         if limit is None:
             return largest_size(peak, budget, start, multiple_of)
         return largest_size(peak, budget, start, multiple_of, limit=limit)
+
+
+def levers_that_fit(
+    work: Workload, budget: int, *, fake: bool | str = "cuda", progress: Callable[[str, int, int], None] | None = None
+) -> dict[str, Any]:
+    """The cheapest levers that make the step fit ``budget``, on fake tensors only: micro-batches
+    first (the same compute, in pieces), the fewest that fit; else memfit's recompute plan at
+    the most micro-batches tried (the least extra compute that fits). Not :func:`memfit.fit`:
+    that one probes the loss and times candidates on real tensors, which for a model built from
+    a config would touch weights never written (16 GB for an 8B base) and time garbage.
+
+    Returns ``{"micro_batches": k, "peak_bytes": ..., "tried": [...]}`` and, with a plan,
+    ``"plan"`` (its dict); ``{"fits": False, "why": ...}`` when nothing tried fits."""
+    report = progress or (lambda desc, done, total: None)
+    batch = work.meta.get("batch_size") or work.inputs["input_ids"].shape[0]
+    tried: list[dict[str, int]] = []
+    k = 1
+    for k in (n for n in (2, 4, 8, 16, 32, 64, 128) if n <= batch and batch % n == 0):
+        report(f"micro-batches x{k} on fake tensors", 0, 0)
+        prof = profile(work.model, work.inputs, optimizer=work.make_optimizer(), fake=fake, step=StepOptions(micro_batches=k))
+        tried.append({"micro_batches": k, "peak_bytes": prof.budget_peak_bytes})
+        if prof.budget_peak_bytes <= budget:
+            return {"fits": True, "micro_batches": k, "peak_bytes": prof.budget_peak_bytes, "tried": tried}
+    report("recompute plan on fake tensors", 0, 0)
+    step = StepOptions(micro_batches=k) if k > 1 else None
+    try:
+        plan = make_plan(work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=fake, step=step)
+    except BudgetInfeasibleError as exc:
+        return {"fits": False, "why": str(exc), "tried": tried}
+    return {"fits": True, "micro_batches": k, "peak_bytes": plan.predicted_peak_bytes, "tried": tried, "plan": plan.to_dict()}
