@@ -70,12 +70,12 @@ SCRIPT = textwrap.dedent(
     from memfit.measure.ledger import Category
     cfg, out = sys.argv[1], sys.argv[2]
     common = ["finetune", cfg, "--seq-len", "64", "--batch-size", "2", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
-              "--gpu", "T4", "--capacity", "536MiB", "--no-levers"]
+              "--gpu", "T4", "--capacity", "536MiB"]
     assert main([*common, "--max", "batch", "--json", out + ".batch"]) == 0
     assert main([*common, "--max", "seq", "--json", out + ".seq"]) == 0
-    assert main([*common, "--batch-size", "64", "--json", out + ".over"]) == 0  # does not fit; --no-levers
+    assert main([*common, "--batch-size", "16", "--json", out + ".over"]) == 0  # does not fit: the levers that do
 
-    def by_hand(batch, seq):  # the usual way: real weights, then peft
+    def by_hand(batch, seq, micro_batches=1):  # the usual way: real weights, then peft
         config = transformers.AutoConfig.from_pretrained(cfg)
         config.use_cache = False
         torch.manual_seed(0)
@@ -83,7 +83,8 @@ SCRIPT = textwrap.dedent(
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda", gpu="T4")
+        step = memfit.StepOptions(micro_batches=micro_batches)
+        prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda", gpu="T4", step=step)
         return {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                 "breakdown": prof.breakdown}
 
@@ -91,6 +92,8 @@ SCRIPT = textwrap.dedent(
     b = json.load(open(out + ".batch"))["max"]["max_batch"]
     s = json.load(open(out + ".seq"))["max"]["max_batch"]
     got.update(batch=[by_hand(b, 64), by_hand(b + 1, 64)], seq=[by_hand(2, s), by_hand(2, s + 1)])
+    k = json.load(open(out + ".over"))["recipe"]["micro_batches"]
+    got["micro"] = by_hand(16, 64, k)
     print("RESULT" + json.dumps(got))
     """
 )
@@ -122,4 +125,14 @@ def test_config_json_answers_as_the_peft_model_built_by_hand(tmp_path, shim_cach
         found, (fits, over) = answers[what]["max"], got[what]
         assert found["max_batch"] > (2 if what == "batch" else 64), found
         assert found["peak_bytes"] == fits["reserved"] <= budget < over["reserved"], (what, found, fits, over)
-    assert not answers["over"]["profile"]["fits"] and "recipe" not in answers["over"]
+    # batch 16 does not fit; the fewest micro-batches that do, by the hand-built model's profile with them
+    over = answers["over"]
+    assert not over["profile"]["fits"] and over["recipe"]["fits"] and "plan" not in over["recipe"]
+    *more, fewest = over["recipe"]["tried"]
+    assert fewest["micro_batches"] == over["recipe"]["micro_batches"] > 1
+    assert (
+        fewest["peak_bytes"]
+        == got["micro"]["reserved"]
+        <= budget
+        < min(r["peak_bytes"] for r in more or [{"peak_bytes": budget + 1}])
+    )
