@@ -79,8 +79,8 @@ def add_parser(sub: Any) -> None:
 def _without_bitsandbytes() -> Iterator[None]:
     """peft imports bitsandbytes when installed, which imports torch's inductor: 8 CPU s of the
     30 this command has for a 7-8B model. A LoRA on an unquantized base needs none of it, so it
-    is hidden while peft is imported (peft then leaves out its bitsandbytes layers) and back
-    after, for the 8-bit optimizer lever. This process is the command's own."""
+    is hidden while peft is imported (peft then leaves out its bitsandbytes layers), and put
+    back after so anything later may import it. This process is the command's own."""
     hide = "peft" not in sys.modules and "bitsandbytes" not in sys.modules
     if hide:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # find_spec and import both say: not installed
@@ -120,13 +120,13 @@ def run(ns: argparse.Namespace, console: Console) -> int:
 
     spec, budget, label = _checked(ns)
     try:
-        with _without_bitsandbytes():
-            from memfit.integrations.finetune import lora_workload
+        from memfit.integrations.finetune import lora_workload
     except ImportError as exc:
         raise TargetError(
             f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
         ) from exc
-    with status(console, f"building {ns.config} on the meta device with peft's LoRA"):
+    # peft is imported while the model is built
+    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), _without_bitsandbytes():
         work = lora_workload(
             ns.config,
             spec,
