@@ -108,7 +108,10 @@ def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
     if ns.multiple_of < 1:
         raise TargetError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
-        raise TargetError(f"{ns.config}: no such file; give a local config.json (or its folder) or a model type (llama)")
+        raise TargetError(
+            f"{ns.config}: no such file (memfit downloads nothing): give a local config.json (or its folder), or a model "
+            "type such as llama"
+        )
     if ns.gpu is None and ns.capacity is None:
         ns.gpu = DEFAULT_GPU  # fake CUDA's own default: the question is always "on which GPU?"
     budget, label = read_budget(ns)
