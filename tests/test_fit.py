@@ -16,7 +16,7 @@ from torch import nn
 import memfit
 from memfit import StepOptions
 from memfit.cli import main
-from memfit.levers.fit import _micro_batching
+from memfit.levers.catalog.microbatch import probe as _micro_batching
 from memfit.measure.timing import median_step_time
 from memfit.workload import resize_batch
 

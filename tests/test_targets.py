@@ -18,7 +18,7 @@ from torch import nn
 
 import memfit
 from memfit import StepOptions, WorkloadError
-from memfit.levers.fit import _micro_batching
+from memfit.levers.catalog.microbatch import probe as _micro_batching
 from memfit.measure.step import train_step
 from memfit.workload import resize_batch, resize_targets, split_batch
 

@@ -1,7 +1,8 @@
 """A TARGET names a workload: every command takes one. It is a zoo name (``gpt``,
 ``mlp-deep``, ...) or ``path/to/file.py:function`` where ``function()`` returns a
 :class:`~memfit.workload.Workload` (it may take a ``batch_size`` keyword, which
-``--batch-size`` then sets).
+``--batch-size`` then sets), or ``torchtitan:MODULE:CONFIG``: torchtitan's own job
+(:mod:`memfit.zoo.torchtitan`).
 
 Its own module because it sits above both :mod:`memfit.workload` (the base) and
 :mod:`memfit.zoo` (workloads built on that base): neither imports the other back.
@@ -19,6 +20,7 @@ from typing import Any
 from memfit import zoo
 from memfit.errors import TargetError
 from memfit.workload import Workload
+from memfit.zoo import torchtitan
 
 __all__ = ["load_target"]
 
@@ -63,6 +65,8 @@ def load_target(target: str, *, batch_size: int | None = None, sizes: Mapping[st
     if sizes and "batch_size" in sizes:
         # the batch is every target's own knob (a file's function takes batch_size= too), set once
         raise TargetError(f"the batch size is not a --size: give --batch-size {sizes['batch_size']} (in Python, batch_size=)")
+    if torchtitan.is_torchtitan(target):
+        return torchtitan.build(target, batch_size=batch_size, **(sizes or {}))
     if ":" not in target and not target.endswith(".py"):
         return zoo.build(target, batch_size=batch_size, **(sizes or {}))
     if ":" not in target:

@@ -32,7 +32,11 @@ def positive(text: str) -> int:
 
 def target_args(p: argparse.ArgumentParser) -> None:
     """TARGET, ``--batch-size`` and ``--size``: what to build (:func:`memfit.load_target`)."""
-    p.add_argument("target", help="zoo model name (see `memfit zoo`) or path/to/file.py:function returning a memfit.Workload")
+    p.add_argument(
+        "target",
+        help="zoo model name (see `memfit zoo`), path/to/file.py:function returning a memfit.Workload, "
+        "or torchtitan:MODULE:CONFIG (torchtitan's own job; docs/distributed.md)",
+    )
     batch_size_arg(p, "batch size of the example inputs")
     size_arg(p, "zoo model size, e.g. n_layer=24 (several after one --size, or --size again)")
 

@@ -52,6 +52,7 @@ the RNG are as they were.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -62,16 +63,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import optim8bit, torch_compat
 from memfit.cuda.allocator import AllocatorSettings
-from memfit.errors import BudgetError, BudgetInfeasibleError, LossError, MemfitError, PlanError, WorkloadError
+from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError, WorkloadError
+from memfit.levers import catalog
+from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
 from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory, run_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_device, real_sandbox
 from memfit.measure.scope import Scope
-from memfit.measure.step import StepOptions, eval_mode, first_micro_batches
+from memfit.measure.step import StepOptions, first_micro_batches
 from memfit.measure.timing import StepTimes, optimizer_step_time, selective_overhead_s, time_steps
 from memfit.plan.budget import parse_budget
 from memfit.plan.candidates import DeviceRates
@@ -82,7 +84,6 @@ from memfit.recompute.checkpoint import applied_choices, apply_choices, remove, 
 from memfit.units import format_bytes
 from memfit.workload import (
     batch_size_of,
-    call_loss,
     check_arguments,
     default_optimizer,
     join_inputs,
@@ -92,12 +93,11 @@ from memfit.workload import (
 
 __all__ = ["fit", "parse_allow", "fit_budget", "EXACT_LEVERS", "OPT_IN_LEVERS"]
 
-EXACT_LEVERS = ("recompute", "microbatch", "set_to_none", "offload", "expandable_segments")
+EXACT_LEVERS = catalog.EXACT
 """Levers that leave what training computes as it was: always considered."""
-OPT_IN_LEVERS = ("amp", "bf16", "foreach", "8bit")
+OPT_IN_LEVERS = catalog.OPT_IN
 """Levers that change the numerics: considered only when ``allow`` names them."""
 
-_MICRO_BATCHES = (2, 4, 8)
 _TIMED_STEPS = 3
 _TIE = 0.05  # times within 5% are a tie on a busy host: the simpler recipe wins
 _SLOW = 2.0  # a probe step running past this many times the base step's is stopped
@@ -107,27 +107,11 @@ _MAX_TIMED = 3  # at most this many
 _SPREAD = 0.2  # timed steps spread wider than this (max - min over median) are timed again
 _NOISY = 0.3  # still wider: the timings cannot rank candidates; the predictions do
 _PARTED = 0.15  # predicted and measured step time further apart than this: said in the notes
-_LOSS_RTOL = 1e-4
-
-
-@dataclass(frozen=True)
-class _Combo:
-    """One combination of levers (recompute aside, which is planned per combination)."""
-
-    micro_batches: int = 1
-    precision: str = "fp32"
-    foreach: bool | None = None
-    set_to_none: bool = True
-    eight_bit: bool = False
-    offload: bool = False
-    expandable: bool = False
-    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the same step (same ledger, same
-    time), other segments: its peak is the ledger replayed under that setting."""
 
 
 @dataclass
 class _Candidate:
-    combo: _Combo
+    combo: Combo
     plan: Plan | None
     peak_bytes: int
     time_s: float
@@ -162,78 +146,6 @@ def parse_allow(allow: str | Iterable[str] | None) -> set[str]:
     if unknown:
         raise PlanError(f"unknown lever {unknown[0]!r} in allow; levers are {', '.join(LEVERS)}")
     return names
-
-
-def _loss_scales(
-    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, ks: list[int], targets: Any
-) -> tuple[dict[int, float], str | None]:
-    """Per micro-batch count, the factor on each micro-batch's loss that makes the
-    accumulated gradient the full batch's: ``1/k`` for a mean over samples, 1 for a sum.
-    Found by comparing the full batch's loss with its micro-batches' (real tensors,
-    evaluation mode so dropout does not blur it, no grad, all restored). A loss that is
-    neither couples the samples (a mean over the valid tokens of the whole batch, a
-    contrastive loss): micro-batches would change the gradient, so that count is left out."""
-    scales: dict[int, float] = {}
-    why = None
-    with real_sandbox(model, args, kwargs, optimizer, targets=targets) as box, torch.no_grad(), eval_mode(box.model):
-        try:
-            full = float(call_loss(loss_fn, box.model(*box.args, **box.kwargs), box.targets))
-        except Exception as exc:  # the training step itself is checked elsewhere; this only probes
-            return {}, f"the loss could not be probed in evaluation mode ({type(exc).__name__}: {str(exc)[:120]})"
-        for k in ks:
-            try:
-                parts = [
-                    float(call_loss(loss_fn, box.model(*a, **kw), t))
-                    for a, kw, t in split_batch(box.args, box.kwargs, box.targets, k)
-                ]
-            except Exception as exc:
-                cause = exc.__cause__ if isinstance(exc, LossError) and exc.__cause__ is not None else exc
-                why = (
-                    f"the loss of a micro-batch cannot be computed ({type(cause).__name__}: {str(cause)[:120]}); "
-                    "a loss_fn that holds the whole batch's targets sees only a micro-batch's outputs: pass the targets "
-                    "as targets= and take them as loss_fn(output, targets)"
-                )
-                break
-            mean, total = sum(parts) / k, sum(parts)
-            tol = _LOSS_RTOL * max(abs(full), 1e-6)
-            if abs(full - mean) <= tol:
-                scales[k] = 1.0 / k
-            elif abs(full - total) <= tol:
-                scales[k] = 1.0
-            else:
-                why = (
-                    f"the batch's loss ({full:.6g}) is neither the mean ({mean:.6g}) nor the sum ({total:.6g}) of its {k} "
-                    "micro-batches' losses: the loss couples samples, so micro-batches would change the gradient"
-                )
-    return scales, why
-
-
-def _micro_batching(
-    model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer: torch.optim.Optimizer, targets: Any = None
-) -> tuple[dict[int, float], str | None]:
-    norms = [name for name, m in model.named_modules() if torch_compat.uses_batch_statistics(m)]
-    if norms:
-        return {}, (
-            f"the model normalises with batch statistics ({type(model.get_submodule(norms[0])).__name__} {norms[0]!r}"
-            + (f" and {len(norms) - 1} more" if len(norms) > 1 else "")
-            + "): each micro-batch would be normalised with its own, so training would differ"
-        )
-    batch = batch_size_of(args, kwargs)
-    if batch is None:
-        return {}, "no input tensor has a batch dimension to split"
-    ks = [k for k in _MICRO_BATCHES if batch % k == 0]
-    if not ks:
-        return {}, f"a batch of {batch} does not split into {', '.join(map(str, _MICRO_BATCHES))} equal micro-batches"
-    scales, why = _loss_scales(model, args, kwargs, loss_fn, optimizer, ks, targets)
-    return scales, (why if not scales else None)
-
-
-def _offload_unavailable(device: torch.device) -> str | None:
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        return "activations offloaded to host memory (save_on_cpu) save nothing when the step runs on the host already"
-    return f"activation offload to host memory is modelled for CUDA steps; this one runs on {device.type}"
 
 
 class _Stages:
@@ -312,7 +224,7 @@ class _Times:
             return probe.forward_backward_median, False
         return max(probe.median, self.base.forward_backward_median), True
 
-    def seconds(self, combo: _Combo, base: _Combo) -> tuple[float, bool]:
+    def seconds(self, combo: Combo, base: Combo) -> tuple[float, bool]:
         """Predicted step time of ``combo`` without recompute, and whether it is a lower bound."""
         if self.base is None:
             return math.inf, False
@@ -326,7 +238,7 @@ class _Times:
             t += self.offload.median - self.base.median
         return max(t, 0.0), lower
 
-    def module_times(self, combo: _Combo) -> dict[str, tuple[float, float]] | None:
+    def module_times(self, combo: Combo) -> dict[str, tuple[float, float]] | None:
         """(forward, backward) seconds of every module in one micro-batch's step of
         ``combo``: measured for the whole batch in its precision, and for ``k``
         micro-batches per module ``a/k + c`` through the whole batch's and the ``K``-th's.
@@ -356,7 +268,7 @@ class _Times:
         return whole
 
 
-def _optimizer_key(combo: _Combo) -> tuple:
+def _optimizer_key(combo: Combo) -> tuple:
     """What the optimizer phase depends on: the parameters' dtype, the implementation and
     whether gradients are kept."""
     return (combo.precision == "bf16", combo.foreach, combo.eight_bit, combo.set_to_none)
@@ -372,13 +284,11 @@ class _Search:
         loss_fn: Any,
         optimizer: torch.optim.Optimizer,
         budget: int,
-        device: torch.device,
-        base_set_to_none: bool,
-        scales: dict[int, float],
+        situation: Situation,
         report: _Stages,
-        targets: Any,
-        fake_cuda: bool = False,
     ) -> None:
+        device, fake_cuda, targets = situation.device, situation.fake_cuda, situation.targets
+        self.situation = situation
         self.model = model
         self.fake_cuda = fake_cuda
         """The step runs on fake CUDA: peaks from fake-CUDA profiles, times from the cost model only."""
@@ -393,59 +303,29 @@ class _Search:
         self.optimizer = optimizer
         self.budget = budget
         self.device = device
-        self.base_set_to_none = base_set_to_none
-        self.base = _Combo(set_to_none=base_set_to_none)
-        self.scales = scales
+        self.base = Combo(set_to_none=situation.set_to_none)
+        self.scales = microbatch.scales(situation)[0]
         self.report = report
         self.times = _Times()
         self.profiles: dict[tuple[StepOptions, int], Profile] = {}
         self.warm = bool(optimizer.state)
         """The optimizer has its state (fit's own first step): the step as it is runs warm."""
-        self.peaks: dict[_Combo, int] = {}
-        self.host_peaks: dict[_Combo, int] = {}
-        self.allocated: dict[_Combo, int | None] = {}
+        self.peaks: dict[Combo, int] = {}
+        self.host_peaks: dict[Combo, int] = {}
+        self.allocated: dict[Combo, int | None] = {}
         """On CUDA: each combination's allocated peak, beside the reserved one it is judged by."""
-        self.plans: dict[_Combo, Plan | int] = {}
+        self.plans: dict[Combo, Plan | int] = {}
         self.fake_profiles = 0
         self.chosen_by = "the measured times"
 
-    def options(self, combo: _Combo) -> StepOptions:
-        k = combo.micro_batches
-        amp = combo.precision == "amp"
-        cuda = self.device.type == "cuda" or self.fake_cuda
-        return StepOptions(
-            micro_batches=k,
-            loss_scale=self.scales[k] if k > 1 else None,
-            autocast=("float16" if cuda else "bfloat16") if amp else None,
-            grad_scaler=amp and cuda,
-            set_to_none=combo.set_to_none,
-            param_dtype="bfloat16" if combo.precision == "bf16" else None,
-            foreach=combo.foreach,
-            optimizer_8bit=combo.eight_bit,
-            offload=combo.offload,
-        )
+    def options(self, combo: Combo) -> StepOptions:
+        """The step a combination runs: each lever sets its fields of the step options."""
+        return StepOptions(**{k: v for lever in catalog.ALL for k, v in lever.step(combo, self.situation).items()})
 
-    def levers(self, combo: _Combo, plan: Plan | None) -> tuple[str, ...]:
-        used = set()
-        if plan is not None and plan.checkpointed:
-            used.add("recompute")
-        if combo.micro_batches > 1:
-            used.add("microbatch")
-        if combo.set_to_none != self.base_set_to_none:
-            used.add("set_to_none")
-        if combo.precision != "fp32":
-            used.add(combo.precision)
-        if combo.foreach is not None:
-            used.add("foreach")
-        if combo.eight_bit:
-            used.add("8bit")
-        if combo.offload:
-            used.add("offload")
-        if combo.expandable:
-            used.add("expandable_segments")
-        return tuple(lever for lever in LEVERS if lever in used)
+    def levers(self, combo: Combo, plan: Plan | None) -> tuple[str, ...]:
+        return tuple(lever.name for lever in catalog.ALL if lever.used(combo, plan, self.situation))
 
-    def label(self, combo: _Combo, plan: Plan | None = None) -> str:
+    def label(self, combo: Combo, plan: Plan | None = None) -> str:
         levers = self.levers(combo, plan)
         return describe(levers, self.options(combo), plan, optimizer_type=type(self.optimizer).__name__) or "as it is"
 
@@ -462,7 +342,7 @@ class _Search:
             torch.cuda.empty_cache()
             return None
 
-    def probe(self, ks: list[int], precisions: list[str], combos: list[_Combo]) -> None:
+    def probe(self, ks: list[int], precisions: list[str], combos: list[Combo]) -> None:
         """The measurements every prediction rests on (module docstring, step 2)."""
         t = self.times
         base = self.base
@@ -472,7 +352,7 @@ class _Search:
             self.options(base),
             self.targets,
             steps=_TIMED_STEPS,
-            warmup=0 if self.warm and base == _Combo() else 1,  # fit's first step was this one
+            warmup=0 if self.warm and base == Combo() else 1,  # fit's first step was this one
             clock=True,
             retry_spread=_SPREAD,
         )
@@ -513,7 +393,7 @@ class _Search:
                 )
                 if small is not None:
                     t.micro[p] = small
-        keys: dict[tuple, _Combo] = {}
+        keys: dict[tuple, Combo] = {}
         for combo in combos:
             keys.setdefault(_optimizer_key(combo), replace(combo, micro_batches=1, offload=False))
         if len(keys) > 1:
@@ -530,7 +410,7 @@ class _Search:
             t.offload = self._timed(self.label(combo), self.inputs, self.options(combo), self.targets, steps=_TIMED_STEPS)
         t.probes = 1 + len(t.micro) + len(precisions) - 1 + (len(keys) if len(keys) > 1 else 0) + any(c.offload for c in combos)
 
-    def predict(self, combo: _Combo) -> tuple[float, bool]:
+    def predict(self, combo: Combo) -> tuple[float, bool]:
         """Predicted step time without recompute, and whether it is only a lower bound."""
         if self.times.base is not None:
             return self.times.seconds(combo, self.base)
@@ -578,7 +458,7 @@ class _Search:
                 )
         return self.profiles[key]
 
-    def peak(self, combo: _Combo) -> int:
+    def peak(self, combo: Combo) -> int:
         """The exact peak the budget bounds: on CUDA (real or fake) the caching allocator's
         reserved peak (memfit's model of it), else the tensor peak."""
         if combo not in self.peaks:
@@ -589,7 +469,7 @@ class _Search:
             self.host_peaks[combo] = prof.ledger.host_peak_bytes
         return self.peaks[combo]
 
-    def judged(self, prof: Profile, combo: _Combo) -> Profile:
+    def judged(self, prof: Profile, combo: Combo) -> Profile:
         """``prof`` with its allocator figures under ``combo``'s allocator settings (with
         ``expandable_segments``, the same ledger replayed under them)."""
         if not combo.expandable or self.settings is None:
@@ -601,18 +481,18 @@ class _Search:
         assert self.settings is not None
         return replace(self.settings, expandable_segments=True)
 
-    def host_note(self, combo: _Combo) -> str:
+    def host_note(self, combo: Combo) -> str:
         """What an offloading step holds in host memory, for its what-if row."""
         return f"host memory {format_bytes(self.host_peaks[combo])}" if combo.offload else ""
 
-    def overhead(self, combo: _Combo) -> float:
+    def overhead(self, combo: Combo) -> float:
         """Seconds selective recompute's dispatch mode adds per op on this host, measured once
         (a per-op-call cost: the same under autocast or another dtype)."""
         if self.times.overhead_s is None:
             self.times.overhead_s = selective_overhead_s(self.device)
         return self.times.overhead_s
 
-    def plan(self, combo: _Combo) -> Plan | int:
+    def plan(self, combo: Combo) -> Plan | int:
         """A recompute plan for ``combo`` at the budget, or ``P_min`` when none fits."""
         if combo in self.plans:
             return self.plans[combo]
@@ -660,7 +540,7 @@ class _Search:
             self.use_cache_off = result.use_cache_off
         return result
 
-    def candidate(self, combo: _Combo) -> _Candidate | int:
+    def candidate(self, combo: Combo) -> _Candidate | int:
         """``combo`` within the budget (with a plan if needed), or the lowest peak it reaches."""
         peak = self.peak(combo)
         plan = None
@@ -677,7 +557,7 @@ class _Search:
         seconds = self.predict(combo)[0] + (self.recompute_s(combo, plan) if plan is not None else 0.0)
         return _Candidate(combo, plan, peak, seconds, self.levers(combo, plan))
 
-    def recompute_s(self, combo: _Combo, plan: Plan) -> float:
+    def recompute_s(self, combo: Combo, plan: Plan) -> float:
         """The plan's predicted recompute time per step (a plan per micro-batch)."""
         if plan.extra_compute_s is not None:
             return combo.micro_batches * plan.extra_compute_s
@@ -783,6 +663,45 @@ def fit(
     """
     started = time.perf_counter()
     target = fit_budget(budget)
+    s = _situation(model, inputs, loss_fn, optimizer, targets, allow, exclude, set_to_none, fake)
+    report = _Stages(progress)
+
+    # 1. What each lever may do here (micro-batching probes the loss on the real model).
+    report.start(0)
+    offers, left_out = _offers(s)
+
+    # One real step in a sandbox that stays open for the whole search: the optimizer has its
+    # state from here on, so no fake-tensor profile, plan or timed run needs a warm-up step
+    # of its own to create it. Closing it restores the model and the optimizer.
+    # (On fake CUDA no real step runs: each fake profile creates the state it needs.)
+    real_state = (
+        contextlib.nullcontext()
+        if s.fake_cuda
+        else _optimizer_state(s.model, s.args, s.kwargs, s.loss_fn, s.optimizer, s.targets)
+    )
+    with real_state:
+        search = _Search(s.model, inputs, s.loss_fn, s.optimizer, target, s, report)
+        if "offload" in offers:
+            _measure_offload(search, offers, left_out)
+        axes, singles, combos = _combinations(search.base, offers)
+        notes = _measurements(search, axes, combos)  # 2
+        queue = _weigh(search, singles, combos, left_out)  # 3
+        best = _choose_best(search, queue, notes)  # 4
+        return _recipe(search, best, queue, singles, left_out, notes, budget=budget, started=started)
+
+
+def _situation(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    optimizer: torch.optim.Optimizer | None,
+    targets: Any,
+    allow: str | Iterable[str] | None,
+    exclude: Mapping[str, str] | None,
+    set_to_none: bool,
+    fake: bool | str,
+) -> Situation:
+    """fit's arguments checked, once, into the :class:`Situation` its levers are judged in."""
     allowed = parse_allow(allow)
     fake_cuda = fake_device(fake) == "cuda"
     if fake and not fake_cuda:
@@ -801,231 +720,188 @@ def fit(
     device = check_step(model, args, kwargs, targets)
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    report = _Stages(progress)
+    conf = allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None
+    return Situation(
+        model=model,
+        args=args,
+        kwargs=kwargs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        targets=targets,
+        device=device,
+        allowed=allowed,
+        exclude=exclude,
+        set_to_none=set_to_none,
+        fake_cuda=fake_cuda,
+        expandable_now=conf is not None and conf.expandable_segments,
+    )
 
-    left_out: dict[str, str] = {}
-    report.start(0)
-    if "microbatch" in exclude:
-        scales, why = {}, exclude["microbatch"]
-    else:
-        scales, why = _micro_batching(model, args, kwargs, loss_fn, optimizer, targets)
-    if why:
-        left_out["microbatch"] = why
-    if set_to_none:
-        left_out["set_to_none"] = "the loop already calls zero_grad(set_to_none=True): no gradients are kept between steps"
-    elif "set_to_none" in exclude:
-        left_out["set_to_none"] = exclude["set_to_none"]
-    precisions = ["fp32"]
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for lever in ("amp", "bf16"):
-        if lever not in allowed:
-            left_out[lever] = f"changes the numerics: opt in with allow={lever!r} (--allow {lever})"
-        elif dtypes != {torch.float32}:
-            left_out[lever] = f"the parameters are {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}, not float32"
-        else:
-            precisions.append(lever)
-    foreach_now = torch_compat.uses_foreach(optimizer)
-    if "foreach" not in allowed:
-        left_out["foreach"] = "changes the numerics (another summation order): opt in with allow='foreach' (--allow foreach)"
-    elif foreach_now is None:
-        left_out["foreach"] = f"{type(optimizer).__name__} has no foreach choice here (no flag, fused, or groups that differ)"
-    if "8bit" not in allowed:
-        left_out["8bit"] = "changes the numerics (quantised optimizer state): opt in with allow='8bit' (--allow 8bit)"
-    else:
-        why_not = optim8bit.unavailable(optimizer)
-        if why_not is not None:
-            left_out["8bit"] = why_not
-    why_not = _offload_unavailable(device) or exclude.get("offload")
-    if fake_cuda:
-        why_not = "not weighed on fake CUDA (host memory and copies are not simulated): weigh it with fit on the GPU"
-    if why_not is not None:
-        left_out["offload"] = why_not
-    cuda = device.type == "cuda" or fake_cuda
-    conf = allocator_settings_from_env() if cuda else None
-    if conf is not None and conf.expandable_segments:
-        left_out["expandable_segments"] = "already on (PYTORCH_CUDA_ALLOC_CONF)"
 
-    # One real step in a sandbox that stays open for the whole search: the optimizer has its
-    # state from here on, so no fake-tensor profile, plan or timed run needs a warm-up step
-    # of its own to create it. Closing it restores the model and the optimizer.
-    # (On fake CUDA no real step runs: each fake profile creates the state it needs.)
-    with contextlib.nullcontext() if fake_cuda else _optimizer_state(model, args, kwargs, loss_fn, optimizer, targets):
-        search = _Search(
-            model, inputs, loss_fn, optimizer, target, device, set_to_none, scales, report, targets, fake_cuda=fake_cuda
-        )
-        ks = [1, *sorted(scales)]
-        foreach = [None] + ([not foreach_now] if "foreach" not in left_out else [])
-        zero = [set_to_none] + ([True] if "set_to_none" not in left_out else [])
-        eight = [False] + ([True] if "8bit" not in left_out else [])
-        offload = [False]
-        # a setting of the CUDA caching allocator: not a lever (nor named) off CUDA
-        expandable = [False] + ([True] if cuda and "expandable_segments" not in left_out else [])
-        if "offload" not in left_out:
-            try:
-                search.peak(replace(_Combo(set_to_none=set_to_none), offload=True))
-                offload.append(True)
-            except MemfitError:
-                raise
-            except Exception as exc:  # a lever that cannot be measured here must not stop the search
-                left_out["offload"] = f"could not be measured here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-        base = search.base
-        singles = [base]
-        singles += [replace(base, micro_batches=k) for k in ks[1:]]
-        singles += [replace(base, precision=p) for p in precisions[1:]]
-        singles += [replace(base, foreach=f) for f in foreach[1:]]
-        singles += [replace(base, set_to_none=z) for z in zero[1:]]
-        singles += [replace(base, eight_bit=e) for e in eight[1:]]
-        singles += [replace(base, offload=o) for o in offload[1:]]
-        singles += [replace(base, expandable=x) for x in expandable[1:]]
-        # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
-        combos = [
-            _Combo(k, p, f, z, e, o, x)
-            for k, p, f, z, e, o, x in itertools.product(ks, precisions, foreach, zero, eight, offload, expandable)
-            if not (e and f is not None)
+def _measurements(search: _Search, axes: dict[str, list], combos: list[Combo]) -> list[str]:
+    """2. The few measurements every combination's time is predicted from; the notes they call for."""
+    search.report.start(1)
+    if search.fake_cuda:
+        return [
+            "fake CUDA: peaks are exact on fake tensors (reserved, from memfit's model of the caching allocator); step "
+            "times are predicted by the cost model (FLOPs, bytes, op counts at fixed GPU rates), not measured, and "
+            "chose the recipe: time it on the GPU"
         ]
+    search.probe(axes["micro_batches"], axes["precision"], combos)
+    if search.times.base is None:
+        return [
+            "the step as it is did not run on the device (out of memory): step times are the cost model's round "
+            "figures for this device until the candidates are timed"
+        ]
+    return []
 
-        # 2. The few measurements every combination's time is predicted from.
-        report.start(1)
-        notes: list[str] = []
-        if fake_cuda:
-            notes.append(
-                "fake CUDA: peaks are exact on fake tensors (reserved, from memfit's model of the caching allocator); step "
-                "times are predicted by the cost model (FLOPs, bytes, op counts at fixed GPU rates), not measured, and "
-                "chose the recipe: time it on the GPU"
-            )
-        else:
-            search.probe(ks, precisions, combos)
-        if search.times.base is None and not fake_cuda:
-            notes.append(
-                "the step as it is did not run on the device (out of memory): step times are the cost model's round "
-                "figures for this device until the candidates are timed"
-            )
 
-        # 3. Exact peaks (each lever alone for the table), then every combination in order of
-        # predicted time, planned where it is over, until the next is clearly slower.
-        report.start(2)
-        for combo in singles:
-            search.peak(combo)
-        queue = _Queue(search, combos)
-        queue.weigh()
-        cands, lowest = queue.cands, queue.lowest
-        if not cands:
-            assert lowest is not None
-            opt_in = [lever for lever in OPT_IN_LEVERS if lever not in allowed]
-            raise BudgetInfeasibleError(
-                f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
-                f"{format_bytes(lowest[0])} ({lowest[0]} bytes) with {search.label(lowest[1])}"
-                + ("; " if lowest[1].offload else " and recompute; ")  # offload is not combined with recompute
-                + f"as it is the step peaks at {format_bytes(search.peaks[base])}"
-                # the one line a refused budget prints: say why micro-batches were not weighed
-                + (f"; micro-batching left out: {left_out['microbatch']}" if "microbatch" in left_out else "")
-                + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
-                min_peak_bytes=lowest[0],
-                budget_bytes=target,
-            )
-        if search.peaks[base] > target and base not in search.plans:
-            search.plan(base)  # recompute alone, for the what-if table
+def _weigh(search: _Search, singles: list[Combo], combos: list[Combo], left_out: dict[str, Reason]) -> _Queue:
+    """3. Exact peaks (each lever alone for the table), then every combination in order of
+    predicted time, planned where it is over, until the next is clearly slower. None fitting
+    is the one-line error that says how low the levers reach."""
+    search.report.start(2)
+    for combo in singles:
+        search.peak(combo)
+    queue = _Queue(search, combos)
+    queue.weigh()
+    if not queue.cands:
+        assert queue.lowest is not None
+        raise _infeasible(search, *queue.lowest, left_out)
+    base = search.base
+    if search.peaks[base] > search.budget and base not in search.plans:
+        search.plan(base)  # recompute alone, for the what-if table
+    return queue
 
-        # 4. The few predicted fastest, for real.
-        report.start(3)
-        if fake_cuda:
-            best = _choose(cands)  # by predicted time: nothing runs on fake tensors
-            search.chosen_by = "the predictions"
-        else:
-            best = _time_candidates(search, queue, notes)
-        if best.measured is not None and best.measured.peak_bytes is not None and best.measured.peak_bytes > target:
-            notes.append(
-                f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
-                f"the budget that fake tensors met ({best.peak_bytes} bytes): lower the budget by that much"
-            )
 
-        if best.combo.expandable and not fake_cuda:
-            notes.append(
-                "expandable_segments:True cannot be switched on in a process whose CUDA allocator has started: the recipe "
-                "was timed without it (the setting moves segments, not kernels); its peak is the allocator model's"
-            )
-        options = search.options(best.combo)
-        measured_time = best.measured.median if best.measured is not None else None
-        measured_peak = best.measured.peak_bytes if best.measured is not None else None
-        host_speed, measured_time = _host_speed(search, best, measured_time, notes)
-        # the prediction at the host's speed when the recipe was measured
-        now = best.time_s * (host_speed or 1.0)
-        if measured_time is not None and best.time_s > 0 and abs(measured_time / now - 1) > _PARTED:
-            text = (
-                f"predicted {now:.3f} s/step but measured {measured_time:.3f} s ({measured_time / now - 1:+.0%}): "
-                "prediction and measurement part by more than 15%"
-            )
-            # Every recipe that ran parting alike (a shared host whose load changed since the
-            # probes) moves the times, not their order.
-            ratios = sorted(
-                c.measured_s / c.time_s for c in cands if c.measured is not None and len(c.measured.seconds) >= _TIMED_STEPS
-            )
-            if len(ratios) >= 2 and abs(measured_time / best.time_s / ratios[len(ratios) // 2] - 1) <= _PARTED:
-                text += (
-                    f"; all {len(ratios)} recipes timed in full ran {ratios[len(ratios) // 2] - 1:+.0%} against their "
-                    "predictions: the host's speed changed since the probes, not the predictions' order"
-                )
-            else:
-                text += f"; {search.chosen_by} chose"
-            if best.measured is not None and best.measured.spread > _NOISY:
-                text += " (timings on this host were noisy)"
-            notes.append(text)
-        what_if = _what_if(search, singles, base, best, cands)
-        unused = (
-            "not needed: the step fits as it is"
-            if search.peaks[base] <= target
-            else "the chosen recipe fits faster (see the what-if rows)"
+def _infeasible(search: _Search, peak: int, combo: Combo, left_out: dict[str, Reason]) -> BudgetInfeasibleError:
+    target = search.budget
+    opt_in = [lever for lever in OPT_IN_LEVERS if lever not in search.situation.allowed]
+    return BudgetInfeasibleError(
+        f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
+        f"{format_bytes(peak)} ({peak} bytes) with {search.label(combo)}"
+        + ("; " if combo.offload else " and recompute; ")  # offload is not combined with recompute
+        + f"as it is the step peaks at {format_bytes(search.peaks[search.base])}"
+        # the one line a refused budget prints: say why micro-batches were not weighed
+        + (f"; micro-batching left out: {left_out['microbatch']}" if "microbatch" in left_out else "")
+        + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
+        min_peak_bytes=peak,
+        budget_bytes=target,
+    )
+
+
+def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate:
+    """4. The few predicted fastest, for real (on fake CUDA, by their predicted times)."""
+    search.report.start(3)
+    if search.fake_cuda:
+        best = _choose(queue.cands)  # by predicted time: nothing runs on fake tensors
+        search.chosen_by = "the predictions"
+    else:
+        best = _time_candidates(search, queue, notes)
+    target = search.budget
+    if best.measured is not None and best.measured.peak_bytes is not None and best.measured.peak_bytes > target:
+        notes.append(
+            f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
+            f"the budget that fake tensors met ({best.peak_bytes} bytes): lower the budget by that much"
         )
-        exact_and_opt_in = ("recompute", "microbatch", "amp", "bf16", "foreach", "set_to_none", "8bit", "offload")
-        for lever in exact_and_opt_in + (("expandable_segments",) if cuda else ()):
-            if lever not in best.levers and lever not in left_out:
-                left_out[lever] = unused
-        batch = batch_size_of(args, kwargs)
-        base_time = search.times.base.median if search.times.base is not None else None
-        if fake_cuda:
-            base_time = search.predict(base)[0]  # predicted, as every time of this recipe (times_predicted)
-        return Recipe(
-            budget_bytes=target,
-            levers=best.levers,
-            step=options,
-            plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
-            predicted_peak_bytes=best.peak_bytes,
-            allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
-            predicted_step_time_s=best.time_s,
-            measured_peak_bytes=measured_peak,
-            measured_step_time_s=measured_time,
-            base_peak_bytes=search.peaks[base],
-            base_step_time_s=base_time,
-            what_if=what_if,
-            left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
-            precision=best.combo.precision,
-            batch_size=batch,
-            inputs_kind="tensor" if isinstance(inputs, torch.Tensor) else ("kwargs" if kwargs else "args"),
-            default_loss=loss_fn is None,
-            targets=targets is not None,
-            model_type=type(model).__name__,
-            fingerprint=fingerprint(model),
-            optimizer_type=type(optimizer).__name__,
-            device="fake:cuda:0" if fake_cuda else str(device),
-            budget=str(budget),
-            fit_time_s=time.perf_counter() - started,
-            allocator_conf=(
-                (search.expandable_settings if best.combo.expandable else search.settings).describe()
-                if search.settings is not None
-                else ""
-            ),
-            times_predicted=fake_cuda,
-            host_speed=host_speed,
-            notes=notes,
-            search={
-                "combinations": len(combos),
-                "weighed": len(search.peaks),
-                "planned": len(search.plans),
-                "timed": sum(1 for c in cands if c.measured is not None),
-                "probes": search.times.probes,
-                "fake_profiles": search.fake_profiles,
-            },
+    if best.combo.expandable and not search.fake_cuda:
+        notes.append(
+            "expandable_segments:True cannot be switched on in a process whose CUDA allocator has started: the recipe "
+            "was timed without it (the setting moves segments, not kernels); its peak is the allocator model's"
         )
+    return best
+
+
+def _parted(search: _Search, best: _Candidate, cands: list[_Candidate], measured_time: float, now: float) -> str:
+    """The note for a recipe whose measured time parted from its prediction (at the host's speed then)."""
+    text = (
+        f"predicted {now:.3f} s/step but measured {measured_time:.3f} s ({measured_time / now - 1:+.0%}): "
+        "prediction and measurement part by more than 15%"
+    )
+    # Every recipe that ran parting alike (a shared host whose load changed since the
+    # probes) moves the times, not their order.
+    ratios = sorted(c.measured_s / c.time_s for c in cands if c.measured is not None and len(c.measured.seconds) >= _TIMED_STEPS)
+    if len(ratios) >= 2 and abs(measured_time / best.time_s / ratios[len(ratios) // 2] - 1) <= _PARTED:
+        text += (
+            f"; all {len(ratios)} recipes timed in full ran {ratios[len(ratios) // 2] - 1:+.0%} against their "
+            "predictions: the host's speed changed since the probes, not the predictions' order"
+        )
+    else:
+        text += f"; {search.chosen_by} chose"
+    if best.measured is not None and best.measured.spread > _NOISY:
+        text += " (timings on this host were noisy)"
+    return text
+
+
+def _recipe(
+    search: _Search,
+    best: _Candidate,
+    queue: _Queue,
+    singles: list[Combo],
+    left_out: dict[str, Reason],
+    notes: list[str],
+    *,
+    budget: int | str,
+    started: float,
+) -> Recipe:
+    """The :class:`Recipe` of the chosen candidate: what was measured beside what was predicted,
+    every lever not used with its reason, and how much the search ran."""
+    cands, base, target, s = queue.cands, search.base, search.budget, search.situation
+    measured_time = best.measured.median if best.measured is not None else None
+    host_speed, measured_time = _host_speed(search, best, measured_time, notes)
+    now = best.time_s * (host_speed or 1.0)  # the prediction at the host's speed when the recipe was measured
+    if measured_time is not None and best.time_s > 0 and abs(measured_time / now - 1) > _PARTED:
+        notes.append(_parted(search, best, cands, measured_time, now))
+    what_if = _what_if(search, singles, base, best, cands)
+    unused = (
+        Reason(Why.NOT_NEEDED, "not needed: the step fits as it is")
+        if search.peaks[base] <= target
+        else Reason(Why.NOT_CHOSEN, "the chosen recipe fits faster (see the what-if rows)")
+    )
+    for lever in catalog.ALL:
+        if (s.cuda or not lever.cuda_only) and lever.name not in best.levers and lever.name not in left_out:
+            left_out[lever.name] = unused
+    base_time = search.times.base.median if search.times.base is not None else None
+    if s.fake_cuda:
+        base_time = search.predict(base)[0]  # predicted, as every time of this recipe (times_predicted)
+    settings = search.expandable_settings if best.combo.expandable else search.settings
+    return Recipe(
+        budget_bytes=target,
+        levers=best.levers,
+        step=search.options(best.combo),
+        plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
+        predicted_peak_bytes=best.peak_bytes,
+        allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
+        predicted_step_time_s=best.time_s,
+        measured_peak_bytes=best.measured.peak_bytes if best.measured is not None else None,
+        measured_step_time_s=measured_time,
+        base_peak_bytes=search.peaks[base],
+        base_step_time_s=base_time,
+        what_if=what_if,
+        left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
+        precision=best.combo.precision,
+        batch_size=batch_size_of(s.args, s.kwargs),
+        inputs_kind="tensor" if isinstance(search.inputs, torch.Tensor) else ("kwargs" if s.kwargs else "args"),
+        default_loss=s.loss_fn is None,
+        targets=s.targets is not None,
+        model_type=type(s.model).__name__,
+        fingerprint=fingerprint(s.model),
+        optimizer_type=type(s.optimizer).__name__,
+        device="fake:cuda:0" if s.fake_cuda else str(s.device),
+        budget=str(budget),
+        fit_time_s=time.perf_counter() - started,
+        allocator_conf=settings.describe() if settings is not None else "",
+        times_predicted=s.fake_cuda,
+        host_speed=host_speed,
+        notes=notes,
+        search={
+            "combinations": len(queue.order),
+            "weighed": len(search.peaks),
+            "planned": len(search.plans),
+            "timed": sum(1 for c in cands if c.measured is not None),
+            "probes": search.times.probes,
+            "fake_profiles": search.fake_profiles,
+        },
+    )
 
 
 def _host_speed(
@@ -1074,15 +950,57 @@ def _optimizer_state(
         yield
 
 
+def _offers(situation: Situation) -> tuple[dict[str, tuple], dict[str, Reason]]:
+    """Each lever's settings to weigh on this step, or the reason it is left out."""
+    offers: dict[str, tuple] = {}
+    left_out: dict[str, Reason] = {}
+    for lever in catalog.ALL:
+        got = lever.settings(situation)
+        if isinstance(got, Reason):
+            left_out[lever.name] = got
+        else:
+            offers[lever.name] = got
+    return offers, left_out
+
+
+def _measure_offload(search: _Search, offers: dict[str, tuple], left_out: dict[str, Reason]) -> None:
+    """Offload's peak, measured before it is weighed: a lever that cannot be measured here
+    must not stop the search, so it is left out with the reason."""
+    try:
+        search.peak(replace(search.base, offload=True))
+    except MemfitError:
+        raise
+    except Exception as exc:
+        del offers["offload"]
+        why = f"could not be measured here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        left_out["offload"] = Reason(Why.UNAVAILABLE, why)
+
+
+def _combinations(base: Combo, offers: dict[str, tuple]) -> tuple[dict[str, list], list[Combo], list[Combo]]:
+    """The settings of each :class:`Combo` field (the step's own first), each lever alone
+    (the what-if table's rows), and every combination the levers allow together."""
+    axes: dict[str, list] = {f.name: [getattr(base, f.name)] for f in dataclasses.fields(Combo)}
+    for lever in catalog.ALL:
+        if lever.field:
+            axes[lever.field] += offers.get(lever.name, ())
+    singles = [base] + [replace(base, **{name: value}) for name, values in axes.items() for value in values[1:]]
+    combos = [
+        combo
+        for combo in (Combo(*values) for values in itertools.product(*axes.values()))
+        if all(lever.allows(combo) for lever in catalog.ALL)
+    ]
+    return axes, singles, combos
+
+
 class _Queue:
     """The combinations in order of predicted time, weighed (exact peak, a plan where it is
     over) as far as needed: those that fit are :attr:`cands`."""
 
-    def __init__(self, search: _Search, combos: list[_Combo]) -> None:
+    def __init__(self, search: _Search, combos: list[Combo]) -> None:
         self.search = search
         self.order = sorted(combos, key=lambda c: (search.predict(c)[0], len(search.levers(c, None))))
         self.cands: list[_Candidate] = []
-        self.lowest: tuple[int, _Combo] | None = None
+        self.lowest: tuple[int, Combo] | None = None
         """The lowest peak reached by a combination that does not fit, and which."""
 
     def bound(self) -> float | None:
@@ -1190,14 +1108,14 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
     return best
 
 
-def _what_if(search: _Search, singles: list[_Combo], base: _Combo, best: _Candidate, cands: list[_Candidate]) -> list[WhatIf]:
+def _what_if(search: _Search, singles: list[Combo], base: Combo, best: _Candidate, cands: list[_Candidate]) -> list[WhatIf]:
     """Each lever alone and recompute alone (predicted times), every candidate that ran for
     real (measured beside), the chosen one marked."""
     rows: list[WhatIf] = []
     timed = {(c.combo, c.plan is not None and bool(c.plan.checkpointed)): c for c in cands if c.measured is not None}
     base_time = search.times.base.median if search.times.base is not None else None
 
-    def row(combo: _Combo, plan: Plan | None, peak: int, seconds: float | None, fits: bool, note: str = "") -> WhatIf:
+    def row(combo: Combo, plan: Plan | None, peak: int, seconds: float | None, fits: bool, note: str = "") -> WhatIf:
         cand = timed.pop((combo, plan is not None and bool(plan.checkpointed)), None)
         levers = search.levers(combo, plan)
         if cand is None:

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from memfit.errors import PlanError
+from memfit.levers import catalog
+from memfit.levers.catalog.base import Reason, read_reason, reason_json
 from memfit.measure.step import StepOptions
 from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
@@ -18,20 +20,10 @@ from memfit.units import format_bytes
 __all__ = ["Recipe", "RankRecipe", "WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS", "RANK_LEVERS"]
 
 RECIPE_FORMAT = "memfit.recipe"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+"""2: ``left_out`` gives each reason as ``{"why": kind, "text": sentence}`` (1: the sentence alone; still read)."""
 
-LEVERS: dict[str, str] = {
-    "recompute": "recompute activations in backward instead of keeping them (memfit.plan)",
-    "microbatch": "split the batch into micro-batches and accumulate their gradients",
-    "set_to_none": "zero_grad(set_to_none=True): no gradients kept between steps",
-    "offload": "keep saved activations in host memory (torch.autograd.graph.save_on_cpu)",
-    "amp": "torch.autocast: bfloat16 on CPU; float16 with a GradScaler on CUDA",
-    "bf16": "parameters, gradients and optimizer state in bfloat16",
-    "foreach": "the optimizer's other implementation (foreach or for-loop), whose step has other temporaries",
-    "8bit": "8-bit optimizer state: bitsandbytes AdamW8bit / Adam8bit in place of torch's AdamW / Adam",
-    "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the CUDA caching allocator grows segments "
-    "in place instead of caching fixed ones (less reserved, the same numerics)",
-}
+LEVERS: dict[str, str] = {lever.name: lever.does for lever in catalog.ALL}
 """Every lever memfit knows, with what it does."""
 
 
@@ -55,13 +47,16 @@ class WhatIf:
     chosen: bool = False
 
 
-def choice_fields(levers: Sequence[str], plan: Plan | None, what_if: Sequence[WhatIf]) -> dict[str, Any]:
-    """The JSON of what a recipe chose (levers, plan, the options weighed): a single device's
-    :class:`Recipe` and a rank's (:class:`RankRecipe`) write them alike."""
+def choice_fields(
+    levers: Sequence[str], plan: Plan | None, what_if: Sequence[WhatIf], left_out: dict[str, Reason]
+) -> dict[str, Any]:
+    """The JSON of what a recipe chose (levers, plan, the options weighed, why the others were
+    not used): a single device's :class:`Recipe` and a rank's (:class:`RankRecipe`) write them alike."""
     return {
         "levers": list(levers),
         "plan": plan.to_dict() if plan is not None else None,
         "what_if": [{**asdict(w), "levers": list(w.levers)} for w in what_if],
+        "left_out": {lever: reason_json(why) for lever, why in left_out.items()},
     }
 
 
@@ -74,6 +69,7 @@ def read_choice_fields(body: dict[str, Any], known: Collection[str], what: str) 
         raise PlanError(f"{what} JSON names unknown lever {unknown[0]!r}")
     body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
     body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+    body["left_out"] = {lever: read_reason(why) for lever, why in body.get("left_out", {}).items()}
 
 
 @dataclass
@@ -101,8 +97,9 @@ class Recipe:
     """The step as it is, without any lever."""
     base_step_time_s: float | None
     what_if: list[WhatIf] = field(default_factory=list)
-    left_out: dict[str, str] = field(default_factory=dict)
-    """Levers not used, each with the reason (not allowed, not applicable, not available)."""
+    left_out: dict[str, Reason] = field(default_factory=dict)
+    """Levers not used, each with the reason (not allowed, not applicable, not available): a
+    :class:`~memfit.levers.catalog.Reason`, the sentence with its kind (``.why``)."""
     precision: str = "fp32"
     """``"fp32"``, ``"amp"`` (autocast) or ``"bf16"`` (parameters cast)."""
     batch_size: int | None = None
@@ -140,6 +137,10 @@ class Recipe:
     """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
     ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for
     real to predict times from), ``fake_profiles``."""
+
+    def __post_init__(self) -> None:
+        # a reason given as a bare sentence (by hand, by older code) gets its kind here, once
+        self.left_out = {lever: read_reason(why) for lever, why in self.left_out.items()}
 
     @property
     def micro_batches(self) -> int:
@@ -299,7 +300,7 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data.update(choice_fields(self.levers, self.plan, self.what_if))
+        data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
         data["step"] = self.step.to_dict()
         return {"format": RECIPE_FORMAT, "version": RECIPE_VERSION, **data}
 
@@ -328,34 +329,14 @@ class Recipe:
 
 def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, optimizer_type: str = "") -> str:
     """Levers in words, in the order of :data:`LEVERS`."""
-    words = []
-    for lever in levers:
-        if lever == "microbatch":
-            words.append(f"micro-batches x{step.micro_batches}")
-        elif lever == "amp":
-            words.append(f"amp ({step.autocast} autocast{' + GradScaler' if step.grad_scaler else ''})")
-        elif lever == "bf16":
-            words.append("bf16 parameters")
-        elif lever == "foreach":
-            words.append(f"{optimizer_type or 'optimizer'} foreach={step.foreach}")
-        elif lever == "8bit":
-            words.append(f"8-bit {optimizer_type or 'optimizer'} state (bitsandbytes)")
-        elif lever == "offload":
-            words.append("activations offloaded to host memory")
-        elif lever == "set_to_none":
-            words.append("zero_grad(set_to_none=True)")
-        elif lever == "expandable_segments":
-            words.append("expandable_segments:True")
-        elif lever == "recompute":
-            n = len(plan.checkpointed) if plan is not None else 0
-            words.append(f"recompute ({n} module{'s' if n != 1 else ''})")
-        else:
-            words.append(lever)
-    return " + ".join(words)
+    return " + ".join(
+        catalog.BY_NAME[lever].words(step, plan, optimizer_type) if lever in catalog.BY_NAME else lever for lever in levers
+    )
 
 
 RANK_RECIPE_FORMAT = "memfit.rank_recipe"
-RANK_RECIPE_VERSION = 1
+RANK_RECIPE_VERSION = 2
+"""2: ``left_out`` as in :data:`RECIPE_VERSION` 2 (1 still read)."""
 
 RANK_LEVERS: dict[str, str] = {
     "recompute": "recompute activations in backward instead of keeping them (memfit's plan, applied before fully_shard)",
@@ -414,7 +395,8 @@ class RankRecipe:
     """All-gathers per step of the chosen configuration (rank's ledger), beside :attr:`base_all_gathers`."""
     base_all_gathers: int
     what_if: list[WhatIf] = field(default_factory=list)
-    left_out: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, Reason] = field(default_factory=dict)
+    """As :attr:`Recipe.left_out`."""
     notes: list[str] = field(default_factory=list)
     budget: str = ""
     device: str = "fake:cpu"
@@ -423,6 +405,9 @@ class RankRecipe:
     times_predicted: bool = True
     search: dict[str, int] = field(default_factory=dict)
     """``profiles`` (exact fake-group profiles) and ``plans`` made."""
+
+    def __post_init__(self) -> None:
+        self.left_out = {lever: read_reason(why) for lever, why in self.left_out.items()}  # as Recipe's
 
     def summary(self) -> str:
         words = []
@@ -488,7 +473,7 @@ class RankRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data.update(choice_fields(self.levers, self.plan, self.what_if))
+        data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
         data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
         return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}
 

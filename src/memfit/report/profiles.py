@@ -182,6 +182,9 @@ def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int 
             )
         else:
             console.print(f"worst rank {worst}: {format_bytes(ranks.peak_bytes)}; spread {format_bytes(ranks.spread_bytes)}")
+    names = ranks.profiles[worst].meta.get("peak_names")
+    if cuda and names:
+        _titan_lines(ranks, names, console)
     if cuda:
         console.print(
             "per rank, the caching allocator's blocks and segments (model): NCCL's own buffers and the CUDA context are "
@@ -189,6 +192,21 @@ def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int 
         )
     else:
         console.print("per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it")
+
+
+def _titan_lines(ranks: RankProfiles, names: dict[str, str], console: Console) -> None:
+    """The peaks under the names torchtitan's memory monitor logs them by (its metrics'
+    keys), in its units: GiB, and % of the GPU's capacity."""
+    for r, p in sorted(ranks.profiles.items()):
+        fit = p.device_fit
+        parts = []
+        for kind, value in (("allocated", p.allocated_peak_bytes), ("reserved", p.reserved_peak_bytes)):
+            if value is None or kind not in names:
+                continue
+            pct = f" ({100 * value / fit.capacity_bytes:.2f}%)" if fit is not None and fit.capacity_bytes else ""
+            parts.append(f"{escape(names[kind])} {value / 2**30:.2f}{pct}")
+        if parts:
+            console.print(f"rank {r} as torchtitan logs it: " + ", ".join(parts))
 
 
 def _step_time_line(profile: Profile, console: Console) -> None:

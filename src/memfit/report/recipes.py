@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from memfit.levers.catalog import Reason, Why
 from memfit.levers.max_batch import MaxBatch
 from memfit.levers.recipe import Recipe, WhatIf
 from memfit.report.layout import add_rows
@@ -162,9 +163,9 @@ def _what_if_table(what_if: list[WhatIf], base_time: float | None, console: Cons
     console.print(table)
 
 
-def _left_out_levers(left_out: dict[str, str], console: Console) -> None:
+def _left_out_levers(left_out: dict[str, Reason], console: Console) -> None:
     # Levers not allowed share one reason and one remedy: one line, not one per lever.
-    opt_in = [lever for lever, why in left_out.items() if "opt in with allow=" in why]
+    opt_in = [lever for lever, why in left_out.items() if why.why is Why.OPT_IN]
     for lever, why in left_out.items():
         if lever not in opt_in:
             console.print(f"[yellow]left out[/] {lever}: {escape(why)}", highlight=False)

@@ -73,8 +73,9 @@ def parse_sizes(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise TargetError(f"--size takes KEY=VALUE (e.g. n_layer=24), got {item!r}")
+        # dotted keys name a field of a section: torchtitan's training.seq_len
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
+            raise TargetError(f"--size takes KEY=VALUE (e.g. n_layer=24, training.seq_len=512), got {item!r}")
         try:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

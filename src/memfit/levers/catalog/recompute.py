@@ -1,0 +1,22 @@
+"""Recompute: activations recomputed in backward instead of kept (memfit's plan). Planned per
+combination of the other levers (:func:`memfit.plan`), so it has no setting of its own here."""
+
+from __future__ import annotations
+
+from memfit.levers.catalog.base import Lever
+
+
+def _words(step, plan, optimizer_type):
+    n = len(plan.checkpointed) if plan is not None else 0
+    return f"recompute ({n} module{'s' if n != 1 else ''})"
+
+
+LEVER = Lever(
+    name="recompute",
+    exact=True,
+    does="recompute activations in backward instead of keeping them (memfit.plan)",
+    settings=lambda s: (),
+    used=lambda combo, plan, s: plan is not None and bool(plan.checkpointed),
+    step=lambda combo, s: {},
+    words=_words,
+)

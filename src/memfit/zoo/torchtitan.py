@@ -1,0 +1,404 @@
+"""torchtitan's own job as a memfit target: ``torchtitan:MODULE:CONFIG``.
+
+``torchtitan:llama3:llama3_debugmodel`` names the config function ``llama3_debugmodel`` of
+``torchtitan.models.llama3.config_registry``, loaded by torchtitan's own ``ConfigManager``
+(as ``--module llama3 --config llama3_debugmodel`` on its command line). ``--size
+training.seq_len=512`` sets one of the config's fields, as torchtitan's
+``--training.seq_len 512`` would; ``--batch-size`` sets ``training.local_batch_size``.
+
+What is torchtitan's own, called rather than rewritten:
+
+- the model: ``model_spec.model.update_from_config(config)`` then ``build()`` on meta, under
+  ``training.dtype`` as the Trainer does;
+- its parallelisms: ``model_spec.parallelize_fn`` (tensor parallel, activation
+  checkpointing, FSDP2 with its mixed precision) over ``ParallelDims.from_config``'s meshes,
+  built on memfit's fake process group;
+- its loss (``config.loss.build``; ``ChunkedLossWrapper`` runs lm_head and the loss chunk by
+  chunk, with a backward per chunk), the model's prediction dropped before backward (the
+  Trainer's ``del pred``);
+- its optimizer (``config.optimizer.build``) with ``clip_grad_norm_(..., max_norm,
+  foreach=True)`` before each step, as ``Trainer.train_step``.
+
+What is not torchtitan's:
+
+- the data: tokens and labels of the configured shape (local batch x seq len), no loader;
+- FlexAttention: torchtitan compiles it (inductor, triton), which fake tensors cannot run.
+  memfit runs torch's causal scaled-dot-product attention in its place: on CUDA the flash
+  or memory-efficient kernel, which saves what flex saves (output and logsumexp). Without a
+  data loader there are no document positions, so the mask is plain causal.
+
+Refused in one line (not modelled): CUDA graphs (torchtitan's default; add
+``--size training.disable_cuda_graphs=True`` to measure the eager step), ``torch.compile``,
+pipeline, context and expert parallelism, gradient accumulation, float8/MX converters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections import ChainMap
+from collections.abc import Iterable, Iterator
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import TargetError
+from memfit.workload import Parallel, Workload
+
+__all__ = ["PREFIX", "build", "is_torchtitan", "peak_names"]
+
+PREFIX = "torchtitan:"
+
+# torchtitan's DeviceMemoryMonitor names: what its metrics log calls a rank's peaks.
+PEAK_NAMES = {"allocated": "memory/max_active(GiB)", "reserved": "memory/max_reserved(GiB)"}
+
+
+def is_torchtitan(target: str) -> bool:
+    return isinstance(target, str) and target.startswith(PREFIX)
+
+
+def peak_names() -> dict[str, str]:
+    """How torchtitan's memory monitor names the peaks memfit reports (its metrics' keys)."""
+    return dict(PEAK_NAMES)
+
+
+KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+@contextlib.contextmanager
+def _triton_for_import() -> Iterator[None]:
+    """torchtitan's model package imports its expert-parallel triton kernels at import time,
+    even for dense models that never run them; a CPU build of torch has no triton. Without
+    triton, that one module of torchtitan's is a stand-in whose kernels refuse to run
+    (memfit models no expert parallelism). torch never sees a stand-in triton."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if KERNELS not in sys.modules:
+            stub = types.ModuleType(KERNELS)
+            stub.__getattr__ = _no_kernel  # type: ignore[method-assign]
+            sys.modules[KERNELS] = stub
+    yield
+
+
+def _no_kernel(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise TargetError(f"torchtitan's triton kernel {name} needs triton; expert parallelism is not modelled")
+
+    return kernel
+
+
+def _import_torchtitan() -> None:
+    try:
+        with _triton_for_import():
+            import torchtitan.trainer  # noqa: F401
+            from torchtitan.config import ConfigManager  # noqa: F401
+    except ImportError as exc:
+        raise TargetError(
+            f"torchtitan targets need torchtitan: pip install 'memfit[torchtitan]' ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _load_config(spec: str) -> Any:
+    parts = spec[len(PREFIX) :].split(":")
+    if len(parts) != 2 or not all(p.isidentifier() for p in parts):
+        raise TargetError(f"target {spec!r}: expected torchtitan:MODULE:CONFIG, e.g. torchtitan:llama3:llama3_debugmodel")
+    module, name = parts
+    from torchtitan.config import ConfigManager
+
+    with _triton_for_import(), _quiet():
+        try:
+            return ConfigManager().parse_args(["--module", module, "--config", name])
+        except (ValueError, ImportError, AttributeError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise TargetError(f"target {spec!r}: torchtitan could not load --module {module} --config {name}: {first}") from exc
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torchtitan logs through its own logger at INFO; a memfit run prints its own report."""
+    import logging
+
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _set_field(config: Any, key: str, value: Any) -> None:
+    """``training.seq_len=512`` on torchtitan's config tree, checked against the field's type."""
+    node = config
+    path = key.split(".")
+    for part in path[:-1]:
+        if not hasattr(node, part):
+            raise TargetError(f"--size {key}: torchtitan's config has no section {part!r}")
+        node = getattr(node, part)
+    leaf = path[-1]
+    if not is_dataclass(node) or leaf not in {f.name for f in fields(node)}:
+        known = ", ".join(f.name for f in fields(node)) if is_dataclass(node) else ""
+        raise TargetError(f"--size {key}: torchtitan's config has no field {leaf!r}" + (f" (fields: {known})" if known else ""))
+    current = getattr(node, leaf)
+    if isinstance(current, bool) and not isinstance(value, bool):
+        raise TargetError(f"--size {key}={value!r}: expected True or False")
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TargetError(f"--size {key}={value!r}: expected a number")
+    if isinstance(current, str) and not isinstance(value, str):
+        value = str(value)
+    setattr(node, leaf, value)
+
+
+def _refuse_unmodelled(config: Any) -> None:
+    t, p = config.training, config.parallelism
+    if not t.disable_cuda_graphs:
+        raise TargetError(
+            "torchtitan's CUDA-graph step (training.disable_cuda_graphs=False, its default) is not modelled; "
+            "add --size training.disable_cuda_graphs=True to measure its eager step"
+        )
+    if p.spmd_backend == "spmd_types":
+        # torch 2.13's fully_shard wants DTensor parameters where spmd_types gives plain local ones
+        raise TargetError(
+            "parallelism.spmd_backend='spmd_types' (torchtitan's default) is refused by this torch's fully_shard; "
+            "add --size parallelism.spmd_backend=partial_dtensor (the same FSDP2 shards, as DTensors)"
+        )
+    if config.compile.enable:
+        raise TargetError("torch.compile (compile.enable=True) is not modelled; add --size compile.enable=False")
+    for field_name, what in (
+        ("pipeline_parallel_degree", "pipeline"),
+        ("context_parallel_degree", "context"),
+        ("expert_parallel_degree", "expert"),
+    ):
+        if getattr(p, field_name) != 1:
+            raise TargetError(f"parallelism.{field_name}={getattr(p, field_name)}: {what} parallelism is not modelled; give 1")
+    if t.global_batch_size > 0:
+        raise TargetError(
+            f"training.global_batch_size={t.global_batch_size}: gradient accumulation is not modelled; give -1 "
+            "(one pass of the local batch)"
+        )
+    if t.enable_cpu_offload:
+        raise TargetError("training.enable_cpu_offload=True is not modelled; give False")
+
+
+class _CausalSdpaAttention(nn.Module):
+    """Stands in for torchtitan's FlexAttention (which only runs compiled): torch's causal
+    scaled-dot-product attention on the same (B, L, N, H) tensors, with grouped-query heads."""
+
+    def forward(  # type: ignore[override]
+        self,
+        q_BLNH: torch.Tensor,  # FlexAttention.forward's names: torchtitan maps its shardings by them
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: Any = None,
+        score_mod: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if score_mod is not None or out_transform is not None:
+            raise TargetError("this torchtitan model's attention uses a score_mod or out_transform, which memfit does not model")
+        out = nn.functional.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+
+def _replace_flex(model: nn.Module) -> int:
+    from torchtitan.models.common.attention import FlexAttention
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, FlexAttention):
+            module.__class__ = type(
+                "FlexAttentionAsSdpa", (_CausalSdpaAttention, FlexAttention), {"forward": _CausalSdpaAttention.forward}
+            )
+            n += 1
+    return n
+
+
+class TitanStep(nn.Module):
+    """torchtitan's forward and loss as one module, so that the prediction is dropped before
+    backward as in ``Trainer._forward_backward_body`` (``del pred``). Returns the loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn: Any = None  # torchtitan's loss, built per rank on the parallelized model
+        self.context: Any = contextlib.nullcontext  # torchtitan's train_context
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise TargetError("the torchtitan step runs on a parallelized model only: give --world-size N")
+        with self.context():
+            pred = self.model(tokens)
+            loss, _ = self.loss_fn(pred, labels, global_valid_tokens)
+            del pred
+        return loss
+
+
+def _ac_name(ac: Any) -> str:
+    return "none" if ac is None else type(ac).__qualname__.split(".")[0]
+
+
+def _loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output
+
+
+class _Job:
+    """torchtitan's parallelize and optimizer for one job's config: ``parallelize(model, mesh)``
+    for :class:`memfit.Parallel`, and ``optimizer(params)`` for the workload, which builds
+    torchtitan's optimizer over the model the last parallelize returned."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.decoder: nn.Module | None = None
+
+    def __call__(self, model: nn.Module, mesh: Any) -> nn.Module:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torchtitan.components.loss import ChunkedLossWrapper
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+
+        config, spec = self.config, self.config.model_spec
+        assert isinstance(model, TitanStep)
+        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+        with _mesh_device(mesh.device_type), _quiet():
+            dims = ParallelDims.from_config(config.parallelism, mesh.size())
+            with unset_fake_temporarily():
+                # as memfit builds its own mesh: outside fake tensors, whose setup runs
+                # collectives on real tensors
+                dims.build_mesh()
+            decoder = spec.parallelize_fn(
+                model.model,
+                parallel_dims=dims,
+                training=config.training,
+                parallelism=config.parallelism,
+                compile_config=config.compile,
+                ac_config=config.activation_checkpoint,
+                dump_folder=config.dump_folder,
+            )
+            model.context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
+        model.model = decoder
+        loss = config.loss.build(compile_config=config.compile)
+        if isinstance(loss, ChunkedLossWrapper):
+            loss.set_lm_head(decoder.lm_head)
+            decoder._skip_lm_head = True
+        model.loss_fn = loss
+        self.decoder = decoder
+        return model
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        from torchtitan.distributed import utils as dist_utils
+
+        if self.decoder is None:
+            raise TargetError("the torchtitan step's optimizer is built on a parallelized model only: give --world-size N")
+        container = self.config.optimizer.build(model_parts=[self.decoder])
+        # memfit counts optimizer state from `.state`: the container's own is empty (its
+        # optimizers hold it), so it reads theirs.
+        inner = [o.state for o in container.optimizers]
+        container.state = inner[0] if len(inner) == 1 else ChainMap(*inner)  # type: ignore[assignment]
+        max_norm = self.config.training.max_norm
+        decoder = self.decoder
+
+        def clip(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # Trainer.train_step: clip_grad_norm_ over the model's parameters, then optimizers.step()
+            dist_utils.clip_grad_norm_(list(decoder.parameters()), max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+
+        container.register_step_pre_hook(clip)
+        return container
+
+
+@contextlib.contextmanager
+def _mesh_device(device_type: str) -> Iterator[None]:
+    """torchtitan builds its meshes on the device type it detected at import ("cuda" when it
+    finds no accelerator); memfit's rank runs on the mesh's device (the CPU under --device fake)."""
+    from torchtitan.distributed import parallel_dims
+
+    saved = parallel_dims.device_type
+    parallel_dims.device_type = device_type
+    try:
+        yield
+    finally:
+        parallel_dims.device_type = saved
+
+
+def _mesh_shape(config: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """memfit's mesh for the job (its NCCL estimate counts one communicator per dimension
+    wider than one rank): (dp_replicate, dp_shard, tp), the unset ones left out."""
+    p = config.parallelism
+    shape, names = [], []
+    if p.data_parallel_replicate_degree > 1:
+        shape.append(p.data_parallel_replicate_degree)
+        names.append("dp_replicate")
+    shape.append(p.data_parallel_shard_degree)
+    names.append("dp_shard")
+    if p.tensor_parallel_degree > 1:
+        shape.append(p.tensor_parallel_degree)
+        names.append("tp")
+    return tuple(shape), tuple(names)
+
+
+def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
+    """The workload of torchtitan's job ``torchtitan:MODULE:CONFIG`` (see the module's text)."""
+    _import_torchtitan()
+    config = _load_config(target)
+    if batch_size is not None:
+        config.training.local_batch_size = batch_size
+    for key, value in sizes.items():
+        _set_field(config, key, value)
+    _refuse_unmodelled(config)
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.tools import utils as titan_utils
+
+    spec = config.model_spec
+    model_config = spec.model
+    with _quiet():
+        try:
+            model_config.update_from_config(config=config)
+        except (ValueError, AssertionError) as exc:
+            raise TargetError(f"{target}: torchtitan refused the config: {str(exc).strip().splitlines()[0][:300]}") from exc
+        with torch.device("meta"), titan_utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]):
+            decoder = model_config.build()
+    replaced = _replace_flex(decoder)
+    job = _Job(config)
+    shape, names = _mesh_shape(config)
+    b, s = config.training.local_batch_size, config.training.seq_len
+    vocab = int(getattr(model_config, "vocab_size", 2))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (b, s), generator=gen)
+    labels = torch.randint(vocab, (b, s), generator=gen)
+    # Trainer.train_step: the count of labels not ignored over the batch mesh, a 0-dim tensor on the device
+    global_valid_tokens = torch.tensor(b * s, dtype=torch.int64)
+    meta = {
+        "torchtitan": target[len(PREFIX) :],
+        "flavor": spec.flavor,
+        "local_batch_size": b,
+        "seq_len": s,
+        "activation_checkpoint": _ac_name(config.activation_checkpoint),
+        "attention": "flex as causal sdpa" if replaced else "torchtitan's",
+        "peak_names": peak_names(),
+    }
+    return Workload(
+        model=TitanStep(decoder),
+        inputs=(tokens, labels, global_valid_tokens),
+        loss_fn=_loss_of,
+        optimizer=job.optimizer,
+        name=f"torchtitan {spec.name} {spec.flavor}",
+        meta=meta,
+        parallel=Parallel(job, mesh_shape=shape, mesh_dim_names=names, name="torchtitan"),
+    )

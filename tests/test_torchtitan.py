@@ -1,0 +1,144 @@
+"""torchtitan's own job as a target (``torchtitan:MODULE:CONFIG``), on its debugmodel flavor at
+2 ranks: its model, parallelize, loss and optimizer on the fake process group; each rank's
+peaks on fake CUDA against the same rank on fake CPU; bad targets refused in one line.
+Skips without torchtitan (``pip install 'memfit[torchtitan]'``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+import memfit
+from memfit.cli import main
+
+SRC = str(Path(memfit.__file__).resolve().parents[1])
+TARGET = "torchtitan:llama3:llama3_debugmodel"
+EAGER = ["--size", "training.disable_cuda_graphs=True", "--size", "parallelism.spmd_backend=partial_dtensor"]
+SIZES = {"training.disable_cuda_graphs": True, "parallelism.spmd_backend": "partial_dtensor", "training.seq_len": 64}
+
+SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, io, json, sys
+    from contextlib import redirect_stdout
+    import memfit, torch
+    from memfit.cli import main
+    from memfit.measure.distributed import profile_ranks
+    from memfit.measure.ledger import Category, Ledger
+    from memfit.measure.recorder import storage_bytes
+
+    SIZES = json.loads(sys.argv[1])
+    work = lambda: memfit.load_target("torchtitan:llama3:llama3_debugmodel", batch_size=2, sizes=SIZES)
+    cpu = profile_ranks(work(), world_size=2, ranks=(0,))
+    gpu = profile_ranks(work(), world_size=2, ranks=(0,), fake="cuda", gpu="H100-80GB")
+    c, g = cpu.profiles[0].ledger, gpu.profiles[0]
+    # the fake-CPU ledger in CUDA's terms: autograd's graph is host memory (out), storages in
+    # 512 B blocks (torchtitan's fused AdamW keeps its `step` counters on the device: they stay),
+    # and the cuBLAS workspaces alive from the start
+    dev = torch.device("cuda", 0)
+    kept = Ledger([dataclasses.replace(b, nbytes=storage_bytes(b.nbytes, dev)) for b in c.blocks
+                   if b.category is not Category.GRAPH], c.ticks)
+    cublas = g.ledger.cublas_workspaces * g.ledger.cublas_workspace_bytes
+    out = {
+        "device": g.device, "meta": g.meta,
+        "expected": kept.peak_bytes + cublas, "allocated": g.allocated_peak_bytes, "reserved": g.reserved_peak_bytes,
+        "cpu_at_peak": {k.value: v for k, v in kept.breakdown().items()},
+        "gpu_at_peak": {k.value: v for k, v in g.ledger.breakdown().items()},
+        "cublas": cublas,
+        "cpu_categories": sorted({b.category.value for b in c.blocks}),
+    }
+    text = io.StringIO()
+    with redirect_stdout(text):
+        code = main(["profile", "torchtitan:llama3:llama3_debugmodel", *sys.argv[2:], "--size", "training.seq_len=64",
+                     "--batch-size", "2", "--world-size", "2", "--ranks", "all", "--device", "fake-cuda",
+                     "--gpu", "H100-80GB", "--json", sys.argv[0] + ".json"])
+    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(sys.argv[0] + ".json"))}
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def titan() -> None:
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
+
+
+@pytest.fixture(scope="module")
+def result(titan, shim_cache, tmp_path_factory) -> dict:
+    script = tmp_path_factory.mktemp("titan") / "titan.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(SIZES), *EAGER], env=env, capture_output=True, text=True, timeout=1200
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line is not None, done.stderr[-3000:]
+    return json.loads(line[len("RESULT") :])
+
+
+def test_builds_torchtitans_own_step(result):
+    assert result["device"] == "fake:cuda:0"
+    meta = result["meta"]
+    assert meta["flavor"] == "debugmodel" and meta["world_size"] == 2 and meta["parallel"] == "torchtitan"
+    assert meta["activation_checkpoint"] == "SelectiveAC" and meta["attention"] == "flex as causal sdpa"
+    # torchtitan's FSDP2 (its fully_shard calls), not memfit's: its collective buffers are in the ledger
+    assert {"all_gather_buffers", "reduce_scatter_buffers", "unsharded_parameters"} <= set(result["cpu_categories"])
+
+
+def test_allocated_peak_is_the_cpu_ledger_in_cuda_terms(result):
+    cpu, gpu = result["cpu_at_peak"], result["gpu_at_peak"]
+    # at the peak every category but the attention kernels' temporaries and workspaces is the
+    # same on both devices, to the byte (CUDA's flash/efficient kernels against the CPU's own)
+    for category in cpu:
+        if category not in ("temporaries", "kernel_workspace"):
+            assert gpu[category] == cpu[category], category
+    assert gpu["kernel_workspace"] >= result["cublas"] > 0
+    assert abs(result["allocated"] - result["expected"]) <= 0.005 * result["expected"]
+    assert result["reserved"] >= result["allocated"]
+
+
+def test_cli_names_peaks_as_torchtitan_logs_them(result):
+    cli = result["cli"]
+    assert cli["code"] == 0
+    ranks = cli["json"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["meta"]["peak_names"] == {"allocated": "memory/max_active(GiB)", "reserved": "memory/max_reserved(GiB)"}
+        gib = f"{r['reserved_peak_bytes'] / 2**30:.2f}"
+        assert f"rank {r['rank']} as torchtitan logs it:" in cli["stdout"]
+        assert f"memory/max_reserved(GiB) {gib}" in " ".join(cli["stdout"].split())
+
+
+def _one_line_error(args: list[str], capsys) -> str:
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()) as err:
+        code = main(args)
+    assert code == 2
+    lines = [x for x in err.getvalue().splitlines() if x.startswith("memfit: error:")]
+    assert len(lines) == 1, err.getvalue()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("target", "sizes", "says"),
+    [
+        ("torchtitan:llama3", [], "expected torchtitan:MODULE:CONFIG"),
+        ("torchtitan:llama3:no_such_config", [], "Config function 'no_such_config' not found"),
+        ("torchtitan:no_such_model:x", [], "could not load --module no_such_model"),
+        (TARGET, ["--size", "training.no_such_field=1"], "has no field 'no_such_field'"),
+        (TARGET, ["--size", "training.seq_len=long"], "expected a number"),
+        (TARGET, [], "training.disable_cuda_graphs=True"),
+        (TARGET, ["--size", "training.disable_cuda_graphs=True"], "parallelism.spmd_backend=partial_dtensor"),
+        (TARGET, [*EAGER, "--size", "parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not modelled"),
+    ],
+)
+def test_bad_targets_are_one_line_errors(titan, target, sizes, says, capsys):
+    line = _one_line_error(["profile", target, *sizes, "--world-size", "2", "--device", "fake"], capsys)
+    assert says in line
