@@ -196,6 +196,9 @@ def test_sdpa_kernel_choice(dtype, mask, heads_kv, head_dim, kernel):
         (["py", "-m", "other", "--device", "fake-cuda"], False),
         (["py", "script.py", "--device", "fake-cuda"], False),
         (["py", "-m", "memfit", "profile", "gpt"], False),
+        (["py", "-m", "memfit", "finetune", "config.json", "--gpu", "L4"], True),  # fake CUDA only
+        (["py", "/venv/bin/memfit", "--traceback", "finetune", "config.json"], True),
+        (["py", "-m", "memfit", "estimate", "finetune"], False),  # a model type named so, not the command
     ],
 )
 def test_the_memfit_command_asking_for_fake_cuda_is_recognised(argv, asked):

@@ -828,6 +828,24 @@ def test_largest_batch_search_is_exact_on_kinked_peaks():
         assert got == want
 
 
+def test_largest_size_stops_at_its_limit():
+    """A sequence length stops at the model's positions: the search with a cap finds the
+    largest fitting multiple at or below it, on kinked peaks too."""
+    import random
+
+    from memfit.levers.max_batch import largest_size
+
+    rng = random.Random(1)
+    for _ in range(300):
+        m = rng.choice([1, 2, 8])
+        per, fixed, kink, extra = rng.randint(1, 1000), rng.randint(0, 10**5), rng.randint(1, 500), rng.randint(0, 3000)
+        peak = _kinked(fixed, per, kink, extra)
+        budget, limit = rng.randint(0, 10**6), rng.randint(1, 400)
+        got = largest_size(peak, budget, rng.randint(1, 300), m, limit=limit).max_batch
+        want = max((b for b in range(m, max(m, limit // m * m) + 1, m) if peak(b) <= budget), default=0)
+        assert got == want, (m, per, fixed, kink, extra, budget, limit)
+
+
 def test_largest_of_refuses_naming_the_lowest_peak():
     """The largest batch over lever sets; when none holds one multiple, the error names the
     lowest peak there, per rank for a distributed step (max_batch and max_batch_ranks share it)."""

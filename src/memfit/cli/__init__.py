@@ -10,6 +10,7 @@
     memfit fit llama --size preset=8b --world-size 8 --device fake --budget 40GiB   # per rank: recompute, reshard_after_forward
     memfit bench gpt --budgets 0.25,0.5,0.75 --plot bench.png --html bench.html --json bench.json
     memfit estimate llama --size num_hidden_layers=16 --batch-size 4 --seq-len 2048   # accelerate estimate-memory, activations included
+    memfit finetune config.json --seq-len 2048 --lora-rank 16 --gpu A100-80GB --max batch   # a LoRA fine-tune on that GPU
     memfit snapshot memory_snapshot.pickle   # a GPU's recorded trace: peaks, and what other allocator settings would reserve
     memfit zoo                               # the built-in models
     memfit demo                              # end to end on the default model
@@ -30,14 +31,14 @@ import sys
 from rich.console import Console
 
 import memfit
-from memfit.cli import bench, demo, estimate, fit, plan, profile, snapshot, zoo
+from memfit.cli import bench, demo, estimate, finetune, fit, plan, profile, snapshot, zoo
 from memfit.errors import MemfitError
 
 __all__ = ["main", "build_parser"]
 
 EXIT_ERROR = 2
 
-COMMANDS = (profile, plan, fit, bench, snapshot, estimate, zoo, demo)
+COMMANDS = (profile, plan, fit, bench, snapshot, estimate, finetune, zoo, demo)
 """The commands' modules, in the order ``memfit --help`` and docs/cli.md list them."""
 
 TRACEBACK_HELP = "on an error, print the whole traceback (your own setup code's included) instead of one line"

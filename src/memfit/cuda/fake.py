@@ -251,7 +251,7 @@ def relaunch_for_command(argv: list[str]) -> None:
 
 
 def _is_fake_cuda_command(argv: list[str]) -> bool:
-    """``memfit ... --device fake-cuda`` or ``python -m memfit ... --device=fake-cuda``."""
+    """``memfit ... --device fake-cuda`` or ``python -m memfit ... --device=fake-cuda``, or ``memfit finetune ...``."""
     args, i = argv[1:], 0
     # The interpreter's own options come first (`python -u -X dev -m memfit ...`).
     while i < len(args):
@@ -269,6 +269,8 @@ def _is_fake_cuda_command(argv: list[str]) -> bool:
         i += 2 if a in ("-X", "-W") else 1
     else:
         return False
+    if next((a for a in args if not a.startswith("-")), None) == "finetune":  # a command that runs on fake CUDA only
+        return True
     return "--device=fake-cuda" in args or any(a == "--device" and b == "fake-cuda" for a, b in zip(args, args[1:]))
 
 

@@ -263,7 +263,7 @@ def _config(spec: str, sizes: Mapping[str, Any]) -> Any:
         return tf.AutoConfig.for_model(spec, **sizes)
     raise TargetError(
         f"{spec!r} is neither a local config.json (or a folder with one) nor a transformers model type (llama, gpt2, "
-        "t5, ...); memfit estimate downloads nothing: save the Hub model's config.json and give its path"
+        "t5, ...); memfit downloads nothing: save the Hub model's config.json and give its path"
     )
 
 
@@ -299,7 +299,7 @@ def _model_on_meta(config: Any) -> nn.Module:
         except ValueError:  # "Unrecognized configuration class ... for this kind of AutoModel"
             tried.append(auto.__name__)
     raise TargetError(
-        f"{type(config).__name__} has no language-model head ({', '.join(tried)}): memfit estimate trains token models; "
+        f"{type(config).__name__} has no language-model head ({', '.join(tried)}): memfit estimate and finetune train token models; "
         "measure others with memfit profile path/to/file.py:workload --device fake"
     )
 

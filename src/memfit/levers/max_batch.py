@@ -43,7 +43,7 @@ from memfit.workload import batch_size_of, check_arguments, default_optimizer, r
 if TYPE_CHECKING:
     from memfit.levers.recipe import RankRecipe
 
-__all__ = ["max_batch", "largest_batch", "MaxBatch", "BatchLimit"]
+__all__ = ["max_batch", "largest_batch", "largest_size", "MaxBatch", "BatchLimit"]
 
 _LIMIT = 1 << 20  # a step whose peak does not grow with the batch stops here
 
@@ -129,9 +129,11 @@ def largest_of(limits: Sequence[BatchLimit], budget: int, multiple: int, world_s
     return batch
 
 
-def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int, levers: tuple[str, ...] = ()) -> BatchLimit:
-    """Largest multiple of ``multiple`` whose ``peak`` is within ``budget``, searched from
-    the line through the peaks at ``start`` and twice it."""
+def _largest(
+    peak: Callable[[int], int], budget: int, start: int, multiple: int, levers: tuple[str, ...] = (), limit: int = _LIMIT
+) -> BatchLimit:
+    """Largest multiple of ``multiple`` (up to ``limit``) whose ``peak`` is within ``budget``,
+    searched from the line through the peaks at ``start`` and twice it."""
     seen: dict[int, int] = {}
 
     def at(b: int) -> int:
@@ -141,18 +143,24 @@ def _largest(peak: Callable[[int], int], budget: int, start: int, multiple: int,
 
     b1 = max(multiple, start // multiple * multiple)
     b2 = b1 + max(multiple, b1)
+    if b2 > limit:  # the line through two sizes at or below the cap
+        b2 = max(multiple, limit // multiple * multiple)
+        b1 = max(multiple, b2 // 2 // multiple * multiple)
+    if b1 == b2:  # one size only
+        fits = at(b1) <= budget
+        return BatchLimit(levers, b1 if fits else 0, 0, at(b1), b1, at(b1) if fits else 0, len(seen))
     slope = (at(b2) - at(b1)) / (b2 - b1)
     fixed = at(b1) - slope * b1
-    guess = _LIMIT if slope <= 0 else int((budget - fixed) // slope)
-    guess = max(multiple, min(_LIMIT, guess) // multiple * multiple)
+    guess = limit if slope <= 0 else int((budget - fixed) // slope)
+    guess = max(multiple, min(limit, guess) // multiple * multiple)
     # Gallop from the guess (usually right, or a step off) to a bracket: lo fits (0:
     # nothing does), hi does not (None: the cap fits).
     step = multiple
     if at(guess) <= budget:
         lo, hi = guess, None
-        while lo + step <= _LIMIT and at(lo + step) <= budget:
+        while lo + step <= limit and at(lo + step) <= budget:
             lo, step = lo + step, step * 2
-        if lo + step <= _LIMIT:
+        if lo + step <= limit:
             hi = lo + step
     else:
         lo, hi = 0, guess
@@ -342,6 +350,18 @@ def max_batch(
         )
     recipe.budget = str(budget)
     return answer(batch, recipe, str(device))
+
+
+def largest_size(
+    peak: Callable[[int], int], budget: int | str, start: int, multiple_of: int = 1, limit: int = _LIMIT
+) -> BatchLimit:
+    """The largest size (a multiple of ``multiple_of``, up to ``limit``) whose ``peak(size)``
+    is within ``budget``: :func:`max_batch`'s search (a line through the peaks at ``start`` and
+    twice it, checked at its guess and one step above, bisected where it is off) along any
+    dimension, a sequence length say. ``max_batch`` of the answer is that size (0: none fits)."""
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    return _largest(peak, fit_budget(budget), start, multiple_of, limit=max(multiple_of, limit))
 
 
 def largest_batch(

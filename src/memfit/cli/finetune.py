@@ -1,0 +1,221 @@
+"""``memfit finetune``: a LoRA fine-tune of a transformers model, from its config.json alone,
+on a named GPU (fake CUDA): the step's allocated and reserved peaks by category, the largest
+batch or sequence that fits, and the cheapest levers when it does not."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+import memfit
+from memfit import zoo
+from memfit.cli.common import profile_work, require_device
+from memfit.cli.options import batch_size_arg, gpu_options, json_arg, read_budget, size_arg
+from memfit.errors import TargetError
+
+DEVICE = "fake-cuda"
+"""The only device: the question is about a GPU this machine need not have."""
+DEFAULT_GPU = "H100-80GB"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="a LoRA fine-tune (peft) from a transformers config.json on a named GPU: peaks, largest batch, levers that fit",
+    )
+    p.add_argument(
+        "config",
+        help="a local config.json (or its folder) or a transformers model type (llama, mistral, ...: its default sizes); "
+        "nothing is downloaded, no weights are made",
+    )
+    batch_size_arg(p, "sequences in the step (default 1)", default=1)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="LoRA rank r (default 16)")
+    p.add_argument(
+        "--lora-alpha", type=float, metavar="A", help="LoRA alpha (default: the rank); scales the adapters' output, no memory"
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        metavar="NAMES",
+        help="modules to adapt, comma-separated, as peft's target_modules (default q_proj,v_proj; or all-linear)",
+    )
+    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="LoRA dropout (default 0: none)")
+    p.add_argument(
+        "--base-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
+    )
+    p.add_argument(
+        "--quant", default="none", choices=["none", "4bit", "8bit"], help="a quantized base (QLoRA): not supported yet"
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="transformers' gradient checkpointing as peft's recipes turn it on (reentrant, enable_input_require_grads)",
+    )
+    gpu_options(p)
+    p.add_argument(
+        "--max",
+        choices=["batch", "seq"],
+        help="also the largest batch (at --seq-len) or sequence length (at --batch-size) whose step fits the GPU as it is",
+    )
+    p.add_argument("--multiple-of", type=int, default=1, metavar="N", help="with --max: sizes that are multiples of N")
+    p.add_argument("--no-levers", action="store_true", help="when the step does not fit, do not search for the levers that fit")
+    size_arg(p, "config override, e.g. num_hidden_layers=16")
+    json_arg(p, "also write the answers as JSON")
+    p.set_defaults(func=run, device=DEVICE, budget=None)
+
+
+@contextlib.contextmanager
+def _without_bitsandbytes() -> Iterator[None]:
+    """peft imports bitsandbytes when installed, which imports torch's inductor: 8 CPU s of the
+    30 this command has for a 7-8B model. A LoRA on an unquantized base needs none of it, so it
+    is hidden while peft is imported (peft then leaves out its bitsandbytes layers), and put
+    back after so anything later may import it. This process is the command's own."""
+    hide = "peft" not in sys.modules and "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # find_spec and import both say: not installed
+    try:
+        yield
+    finally:
+        if hide and sys.modules.get("bitsandbytes", 0) is None:
+            del sys.modules["bitsandbytes"]
+
+
+def _spec(ns: argparse.Namespace) -> Any:
+    from memfit.integrations.finetune import LoraSpec
+
+    targets = tuple(t.strip() for t in ns.lora_targets.split(","))
+    spec = LoraSpec(ns.lora_rank, ns.lora_alpha, targets, ns.lora_dropout, ns.base_dtype, ns.quant)
+    spec.check()
+    return spec
+
+
+def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
+    """Every flag checked before any model is built: the LoRA spec, the budget, the sizes."""
+    spec = _spec(ns)
+    if ns.batch_size < 1 or ns.seq_len < 1:
+        raise TargetError(f"--batch-size and --seq-len are positive, got {ns.batch_size} and {ns.seq_len}")
+    if ns.multiple_of < 1:
+        raise TargetError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
+    if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
+        raise TargetError(
+            f"{ns.config}: no such file (memfit downloads nothing): give a local config.json (or its folder), or a model "
+            "type such as llama"
+        )
+    if ns.gpu is None and ns.capacity is None:
+        ns.gpu = DEFAULT_GPU  # fake CUDA's own default: the question is always "on which GPU?"
+    budget, label = read_budget(ns)
+    return spec, budget, label
+
+
+def run(ns: argparse.Namespace, console: Console) -> int:
+    from memfit.report.console import render_profile, status
+
+    spec, budget, label = _checked(ns)
+    try:
+        from memfit.integrations.finetune import lora_workload
+    except ImportError as exc:
+        raise TargetError(
+            f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
+        ) from exc
+    # peft is imported while the model is built
+    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), _without_bitsandbytes():
+        work = lora_workload(
+            ns.config,
+            spec,
+            batch_size=ns.batch_size,
+            seq_len=ns.seq_len,
+            sizes=zoo.parse_sizes(ns.size),
+            checkpointing=ns.gradient_checkpointing,
+        )
+    require_device(DEVICE)
+    spec_gpu, capacity = _gpu(ns)
+    prof = profile_work(work, DEVICE, console, gpu=spec_gpu, capacity=capacity)
+    render_profile(prof, console, title=work.name, top=4)
+    out: dict[str, Any] = {"workload": work.name, "budget": label, "budget_bytes": budget, "profile": prof.to_dict(ledger=False)}
+    fits = prof.budget_peak_bytes <= budget
+    if ns.max:
+        out["max"] = _largest(ns, work, budget, console)
+    if not fits and not ns.no_levers:
+        out["recipe"] = _levers(ns, work, budget, label, console)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(out))
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
+def _gpu(ns: argparse.Namespace) -> tuple[Any, int | None]:
+    from memfit.cli.options import gpu_args
+
+    return gpu_args(ns)
+
+
+def _largest(ns: argparse.Namespace, work: memfit.Workload, budget: int, console: Console) -> dict[str, Any]:
+    """``--max batch|seq``: the largest size whose step, as it is, fits; from exact fake-CUDA reserved peaks."""
+    from memfit.integrations.finetune import largest_seq_len
+    from memfit.levers.max_batch import largest_batch
+    from memfit.report.console import progress_bar
+
+    what = "batch" if ns.max == "batch" else "sequence length"
+    with progress_bar(console, f"largest {what}") as progress:
+        if ns.max == "batch":
+            found = largest_batch(
+                work.model, work.inputs, budget, optimizer=work.make_optimizer(), multiple_of=ns.multiple_of, fake="cuda"
+            )
+        else:
+            limit = getattr(work.model.config, "max_position_embeddings", None)
+            found = largest_seq_len(work, budget, multiple_of=ns.multiple_of, progress=progress, limit=limit)
+    at = f"at {ns.seq_len} tokens" if ns.max == "batch" else f"at batch {ns.batch_size}"
+    if found.max_batch == 0:
+        console.print(f"largest {what} {at} that fits {memfit.format_bytes(budget)}: [bold]none[/] (not even {ns.multiple_of})")
+    else:
+        console.print(
+            f"largest {what} {at} that fits {memfit.format_bytes(budget)}: [bold]{found.max_batch}[/] (reserved peak "
+            f"{memfit.format_bytes(found.peak_bytes)}; about {memfit.format_bytes(found.bytes_per_sample)} more per "
+            f"{'sequence' if ns.max == 'batch' else 'token'}; {found.measurements} fake-CUDA steps)"
+        )
+    return {"what": ns.max, **found.to_dict()}
+
+
+def _levers(ns: argparse.Namespace, work: memfit.Workload, budget: int, label: str, console: Console) -> dict[str, Any]:
+    """The step does not fit: the cheapest levers that do, on fake CUDA (micro-batches, then a recompute plan)."""
+    from memfit.integrations.finetune import levers_that_fit
+    from memfit.report.console import progress_bar
+
+    with progress_bar(console, "the levers that fit") as progress:
+        found = levers_that_fit(work, budget, progress=progress)
+    fmt = memfit.format_bytes
+    for row in found["tried"]:
+        console.print(f"  micro-batches x{row['micro_batches']}: reserved peak {fmt(row['peak_bytes'])}", highlight=False)
+    if not found["fits"]:
+        console.print(f"[bold red]no lever tried makes it fit {label}[/]: {found['why']}", highlight=False)
+        return found
+    k, batch = found["micro_batches"], ns.batch_size
+    accumulate = f"micro-batches x{k} (per_device_train_batch_size={batch // k}, gradient_accumulation_steps={k})"
+    plan = found.get("plan")
+    if plan is None:
+        console.print(f"[bold]fits with {accumulate}[/]: reserved peak {fmt(found['peak_bytes'])}", highlight=False)
+        return found
+    extra = plan.get("extra_compute_s")
+    mods = sorted(plan["checkpointed"])
+    console.print(
+        f"[bold]fits with {accumulate if k > 1 else 'no micro-batches'} and a recompute plan of {len(mods)} modules[/]: "
+        f"predicted reserved peak {fmt(found['peak_bytes'])}"
+        + (f", extra compute about {extra * 1e3:.0f} ms a step (cost model)" if extra else ""),
+        highlight=False,
+    )
+    for name in mods[:8]:
+        console.print(f"  {name}  {plan['checkpointed'][name]['mode']}", highlight=False)
+    if len(mods) > 8:
+        console.print(f"  ... and {len(mods) - 8} more (--json has them all)", highlight=False)
+    return found

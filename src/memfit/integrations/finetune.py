@@ -1,0 +1,235 @@
+"""A LoRA fine-tune (peft) of a transformers model, from its ``config.json`` alone: the step
+``memfit finetune`` measures on fake CUDA (issue 27, item 3).
+
+The model is built on the meta device (no weights made, nothing initialised), its base cast
+to the frozen dtype, wrapped by peft's ``get_peft_model`` there, then given CPU memory that is
+never touched (:func:`memfit.integrations.accelerate.estimate_memory`'s way): fake tensors are
+made from it, and only shapes, dtypes and strides are read. So a 7-8B config costs no memory
+and no initialisation time. The step is the one a peft recipe runs: ``input_ids`` and
+``labels`` of ``batch x seq_len`` tokens, ``outputs.loss``, AdamW over the adapters only.
+
+QLoRA (bitsandbytes 4-bit base layers) is not built yet: :func:`lora_workload` refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import BudgetInfeasibleError, TargetError
+from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
+from memfit.levers.max_batch import BatchLimit, largest_size
+from memfit.measure.profile import fake_peaks, profile
+from memfit.measure.step import StepOptions
+from memfit.plan.planner import plan as make_plan
+from memfit.workload import Workload
+
+__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS"]
+
+BASE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTS = ("none", "4bit", "8bit")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What peft's ``LoraConfig`` is given (and the frozen base's dtype)."""
+
+    rank: int = 16
+    alpha: float | None = None
+    """peft's ``lora_alpha`` (default: the rank); a scale on the adapters' output, no memory."""
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Module names as peft's ``target_modules`` (suffixes of the model's module names), or ``("all-linear",)``."""
+    dropout: float = 0.0
+    base_dtype: str = "bfloat16"
+    quant: str = "none"
+
+    def check(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise TargetError(f"the LoRA rank is a positive integer (8, 16, 64), got {self.rank!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise TargetError(f"the LoRA dropout is a probability in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise TargetError(f"the base dtype is one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
+        if self.quant not in QUANTS:
+            raise TargetError(f"quant is none (or 4bit, 8bit: not supported yet), got {self.quant!r}")
+        if self.quant != "none":
+            # issue 27 item 2: bitsandbytes' packed weights and quantization state are not in the ledger yet
+            raise TargetError(
+                f"--quant {self.quant} (QLoRA, bitsandbytes base layers) is not supported yet: give --quant none "
+                "(a LoRA on a bfloat16/float16/float32 base)"
+            )
+        if not self.targets or any(not t for t in self.targets):
+            raise TargetError("give the LoRA target modules, e.g. q_proj,v_proj (or all-linear)")
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise TargetError("a LoRA fine-tune needs peft: pip install 'memfit[hf,peft]'") from exc
+    return peft
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The last part of the name of each Linear-like leaf (GPT-2's Conv1D too): what a
+    ``target_modules`` entry is matched against."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if not list(m.children()) and n}
+    kinds = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    return sorted(kinds & names)
+
+
+def _check_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Each target names at least one module (peft only refuses when none of them does)."""
+    if tuple(targets) == ("all-linear",):
+        return
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise TargetError(
+            f"LoRA target module {missing[0]!r} is not in {type(model).__name__}: its linear layers are "
+            f"{', '.join(_linear_names(model))} (or give all-linear)"
+        )
+
+
+def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None = None, checkpointing: bool = False) -> nn.Module:
+    """The peft model for ``config`` (a local config.json, its folder, or a model type):
+    the base on meta in ``spec.base_dtype``, wrapped by ``get_peft_model`` (adapters in
+    float32, as peft keeps them), then given untouched CPU memory."""
+    spec.check()
+    peft = _peft()
+    cfg = _config(config, dict(sizes or {}))
+    base = _model_on_meta(cfg)
+    _check_targets(base, spec.targets)
+    base.to(BASE_DTYPES[spec.base_dtype])
+    targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
+    lora = peft.LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
+        target_modules=targets,
+        lora_dropout=spec.dropout,
+    )
+    try:
+        model = peft.get_peft_model(base, lora)
+    except ValueError as exc:  # peft's own refusals (a target that is not a layer it can wrap)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise TargetError(f"peft refused the LoRA config: {first}") from exc
+    _materialize(model)
+    if checkpointing:
+        # as peft's recipes turn it on (prepare_model_for_kbit_training, the Trainer)
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+    return model
+
+
+def lora_inputs(model: nn.Module, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` (a separate tensor, as a collator makes them) of ``batch_size x seq_len`` tokens."""
+    if batch_size < 1 or seq_len < 1:
+        raise TargetError(f"the batch size and the sequence length are positive, got {batch_size} and {seq_len}")
+    vocab = getattr(model.config, "vocab_size", None) or 2
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    # use_cache=False as peft's recipes train (the config says so too): memfit's plan then needs
+    # no real-tensor check that turning the cache off changes nothing, which would touch the
+    # never-written weights of a model too big for this host
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)  # the Trainer's default optimizer and learning rate
+
+
+def lora_workload(
+    config: str,
+    spec: LoraSpec,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 512,
+    sizes: Mapping[str, Any] | None = None,
+    checkpointing: bool = False,
+) -> Workload:
+    """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
+    :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, AdamW over the
+    adapters (the Workload's optimizer takes the trainable parameters only)."""
+    model = lora_model(config, spec, sizes=sizes, checkpointing=checkpointing)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    name = (
+        f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
+        f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {spec.base_dtype} base, batch {batch_size} x {seq_len}"
+    )
+    meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
+    return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=_adamw, name=name, meta=meta)
+
+
+def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:
+    """The inputs at ``seq_len`` tokens: cut, or tiled along the sequence (the token ids do not change memory)."""
+    out: dict[str, Any] = {}
+    for key, t in inputs.items():
+        if not isinstance(t, torch.Tensor):
+            out[key] = t
+            continue
+        reps = -(-seq_len // t.shape[1])
+        out[key] = t.repeat(1, reps)[:, :seq_len].contiguous()
+    return out
+
+
+def largest_seq_len(
+    work: Workload,
+    budget: int,
+    *,
+    multiple_of: int = 1,
+    fake: bool | str = "cuda",
+    progress: Callable[[str, int, int], None] | None = None,
+    limit: int | None = None,
+) -> BatchLimit:
+    """The longest sequence (a multiple of ``multiple_of``) whose step, as it is, at the
+    workload's batch peaks within ``budget`` (on CUDA, real or fake: the reserved peak), from
+    exact fake-tensor peaks: the search of :func:`memfit.levers.max_batch.largest_batch` along
+    the sequence, up to ``limit`` tokens (the model's ``max_position_embeddings``, say).
+    ``max_batch`` of the answer is that length (0: not even ``multiple_of`` fits)."""
+    inputs = work.inputs
+    start = inputs["input_ids"].shape[1]
+    report = progress or (lambda desc, done, total: None)
+    optimizer = work.make_optimizer()
+    with fake_peaks(work.model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake) as peak_at:
+
+        def peak(n: int) -> int:
+            report(f"fake-tensor profile at {n} tokens", 0, 0)
+            return peak_at(_cut(inputs, n), None)
+
+        if limit is None:
+            return largest_size(peak, budget, start, multiple_of)
+        return largest_size(peak, budget, start, multiple_of, limit=limit)
+
+
+def levers_that_fit(
+    work: Workload, budget: int, *, fake: bool | str = "cuda", progress: Callable[[str, int, int], None] | None = None
+) -> dict[str, Any]:
+    """The cheapest levers that make the step fit ``budget``, on fake tensors only: micro-batches
+    first (the same compute, in pieces), the fewest that fit; else memfit's recompute plan at
+    the most micro-batches tried (the least extra compute that fits). Not :func:`memfit.fit`:
+    that one probes the loss and times candidates on real tensors, which for a model built from
+    a config would touch weights never written (16 GB for an 8B base) and time garbage.
+
+    Returns ``{"micro_batches": k, "peak_bytes": ..., "tried": [...]}`` and, with a plan,
+    ``"plan"`` (its dict); ``{"fits": False, "why": ...}`` when nothing tried fits."""
+    report = progress or (lambda desc, done, total: None)
+    batch = work.meta.get("batch_size") or work.inputs["input_ids"].shape[0]
+    tried: list[dict[str, int]] = []
+    k = 1
+    for k in (n for n in (2, 4, 8, 16, 32, 64, 128) if n <= batch and batch % n == 0):
+        report(f"micro-batches x{k} on fake tensors", 0, 0)
+        prof = profile(work.model, work.inputs, optimizer=work.make_optimizer(), fake=fake, step=StepOptions(micro_batches=k))
+        tried.append({"micro_batches": k, "peak_bytes": prof.budget_peak_bytes})
+        if prof.budget_peak_bytes <= budget:
+            return {"fits": True, "micro_batches": k, "peak_bytes": prof.budget_peak_bytes, "tried": tried}
+    report("recompute plan on fake tensors", 0, 0)
+    step = StepOptions(micro_batches=k) if k > 1 else None
+    try:
+        plan = make_plan(work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=fake, step=step)
+    except BudgetInfeasibleError as exc:
+        return {"fits": False, "why": str(exc), "tried": tried}
+    return {"fits": True, "micro_batches": k, "peak_bytes": plan.predicted_peak_bytes, "tried": tried, "plan": plan.to_dict()}
