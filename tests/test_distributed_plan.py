@@ -217,3 +217,17 @@ def test_fsdp2_state_is_found_where_the_adapter_looks():
     with rank_sandbox(_workload(), FakeGroup(2, 0)) as box:
         keys = _torch_compat.composable_state_keys()
         assert keys and any(k in keys for k in vars(box.model.blocks[0]))
+
+
+
+def test_planned_rank_figure_is_its_fresh_profile():
+    """plan_ranks takes the planned rank's figure from the run that verified the plan on its open
+    step (the plan applied after parallelizing); the old path profiled that rank afresh with the
+    plan applied before parallelizing (afresh=True). The same plan and figures, to the byte."""
+    work = _workload()
+    fast = plan_ranks(work, "50%", world_size=2, ranks=(0, 1))
+    old = plan_ranks(work, "50%", world_size=2, ranks=(0, 1), afresh=True)
+    got, want = fast.to_dict(), old.to_dict()
+    got.pop("planning_time_s"), want.pop("planning_time_s")
+    assert fast.checkpointed and set(fast.rank_peak_bytes) == {0, 1}
+    assert got == want
