@@ -78,12 +78,7 @@ def plan_ranks(
     ``fake="cuda"``: each rank on fake CUDA (as :func:`~memfit.measure.distributed.profile_ranks`);
     the budget then bounds each rank's reserved peak (the caching-allocator model replaying
     every verified run, as :func:`memfit.plan` does on CUDA), and :attr:`~Plan.rank_peak_bytes`
-    holds reserved peaks.
-
-    The planned rank's figure is the run that verified the plan on its step (the plan applied
-    to the parallelized model; the same ledger as applied before ``parallelize``: tested);
-    the other ranks are profiled afresh with the plan applied before ``parallelize``.
-    ``afresh=True`` profiles the planned rank afresh too (two steps and a ``parallelize`` more)."""
+    holds reserved peaks. ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`)."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -150,7 +145,10 @@ def _verified(
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Every rank of ``groups`` profiled afresh with the plan applied before parallelizing, as
     it trains, beside the ranks ``done`` already measured it: each rank's budget peak (fake CUDA:
-    reserved) and tensor peak; refused in one line when one is over the budget."""
+    reserved) and tensor peak; refused in one line when one is over the budget. ``done`` holds
+    the planned rank, from the run that verified the plan on its step (the plan applied to the
+    parallelized model: the same ledger as applied before ``parallelize``, tested), unless
+    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures)."""
     peaks = {r: p for r, (p, _) in (done or {}).items()}
     allocated = {r: a for r, (_, a) in (done or {}).items()}
     for i, group in enumerate(groups):
