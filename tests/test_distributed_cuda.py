@@ -94,7 +94,12 @@ SCRIPT = textwrap.dedent(
                      "--world-size", "2", "--device", "fake-cuda", "--capacity", f"{capacity}B",
                      "--json", sys.argv[0] + ".plan.json"])
     plan = json.load(open(sys.argv[0] + ".plan.json"))
-    out["plan"] = {"code": code, "capacity": capacity, "plan": plan, "unplanned": none}
+    # the plan's rank-0 figures (the run that verified it) against rank 0 profiled afresh with it
+    from memfit.plan.distributed import planned
+    w = memfit.load_target("llama", batch_size=4, sizes=big)
+    fresh = profile_ranks(planned(w, memfit.Plan.from_dict(plan)), world_size=2, fake="cuda").profiles[0]
+    out["plan"] = {"code": code, "capacity": capacity, "plan": plan, "unplanned": none,
+                   "fresh": [fresh.reserved_peak_bytes, fresh.peak_bytes]}
     print("RESULT" + json.dumps(out))
     """
 )
@@ -178,3 +183,5 @@ def test_plan_per_rank_within_a_gpu_capacity(result):
     # each rank's reserved peak, profiled afresh with the plan applied, within it; without the plan, over it
     assert plan["predicted_peak_bytes"] == plan["rank_peak_bytes"]["0"] <= plan["budget_bytes"] < r["unplanned"]
     assert plan["checkpointed"] and plan["allocated_peak_bytes"] <= plan["predicted_peak_bytes"]
+    # the figures come from the run that verified the plan: a fresh profile of the rank has them too
+    assert r["fresh"] == [plan["predicted_peak_bytes"], plan["allocated_peak_bytes"]]

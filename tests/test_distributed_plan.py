@@ -82,8 +82,14 @@ def _gloo_run(fn, plan: memfit.Plan) -> list[dict]:  # type: ignore[no-untyped-d
     return settled(lambda: gloo_ranks(fn, 2, plan.to_json()), lambda got: got["peak_bytes"], predicted)
 
 
-def test_plan_under_fully_shard_trains_bitwise_and_each_rank_fits():
-    plan = plan_ranks(_workload(), "50%", world_size=2, ranks=(0, 1))
+@pytest.fixture(scope="module")
+def fsdp_plan() -> memfit.Plan:
+    """The toy's FSDP2 plan at 50% for both of 2 ranks (shared: two tests check it)."""
+    return plan_ranks(_workload(), "50%", world_size=2, ranks=(0, 1))
+
+
+def test_plan_under_fully_shard_trains_bitwise_and_each_rank_fits(fsdp_plan):
+    plan = fsdp_plan
     assert plan.checkpointed and plan.world_size == 2
     assert set(plan.rank_peak_bytes) == {0, 1}
     assert max(plan.rank_peak_bytes.values()) <= plan.budget_bytes < plan.none_peak_bytes
@@ -217,3 +223,16 @@ def test_fsdp2_state_is_found_where_the_adapter_looks():
     with rank_sandbox(_workload(), FakeGroup(2, 0)) as box:
         keys = _torch_compat.composable_state_keys()
         assert keys and any(k in keys for k in vars(box.model.blocks[0]))
+
+
+
+def test_planned_rank_figure_is_its_fresh_profile(fsdp_plan):
+    """plan_ranks takes the planned rank's figure from the run that verified the plan on its open
+    step (the plan applied after parallelizing); the old path profiled that rank afresh with the
+    plan applied before parallelizing (afresh=True). The same plan and figures, to the byte."""
+    fast = fsdp_plan
+    old = plan_ranks(_workload(), "50%", world_size=2, ranks=(0, 1), afresh=True)
+    got, want = fast.to_dict(), old.to_dict()
+    got.pop("planning_time_s"), want.pop("planning_time_s")
+    assert fast.checkpointed and set(fast.rank_peak_bytes) == {0, 1}
+    assert got == want

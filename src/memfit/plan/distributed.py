@@ -36,8 +36,8 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
-from memfit.measure.profile import Progress
-from memfit.measure.verify import rank_verifier, record_rank_on
+from memfit.measure.profile import Profile, Progress
+from memfit.measure.verify import Run, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
 from memfit.plan.result import Plan
@@ -58,6 +58,7 @@ def plan_ranks(
     progress: Progress | None = None,
     unplanned: RankProfiles | None = None,
     fake: bool | str = True,
+    afresh: bool = False,
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
@@ -77,7 +78,7 @@ def plan_ranks(
     ``fake="cuda"``: each rank on fake CUDA (as :func:`~memfit.measure.distributed.profile_ranks`);
     the budget then bounds each rank's reserved peak (the caching-allocator model replaying
     every verified run, as :func:`memfit.plan` does on CUDA), and :attr:`~Plan.rank_peak_bytes`
-    holds reserved peaks."""
+    holds reserved peaks. ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`)."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -113,9 +114,13 @@ def plan_ranks(
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
-    peaks, allocated = _verified(workload, plan, [FakeGroup(n, r, device) for r in ranks], planned_rank, report)
+    # The planned rank's step has run with the plan already (the search's verified run, or the
+    # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte).
+    done = {} if afresh else {planned_rank: _run_peaks(found.run, prof)}
+    groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
+    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done)
     plan.world_size = n
-    plan.rank_peak_bytes = peaks
+    plan.rank_peak_bytes = {r: peaks[r] for r in ranks}
     plan.predicted_peak_bytes = max(peaks.values())
     if plan.allocated_peak_bytes is not None:  # fake CUDA: the reserved peaks' allocated beside
         plan.allocated_peak_bytes = max(allocated.values())
@@ -123,13 +128,29 @@ def plan_ranks(
     return plan
 
 
+def _run_peaks(run: Run, prof: Profile) -> tuple[int, int]:
+    """(budget peak, tensor peak) of the run that verified a plan on the planned rank, as
+    :func:`_verified` reads them off a fresh profile: the run's ledger (the unplanned
+    profile's when the plan is empty)."""
+    return run.peak_bytes, (run.ledger if run.ledger is not None else prof.ledger).peak_bytes
+
+
 def _verified(
-    workload: Workload, plan: Plan, groups: list[FakeGroup], planned_rank: int, report: Progress
+    workload: Workload,
+    plan: Plan,
+    groups: list[FakeGroup],
+    planned_rank: int,
+    report: Progress,
+    done: dict[int, tuple[int, int]] | None = None,
 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Every asked-for rank profiled afresh with the plan applied before parallelizing, as it
-    trains: each rank's budget peak (fake CUDA: reserved) and tensor peak; refused in one line
-    when one is over the budget."""
-    peaks, allocated = {}, {}
+    """Every rank of ``groups`` profiled afresh with the plan applied before parallelizing, as
+    it trains, beside the ranks ``done`` already measured it: each rank's budget peak (fake CUDA:
+    reserved) and tensor peak; refused in one line when one is over the budget. ``done`` holds
+    the planned rank, from the run that verified the plan on its step (the plan applied to the
+    parallelized model: the same ledger as applied before ``parallelize``, tested), unless
+    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures)."""
+    peaks = {r: p for r, (p, _) in (done or {}).items()}
+    allocated = {r: a for r, (_, a) in (done or {}).items()}
     for i, group in enumerate(groups):
         r = group.rank
         report(f"rank {r} of {group.world_size}: verifying the plan", i, len(groups))
