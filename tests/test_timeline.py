@@ -6,12 +6,10 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
 import pickle
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -283,13 +281,11 @@ def test_cli_snapshot_writes_png_and_page(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and "no trace" in text and "in the dumped state (no trace)" in text
 
 
-def test_fake_cuda_profile_draws_allocated_and_reserved(shim_cache, tmp_path):
+def test_fake_cuda_profile_draws_allocated_and_reserved(fake_cuda, tmp_path):
     out, png, page = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "p.html"
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": str(Path(memfit.__file__).resolve().parents[1])}
-    env.pop("MEMFIT_FAKE_CUDA", None)
     args = ["profile", "gpt", "--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4"]
     args += ["--size", "block_size=64", "--device", "fake-cuda", "--json", str(out), "--plot", str(png), "--html", str(page)]
-    done = subprocess.run([sys.executable, "-m", "memfit", *args], env=env, capture_output=True, text=True, timeout=300)
+    done = fake_cuda.cli(args)
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert png.read_bytes()[:4] == b"\x89PNG"
