@@ -72,7 +72,8 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu() -> float:
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+        shared = _CHILD_CPU["reported"] - _CHILD_CPU["reaped"]  # the fake-CUDA child's, not reaped yet
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + shared
 
     cpu0, wall0 = cpu(), time.perf_counter()
     yield
@@ -292,6 +293,119 @@ def shim_cache(tmp_path_factory) -> Path:
         except _fake_cuda.FakeCudaError as exc:
             pytest.skip(f"fake CUDA unavailable here: {exc}")
     return cache
+
+
+_FAKE_CUDA_CHILD = r"""
+import contextlib, io, json, os, resource, sys, traceback
+reply = os.fdopen(os.dup(1), "w")  # the pipe to the test
+os.dup2(2, 1)  # what writes to fd 1 itself (a process a command starts) goes to the log, not into the replies
+import memfit  # MEMFIT_FAKE_CUDA=1: the shim loads here, before torch
+from memfit.cli import main
+os.environ.pop("MEMFIT_FAKE_CUDA")  # as the relaunched command does: what a command starts does not inherit it
+for line in sys.stdin:
+    request = json.loads(line)
+    saved = dict(os.environ)
+    os.environ.update(request["env"])
+    for key in request["unset"]:
+        os.environ.pop(key, None)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if "argv" in request:
+                code = main(request["argv"])
+            else:
+                exec(compile(request["code"], "<script>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:  # argparse's errors, and sys.exit in a script
+            code = exc.code if isinstance(exc.code, int) or exc.code is None else (print(exc.code, file=sys.stderr) or 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    os.environ.clear()
+    os.environ.update(saved)
+    cpu = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    reply.write(json.dumps({"returncode": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue(), "cpu": cpu}) + "\n")
+    reply.flush()
+"""
+
+
+_CHILD_CPU = {"reported": 0.0, "reaped": 0.0}
+"""The CPU seconds the session's :class:`FakeCudaChild` reported after each request, and those
+counted once it was reaped: MEMFIT_TEST_CPU gives each test the child's CPU for its requests,
+not the whole child's to the test that happens to end the session."""
+
+
+class FakeCudaChild:
+    """One interpreter with the fake-CUDA shim loaded (``MEMFIT_FAKE_CUDA=1`` before torch), kept
+    for the session: memfit commands (``memfit.cli.main(argv)``) and scripts run in it one
+    after another, each with its own stdout, stderr, exit code and environment changes.
+
+    Why: a fresh interpreter per fake-CUDA command costs two imports of torch and memfit
+    (``python -m memfit ... --device fake-cuda`` imports them, then runs itself again with
+    the shim) for a step of a few milliseconds. The tests of what a fresh process does (the
+    relaunch, a shim that cannot be built, what ``import memfit`` reads) still start their own."""
+
+    def __init__(self, cache: Path) -> None:
+        import subprocess
+        import sys
+
+        src = str(Path(memfit.__file__).resolve().parents[1])
+        env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": src, "MEMFIT_FAKE_CUDA": "1"}
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        self._log = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _FAKE_CUDA_CHILD],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self._cpu = 0.0
+
+    def _ask(self, request: dict, timeout: float) -> Any:
+        import select
+        import subprocess
+
+        request = {"env": {}, "unset": ["PYTORCH_CUDA_ALLOC_CONF"], **request}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self._proc.kill()
+            self._log.seek(0)
+            pytest.fail(f"the fake-CUDA child died or took over {timeout} s: {self._log.read()[-3000:]}")
+        got = json.loads(line)
+        _CHILD_CPU["reported"] += got["cpu"] - self._cpu
+        self._cpu = got["cpu"]
+        return subprocess.CompletedProcess(request.get("argv", "<script>"), got["returncode"], got["stdout"], got["stderr"])
+
+    def cli(self, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 300) -> Any:
+        """``memfit ARGV`` with ``env`` added to the environment (PYTORCH_CUDA_ALLOC_CONF unset
+        unless given): a subprocess.CompletedProcess."""
+        unset = [] if env and "PYTORCH_CUDA_ALLOC_CONF" in env else ["PYTORCH_CUDA_ALLOC_CONF"]
+        return self._ask({"argv": list(argv), "env": env or {}, "unset": unset}, timeout)
+
+    def script(self, code: str, timeout: float = 300) -> Any:
+        """``code`` run as a program's ``__main__`` (its own globals): a subprocess.CompletedProcess."""
+        return self._ask({"code": code}, timeout)
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        _, status, usage = os.wait4(self._proc.pid, 0)  # its exact CPU: what RUSAGE_CHILDREN now counts
+        self._proc.returncode = os.waitstatus_to_exitcode(status)
+        self._log.close()
+        cpu = usage.ru_utime + usage.ru_stime
+        _CHILD_CPU["reported"] += cpu - self._cpu
+        _CHILD_CPU["reaped"] += cpu
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(shim_cache) -> Any:
+    """The session's :class:`FakeCudaChild`."""
+    child = FakeCudaChild(shim_cache)
+    yield child
+    child.close()
 
 
 # -- real multi-process gloo runs -------------------------------------------------------------

@@ -1,13 +1,11 @@
 """A CUDA profile's caching-allocator peaks (allocated_peak_bytes, reserved_peak_bytes): on fake
 CUDA from the allocator model under PYTORCH_CUDA_ALLOC_CONF; on CPU absent. Fake-CUDA steps run
-in a fresh interpreter (the shim loads before torch), the shim built once per session."""
+in the session's interpreter with the shim loaded (it loads before torch; conftest's ``fake_cuda``)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ import torch
 import memfit
 from memfit.measure.profile import Profile
 
-SRC = str(Path(memfit.__file__).resolve().parents[1])
 MiB = 1 << 20
 GPT = [
     "gpt",
@@ -33,20 +30,16 @@ GPT = [
 ]
 
 
-def _profile(cache: Path, tmp: Path, conf: str | None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": SRC}
-    env.pop("MEMFIT_FAKE_CUDA", None)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if conf is not None:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-    args = [sys.executable, "-m", "memfit", "profile", *GPT, "--device", "fake-cuda", "--json", str(tmp / "p.json")]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+def _profile(fake_cuda, tmp: Path, conf: str | None, *args: str) -> subprocess.CompletedProcess:
+    """``memfit profile`` of the small GPT on fake CUDA, under PYTORCH_CUDA_ALLOC_CONF=``conf`` (unset: None)."""
+    env = None if conf is None else {"PYTORCH_CUDA_ALLOC_CONF": conf}
+    return fake_cuda.cli(["profile", *GPT, "--device", "fake-cuda", *args, "--json", str(tmp / "p.json")], env)
 
 
 @pytest.fixture(scope="session")
-def default_profile(shim_cache, tmp_path_factory) -> tuple[dict, str]:
+def default_profile(fake_cuda, tmp_path_factory) -> tuple[dict, str]:
     tmp = tmp_path_factory.mktemp("default")
-    done = _profile(shim_cache, tmp, None)
+    done = _profile(fake_cuda, tmp, None)
     assert done.returncode == 0, done.stderr
     return json.loads((tmp / "p.json").read_text()), done.stdout
 
@@ -92,7 +85,7 @@ def test_reserved_peak_replays_the_loop_by_default(default_profile):
     assert replay_ledger(ledger).reserved_peak_bytes > 0  # the one-step replay is still there, not the default
 
 
-def test_forward_before_loop_makes_the_forward_workspace_before_the_first_step(shim_cache, default_profile, tmp_path):
+def test_forward_before_loop_makes_the_forward_workspace_before_the_first_step(fake_cuda, default_profile, tmp_path):
     """StepOptions.forward_before_loop (--forward-before-loop): the program ran the model's
     forward before its loop, so the forward thread's cuBLAS workspace exists before the first
     step: it leaves Ledger.first_use (the replay places it with the program's start) and the
@@ -102,11 +95,7 @@ def test_forward_before_loop_makes_the_forward_workspace_before_the_first_step(s
     from memfit.measure.replay import replay_training
 
     base, _ = default_profile
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC}
-    env.pop("MEMFIT_FAKE_CUDA", None)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    args = [sys.executable, "-m", "memfit", "profile", *GPT, "--device", "fake-cuda", "--forward-before-loop"]
-    done = subprocess.run([*args, "--json", str(tmp_path / "p.json")], env=env, capture_output=True, text=True, timeout=120)
+    done = _profile(fake_cuda, tmp_path, None, "--forward-before-loop")
     assert done.returncode == 0, done.stderr
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["step"]["forward_before_loop"] is True and "forward_before_loop" not in base["step"]
@@ -163,15 +152,13 @@ print(json.dumps(out))
 """
 
 
-def test_holds_output_adds_the_held_block_at_a_forward_peak(shim_cache):
+def test_holds_output_adds_the_held_block_at_a_forward_peak(fake_cuda):
     """StepOptions.holds_output on fake CUDA: the step starts with the previous step's output
     (one 2 MiB block) and frees it as its forward returns. The loop replay places it where the
     program does: absent from the first step, then each step's output in the place the one
     before it is not (by turns: the replay stops when a state repeats, at the third step).
     Evaluation and training alike peak in the forward, higher by exactly that block."""
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    done = subprocess.run([sys.executable, "-c", HOLDS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    done = fake_cuda.script(HOLDS_SCRIPT)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("eval", "train"):
@@ -184,9 +171,9 @@ def test_holds_output_adds_the_held_block_at_a_forward_peak(shim_cache):
         assert held["steps"] == 3 and base["steps"] == 2
 
 
-def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_profile, tmp_path):
+def test_expandable_segments_changes_reserved_not_allocated(fake_cuda, default_profile, tmp_path):
     base, _ = default_profile
-    done = _profile(shim_cache, tmp_path, "expandable_segments:True")
+    done = _profile(fake_cuda, tmp_path, "expandable_segments:True")
     assert done.returncode == 0, done.stderr
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["allocator_settings"]["expandable_segments"] is True
@@ -198,8 +185,8 @@ def test_expandable_segments_changes_reserved_not_allocated(shim_cache, default_
     assert data["reserved_peak_bytes"] >= data["allocated_peak_bytes"] and data["reserved_peak_bytes"] % (2 * MiB) == 0
 
 
-def test_bad_alloc_conf_is_one_line_exit_2(shim_cache, tmp_path):
-    done = _profile(shim_cache, tmp_path, "expandable_segments:Yes")
+def test_bad_alloc_conf_is_one_line_exit_2(fake_cuda, tmp_path):
+    done = _profile(fake_cuda, tmp_path, "expandable_segments:Yes")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "PYTORCH_CUDA_ALLOC_CONF" in lines[0] and "True or False" in lines[0]

@@ -1,6 +1,8 @@
 """Fake CUDA (memfit.cuda.fake): a step on fake CUDA tensors with CUDA's semantics,
-on the CPU build of torch. The shim must load before torch, so every fake-CUDA step runs in
-a fresh interpreter; the shim is built once per session into a temporary cache."""
+on the CPU build of torch. The shim must load before torch, so the fake-CUDA steps run in
+another interpreter: the session's one with the shim loaded (conftest's ``fake_cuda``), or a
+fresh one where the test is about what a fresh process does; the shim is built once per
+session into a temporary cache."""
 
 from __future__ import annotations
 
@@ -128,8 +130,8 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def semantics(shim_cache) -> dict:
-    done = _run(["-c", SCRIPT], _env(shim_cache, MEMFIT_FAKE_CUDA="1"))
+def semantics(fake_cuda) -> dict:
+    done = fake_cuda.script(SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT") :])
@@ -292,9 +294,9 @@ def test_the_shim_is_cached_per_torch(shim_cache):
 TINY = ["gpt", "--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4", "--size", "block_size=64"]
 
 
-def _profile_json(cache: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _profile_json(fake_cuda, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "p.json"
-    done = _run(["-m", "memfit", "profile", *TINY, "--device", "fake-cuda", "--json", str(out), *args], _env(cache))
+    done = fake_cuda.cli(["profile", *TINY, "--device", "fake-cuda", "--json", str(out), *args])
     assert done.returncode == 0, done.stderr
     return done, json.loads(out.read_text())
 
@@ -303,9 +305,9 @@ def _cublas_blocks(data: dict) -> list[dict]:
     return [b for b in data["ledger"]["blocks"] if b["category"] == "kernel_workspace" and b["born"] == -1]
 
 
-def test_training_step_on_an_sm80_gpu_holds_two_cublas_workspaces_and_does_not_fit_a_small_capacity(shim_cache, tmp_path):
+def test_training_step_on_an_sm80_gpu_holds_two_cublas_workspaces_and_does_not_fit_a_small_capacity(fake_cuda, tmp_path):
     capacity = 600 * 2**20  # the 512 MiB context estimate and a ~20 MiB peak: fits; 530 MiB: not
-    done, data = _profile_json(shim_cache, tmp_path, "--gpu", "A100-40GB", "--capacity", str(530 * 2**20))
+    done, data = _profile_json(fake_cuda, tmp_path, "--gpu", "A100-40GB", "--capacity", str(530 * 2**20))
     blocks = _cublas_blocks(data)
     # the forward thread's and autograd's, ":4096:2:16:8" before Hopper
     assert [b["nbytes"] for b in blocks] == [8_519_680, 8_519_680] and all(b["died"] is None for b in blocks)
@@ -322,27 +324,31 @@ def test_training_step_on_an_sm80_gpu_holds_two_cublas_workspaces_and_does_not_f
     assert 530 * 2**20 < context["bytes"] + data["reserved_peak_bytes"] < capacity  # so the other answer needs only more capacity
 
 
-def test_forward_only_step_on_hopper_holds_one_32mib_workspace_and_fits(shim_cache, tmp_path):
-    done, data = _profile_json(shim_cache, tmp_path, "--gpu", "h100-80gb", "--eval")
+def test_forward_only_step_on_hopper_holds_one_32mib_workspace_and_fits(fake_cuda, tmp_path):
+    done, data = _profile_json(fake_cuda, tmp_path, "--gpu", "h100-80gb", "--eval")
     assert [b["nbytes"] for b in _cublas_blocks(data)] == [32 * 2**20]
     assert data["capacity_bytes"] == 81559 * 2**20 and data["fits"] is True
     assert data["headroom_bytes"] == data["capacity_bytes"] - 512 * 2**20 - data["reserved_peak_bytes"] > 0
     assert "fits, with" in done.stdout
 
 
-def test_unknown_gpu_is_a_one_line_error(shim_cache):
-    done = _run(["-m", "memfit", "profile", *TINY, "--device", "fake-cuda", "--gpu", "GTX-480"], _env(shim_cache))
+def test_unknown_gpu_is_a_one_line_error(fake_cuda, capsys):
+    done = fake_cuda.cli(["profile", *TINY, "--device", "fake-cuda", "--gpu", "GTX-480"])
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "unknown GPU 'GTX-480'" in done.stderr and "A100-80GB" in done.stderr and "T4" in done.stderr
-    done = _run(["-m", "memfit", "profile", *TINY, "--gpu", "T4"], _env(shim_cache))  # --gpu without fake CUDA
-    assert done.returncode == 2 and "--device fake-cuda" in done.stderr
+    # --gpu without fake CUDA, in this process (no shim)
+    try:
+        code = main(["profile", *TINY, "--gpu", "T4"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2 and "--device fake-cuda" in capsys.readouterr().err
 
 
-def test_max_batch_on_fake_cuda_predicts_from_peaks_without_timing(shim_cache, tmp_path):
+def test_max_batch_on_fake_cuda_predicts_from_peaks_without_timing(fake_cuda, tmp_path):
     out = tmp_path / "mb.json"
     budget = 700 * 2**20
-    args = ["-m", "memfit", "fit", "--max-batch", *TINY, "--device", "fake-cuda", "--gpu", "T4", "--capacity", str(budget)]
-    done = _run([*args, "--json", str(out)], _env(shim_cache))
+    args = ["fit", "--max-batch", *TINY, "--device", "fake-cuda", "--gpu", "T4", "--capacity", str(budget)]
+    done = fake_cuda.cli([*args, "--json", str(out)])
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["predicted_only"] is True and data["recipe"] is None and data["device"] == "fake:cuda:0"
@@ -353,14 +359,13 @@ def test_max_batch_on_fake_cuda_predicts_from_peaks_without_timing(shim_cache, t
     assert data["batch_size"] >= plain["max_batch"] > 2 and "no recipe is timed" in done.stdout
 
 
-def test_fit_on_fake_cuda_weighs_expandable_segments_by_reserved_and_predicts_times(shim_cache, tmp_path):
+def test_fit_on_fake_cuda_weighs_expandable_segments_by_reserved_and_predicts_times(fake_cuda, tmp_path):
     """The tiny step reserves 113,246,208 B with the default allocator and 109,051,904 B with
     expandable segments (the same ledger, other segments): a budget between them is met by
     the allocator setting alone, at no predicted cost; the budget bounds reserved bytes."""
     out = tmp_path / "r.json"
     budget = 111_000_000
-    args = ["-m", "memfit", "fit", *TINY, "--device", "fake-cuda", "--budget", f"{budget}B", "--json", str(out)]
-    done = _run(args, _env(shim_cache))
+    done = fake_cuda.cli(["fit", *TINY, "--device", "fake-cuda", "--budget", f"{budget}B", "--json", str(out)])
     assert done.returncode == 0, done.stderr
     recipe = json.loads(out.read_text())
     assert recipe["device"] == "fake:cuda:0" and recipe["times_predicted"] is True
@@ -372,8 +377,8 @@ def test_fit_on_fake_cuda_weighs_expandable_segments_by_reserved_and_predicts_ti
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text and "predicted by the cost model" in text
     # the same step profiled on fake CUDA with that environment reserves what the recipe predicted
     prof = tmp_path / "p.json"
-    env = _env(shim_cache, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    done = _run(["-m", "memfit", "profile", *TINY, "--device", "fake-cuda", "--json", str(prof)], env)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = fake_cuda.cli(["profile", *TINY, "--device", "fake-cuda", "--json", str(prof)], env)
     assert done.returncode == 0, done.stderr
     assert json.loads(prof.read_text())["reserved_peak_bytes"] == recipe["predicted_peak_bytes"]
 
@@ -414,8 +419,8 @@ PLAN_SCRIPT = textwrap.dedent(
 )
 
 
-def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_profiled_again(shim_cache):
-    done = _run(["-c", PLAN_SCRIPT], _env(shim_cache, MEMFIT_FAKE_CUDA="1"))
+def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_profiled_again(fake_cuda):
+    done = fake_cuda.script(PLAN_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     plan = r["plan"]
@@ -432,12 +437,12 @@ def test_plan_on_fake_cuda_meets_a_reserved_budget_when_the_planned_step_is_prof
     assert r["flash"] == [2 * 4 * 128 * 4 + 2 * 128 * 4 * 32 * 4]
 
 
-def test_fit_on_fake_cuda_predicts_step_times_at_the_chosen_gpus_rates(shim_cache, tmp_path):
+def test_fit_on_fake_cuda_predicts_step_times_at_the_chosen_gpus_rates(fake_cuda, tmp_path):
     """A T4 (65 dense half TFLOP/s, 320 GB/s) runs the same step slower than an H100 (989, 3,350 GB/s)."""
     times = {}
     for name in ("T4", "H100-80GB"):
         out = tmp_path / f"{name}.json"
-        done = _run(["-m", "memfit", "fit", *TINY, "--device", "fake-cuda", "--gpu", name, "--json", str(out)], _env(shim_cache))
+        done = fake_cuda.cli(["fit", *TINY, "--device", "fake-cuda", "--gpu", name, "--json", str(out)])
         assert done.returncode == 0, done.stderr
         times[name] = json.loads(out.read_text())["base_step_time_s"]
     assert times["T4"] > times["H100-80GB"] > 0

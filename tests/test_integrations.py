@@ -626,7 +626,8 @@ def compare_finders(root: Path, model: str, mode: str, largest: int | None = Non
     }
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+# one xdist worker per model: its two modes then share _EmulatedLimit.peaks (the real steps measured per batch)
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xdist_group(f"finder-{m}")) for m in ("mlp", "gpt2")])
 @pytest.mark.parametrize("mode", ["power", "binsearch"])
 def test_batch_size_finder_same_answer_as_lightnings(tmp_path, mode, model):
     got = compare_finders(tmp_path, model, mode)

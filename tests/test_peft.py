@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -147,7 +144,7 @@ def test_plans_keep_peft_names_and_train_bitwise():
 SCRIPT = textwrap.dedent(
     """
     import json, sys, memfit, torch
-    sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, TESTS)
     from test_peft import _lora, _adamw
     from memfit.measure.ledger import Category
     model, inputs = _lora(hidden=256, seq=128, batch=8)  # on fake CUDA, large enough to be more than cuBLAS's workspaces
@@ -169,12 +166,8 @@ def _cuda_bytes(tensors) -> int:
 
 
 @pytest.mark.slow
-def test_fake_cuda_counts_the_bf16_base_and_plans_with_peft_names(shim_cache):
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "MEMFIT_FAKE_CUDA": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(memfit.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(Path(__file__).parent)], env=env, capture_output=True, text=True, timeout=600
-    )
+def test_fake_cuda_counts_the_bf16_base_and_plans_with_peft_names(fake_cuda):
+    done = fake_cuda.script(SCRIPT.replace("TESTS", repr(str(Path(__file__).parent))), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     model, _ = _lora(hidden=256, seq=128, batch=8)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
 import pickle
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -147,15 +145,37 @@ def test_recompute_ticks_are_flagged_in_backward_only_inside_the_checkpointed_mo
     assert not any(t.recompute for t in Ledger.from_dict(old).ticks)
 
 
-def test_cli_profile_and_plan_write_png_and_page(tmp_path):
+@pytest.fixture(scope="module")
+def plan_pictures(tmp_path_factory) -> tuple[Path, Path, dict[str, list[str]]]:
+    """``memfit plan gpt --device fake ... --budget 0% --plot PNG --html PAGE``, run once for the
+    tests of its pictures: the PNG, the page, and the stages each progress bar reported."""
+    import contextlib
+
+    from memfit.report import console as console_mod
+
+    seen: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def recording(_console, description):
+        stages = seen.setdefault(description, [])
+        yield lambda desc, done, total: stages.append(desc)
+
+    tmp = tmp_path_factory.mktemp("plan-pictures")
+    png, page = tmp / "plan.png", tmp / "plan.html"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(console_mod, "progress_bar", recording)
+        args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
+        assert main(args) == 0
+    return png, page, seen
+
+
+def test_cli_profile_and_plan_write_png_and_page(tmp_path, plan_pictures):
     png, page = tmp_path / "p.png", tmp_path / "p.html"
     assert main(["profile", "gpt", "--device", "fake", *SMALL, "--plot", str(png), "--html", str(page)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG" and 10_000 < png.stat().st_size < 400_000
     text = page.read_text()
     assert "fake tensors" in text and "Largest blocks at the peak" in text and "<svg" not in text
-    png, page = tmp_path / "plan.png", tmp_path / "plan.html"
-    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
-    assert main(args) == 0
+    png, page, _ = plan_pictures
     text = page.read_text()
     assert "no plan" in text and "modules recomputed" in text and "budget" in text
     assert 'id="scatter"' in text and "chosen" in text  # the candidates, the chosen ones marked
@@ -188,10 +208,8 @@ def _browse(url: str, tmp: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (.ci/run installs Debian's where apt works)")
-def test_page_runs_in_a_headless_browser_and_shows_the_chart(tmp_path):
-    page = tmp_path / "plan.html"
-    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--html", str(page)]
-    assert main(args) == 0
+def test_page_runs_in_a_headless_browser_and_shows_the_chart(tmp_path, plan_pictures):
+    _, page, _ = plan_pictures
     dom = _browse(page.as_uri(), tmp_path, "--dump-dom").stdout
     assert 'data-memfit="ok"' in dom and "memfit-error" not in dom.split("</head>")[1], dom[-2000:]
     assert dom.count("<canvas") == 2
@@ -283,13 +301,11 @@ def test_cli_snapshot_writes_png_and_page(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and "no trace" in text and "in the dumped state (no trace)" in text
 
 
-def test_fake_cuda_profile_draws_allocated_and_reserved(shim_cache, tmp_path):
+def test_fake_cuda_profile_draws_allocated_and_reserved(fake_cuda, tmp_path):
     out, png, page = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "p.html"
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": str(Path(memfit.__file__).resolve().parents[1])}
-    env.pop("MEMFIT_FAKE_CUDA", None)
     args = ["profile", "gpt", "--batch-size", "2", "--size", "n_layer=2", "--size", "n_embd=64", "--size", "n_head=4"]
     args += ["--size", "block_size=64", "--device", "fake-cuda", "--json", str(out), "--plot", str(png), "--html", str(page)]
-    done = subprocess.run([sys.executable, "-m", "memfit", *args], env=env, capture_output=True, text=True, timeout=300)
+    done = fake_cuda.cli(args)
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -357,25 +373,11 @@ def test_an_expandable_segments_trace_draws_its_pages_as_segments_made():
     )
 
 
-def test_cli_plan_pictures_report_progress_while_made(tmp_path, monkeypatch):
+def test_cli_plan_pictures_report_progress_while_made(plan_pictures):
     """Issue 24: the planned step's profile and the drawing took minutes with no line; the
     drawing reports its stages (the PNG, then the page) to a progress bar, and the planned
     step is the run that verified the plan (no profile of its own: issue 24, item 5)."""
-    import contextlib
-
-    from memfit.report import console as console_mod
-
-    seen: dict[str, list[str]] = {}
-
-    @contextlib.contextmanager
-    def recording(_console, description):
-        stages = seen.setdefault(description, [])
-        yield lambda desc, done, total: stages.append(desc)
-
-    monkeypatch.setattr(console_mod, "progress_bar", recording)
-    png, page = tmp_path / "plan.png", tmp_path / "plan.html"
-    args = ["plan", "gpt", "--device", "fake", *SMALL, "--budget", "0%", "--plot", str(png), "--html", str(page)]
-    assert main(args) == 0
+    png, page, seen = plan_pictures
     stages = seen["drawing the pictures"]
     assert stages == ["drawing the PNG", "writing the HTML page"]  # no step profiled for the pictures
     assert png.read_bytes()[:4] == b"\x89PNG" and "modules recomputed" in page.read_text()

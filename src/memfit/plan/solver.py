@@ -23,9 +23,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.measure.ledger import ancestors
 from memfit.plan.candidates import Option
@@ -156,9 +156,11 @@ class Problem:
         mem = self._base + (self._rows @ self._columns(chosen) if self._rows.shape[1] else 0.0)
         return int(max(float(mem.max()) * _MiB if len(mem) else 0.0, self.start_bytes))
 
-    def _constraints(self, bound_mib: float | None) -> list[LinearConstraint]:
+    def _constraints(self, bound_mib: float | None) -> list[Any]:
         """Link rows (one option per path, pair columns) and memory rows; with no bound,
         memory rows are ``<= z`` for an extra last column ``z`` (the peak being minimised)."""
+        from scipy.optimize import LinearConstraint  # scipy at the first solve: 1 CPU s off every `import memfit`
+
         extra = bound_mib is None
         cons = []
         if len(self._links):
@@ -180,6 +182,8 @@ class Problem:
         n = len(self.options)
         if n == 0:
             return Solution([], self.model_peak([]), 0.0) if self.model_peak([]) <= bound_bytes else None
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
         constraints = self._constraints(bound_bytes / _MiB)
         # With `near`, this solve only finds the cost the second one stays near: within 2% is
         # enough (the second takes every plan within `near` of it). Proving the last percent
@@ -234,6 +238,8 @@ class Problem:
         n = len(self.options)
         if n == 0:
             return Solution([], self.model_peak([]), 0.0)
+        from scipy.optimize import Bounds, milp
+
         cost_scale = 1e-6 / max(float(self._cost.sum()), 1e-12)  # far below 1 MiB of peak
         width = len(self._cost)
         res = milp(
