@@ -687,7 +687,7 @@ def fit(
         notes = _measurements(search, axes, combos)  # 2
         queue = _weigh(search, singles, combos, left_out)  # 3
         best = _choose_best(search, queue, notes)  # 4
-        return _recipe(search, best, queue, singles, left_out, notes, budget=budget, started=started)
+        return _recipe(search, best, queue, singles, combos, left_out, notes, budget=budget, started=started)
 
 
 def _situation(
@@ -837,6 +837,7 @@ def _recipe(
     best: _Candidate,
     queue: _Queue,
     singles: list[Combo],
+    combos: list[Combo],
     left_out: dict[str, Reason],
     notes: list[str],
     *,
@@ -894,7 +895,7 @@ def _recipe(
         host_speed=host_speed,
         notes=notes,
         search={
-            "combinations": len(queue.order),
+            "combinations": len(combos),
             "weighed": len(search.peaks),
             "planned": len(search.plans),
             "timed": sum(1 for c in cands if c.measured is not None),
