@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.levers.catalog.base import Reason, Why
+from memfit.levers.catalog.base import opt_in as opt_in_reason
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
@@ -317,6 +319,19 @@ def _check_allowed(workload: Workload, allowed: set[str]) -> None:
         )
 
 
+def _unused(best: _Candidate) -> dict[str, Reason]:
+    """Why each per-rank lever the chosen configuration does not use was not chosen."""
+    return {
+        "recompute": Reason(Why.NOT_NEEDED, "not needed: the chosen configuration fits without it"),
+        "reshard_after_forward": Reason(
+            Why.NOT_CHOSEN,
+            "keeping more parameters unsharded from forward to backward does not fit the budget"
+            if best.plan is None
+            else "the chosen recipe is predicted faster (the settings weighed are the what-if rows)",
+        ),
+    }
+
+
 def fit_ranks(
     workload: Workload,
     budget: int | str,
@@ -354,7 +369,7 @@ def fit_ranks(
     fsdp = _fsdp_of(workload)
     assert workload.parallel is not None  # world_size_of refuses a workload without one
     scheme = workload.parallel.name
-    left_out: dict[str, str] = dict(exclude or {})
+    left_out: dict[str, Reason] = {lever: Reason(Why.EXCLUDED, why) for lever, why in (exclude or {}).items()}
     unknown = sorted(set(left_out) - {"recompute", "reshard_after_forward"})
     if unknown:
         raise PlanError(
@@ -363,13 +378,14 @@ def fit_ranks(
     if "reshard_after_forward" in left_out:
         fsdp = None  # the workload's own settings only: no family to search
     elif fsdp is None:
-        left_out["reshard_after_forward"] = (
+        left_out["reshard_after_forward"] = Reason(
+            Why.NOT_APPLICABLE,
             f"{scheme}: its parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), whose fully_shard "
-            "arguments fit can vary"
+            "arguments fit can vary",
         )
     _check_allowed(workload, allowed)
     if "reduce_bf16" not in allowed and fsdp is not None:
-        left_out["reduce_bf16"] = "changes the numerics: opt in with allow='reduce_bf16' (--allow reduce_bf16)"
+        left_out["reduce_bf16"] = opt_in_reason("reduce_bf16", "")
     report = progress or (lambda desc, done, total: None)
     # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
     search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report)
@@ -434,12 +450,7 @@ def fit_ranks(
         unique.setdefault((c.setting, c.plan is not None), c)
     cands = list(unique.values())
     best = _choose(cands)
-    why_not = {
-        "recompute": "not needed: the chosen configuration fits without it",
-        "reshard_after_forward": "keeping more parameters unsharded from forward to backward does not fit the budget"
-        if best.plan is None
-        else "the chosen recipe is predicted faster (the settings weighed are the what-if rows)",
-    }
+    why_not = _unused(best)
     for lever, why in why_not.items():
         if lever not in best.levers and lever not in left_out:
             left_out[lever] = why
