@@ -30,7 +30,7 @@ def _situation(*, allowed=(), exclude=None, set_to_none=True, device="cpu", fake
         exclude=exclude or {},
         set_to_none=set_to_none,
         fake_cuda=fake_cuda,
-        expandable_now=False,
+        settings=None,
     )
 
 

@@ -277,38 +277,25 @@ def _optimizer_key(combo: Combo) -> tuple:
 class _Search:
     """Profiles, predicts, plans and times combinations, each once."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        inputs: Any,
-        loss_fn: Any,
-        optimizer: torch.optim.Optimizer,
-        budget: int,
-        situation: Situation,
-        report: _Stages,
-    ) -> None:
-        device, fake_cuda, targets = situation.device, situation.fake_cuda, situation.targets
+    def __init__(self, inputs: Any, budget: int, situation: Situation, report: _Stages) -> None:
         self.situation = situation
-        self.model = model
-        self.fake_cuda = fake_cuda
+        self.model, self.optimizer = situation.model, situation.optimizer
+        self.inputs, self.args, self.kwargs = inputs, situation.args, situation.kwargs
+        self.loss_fn, self.targets = situation.loss_fn, situation.targets
+        self.device = situation.device
+        self.fake_cuda = situation.fake_cuda
         """The step runs on fake CUDA: peaks from fake-CUDA profiles, times from the cost model only."""
-        self.settings = allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None
+        self.settings = situation.settings
         """On CUDA: the process's allocator settings, which peaks are judged under."""
-        self.inputs = inputs
-        self.args, self.kwargs = split_inputs(inputs)
-        self.loss_fn = loss_fn
-        self.targets = targets
         self.use_cache_off: tuple[str, ...] = ()
         """Modules whose KV cache the plans turn off (learnt from the first plan made)."""
-        self.optimizer = optimizer
         self.budget = budget
-        self.device = device
         self.base = Combo(set_to_none=situation.set_to_none)
         self.scales = microbatch.scales(situation)[0]
         self.report = report
         self.times = _Times()
         self.profiles: dict[tuple[StepOptions, int], Profile] = {}
-        self.warm = bool(optimizer.state)
+        self.warm = bool(self.optimizer.state)
         """The optimizer has its state (fit's own first step): the step as it is runs warm."""
         self.peaks: dict[Combo, int] = {}
         self.host_peaks: dict[Combo, int] = {}
@@ -680,7 +667,7 @@ def fit(
         else _optimizer_state(s.model, s.args, s.kwargs, s.loss_fn, s.optimizer, s.targets)
     )
     with real_state:
-        search = _Search(s.model, inputs, s.loss_fn, s.optimizer, target, s, report)
+        search = _Search(inputs, target, s, report)
         if "offload" in offers:
             _measure_offload(search, offers, left_out)
         axes, singles, combos = _combinations(search.base, offers)
@@ -720,7 +707,6 @@ def _situation(
     device = check_step(model, args, kwargs, targets)
     if optimizer is None:
         optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    conf = allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None
     return Situation(
         model=model,
         args=args,
@@ -733,7 +719,7 @@ def _situation(
         exclude=exclude,
         set_to_none=set_to_none,
         fake_cuda=fake_cuda,
-        expandable_now=conf is not None and conf.expandable_segments,
+        settings=allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.measure.step import StepOptions
 from memfit.plan.result import Plan
 
@@ -92,7 +93,7 @@ class Situation:
         exclude: Mapping[str, str],
         set_to_none: bool,
         fake_cuda: bool,
-        expandable_now: bool,
+        settings: AllocatorSettings | None,
     ) -> None:
         self.model, self.args, self.kwargs = model, args, kwargs
         self.loss_fn, self.optimizer, self.targets = loss_fn, optimizer, targets
@@ -103,8 +104,9 @@ class Situation:
         """What the training loop calls now: ``zero_grad(set_to_none=...)``."""
         self.fake_cuda = fake_cuda
         self.cuda = device.type == "cuda" or fake_cuda
-        self.expandable_now = expandable_now
-        """``expandable_segments`` is on in the process's ``PYTORCH_CUDA_ALLOC_CONF``."""
+        self.settings = settings
+        """On CUDA (real or fake): the process's allocator settings (``PYTORCH_CUDA_ALLOC_CONF``), which
+        peaks are judged under; None elsewhere."""
         self.probes: dict[str, Any] = {}
         """What a lever measured on the real step to judge it, kept for the search (the micro-batch
         lever's loss scales): probed once."""

@@ -10,7 +10,7 @@ from memfit.levers.catalog.base import Lever, Reason, Why
 def _settings(s):
     if not s.cuda:
         return ()
-    if s.expandable_now:
+    if s.settings is not None and s.settings.expandable_segments:
         return Reason(Why.ALREADY_ON, "already on (PYTORCH_CUDA_ALLOC_CONF)")
     return (True,)
 
