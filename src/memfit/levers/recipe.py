@@ -69,7 +69,6 @@ def read_choice_fields(body: dict[str, Any], known: Collection[str], what: str) 
         raise PlanError(f"{what} JSON names unknown lever {unknown[0]!r}")
     body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
     body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
-    body["left_out"] = {lever: read_reason(why) for lever, why in body.get("left_out", {}).items()}
 
 
 @dataclass
@@ -139,7 +138,7 @@ class Recipe:
     real to predict times from), ``fake_profiles``."""
 
     def __post_init__(self) -> None:
-        # a reason given as a bare sentence (by hand, by older code) gets its kind here, once
+        # each reason gets its kind here, once: from recipe JSON (v2 objects, v1 sentences) or a caller's strings
         self.left_out = {lever: read_reason(why) for lever, why in self.left_out.items()}
 
     @property
