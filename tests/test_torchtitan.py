@@ -89,6 +89,7 @@ def result(titan, shim_cache, tmp_path_factory) -> dict:
     script.write_text(SCRIPT)
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
     done = subprocess.run(
         [sys.executable, str(script), json.dumps(SIZES), *EAGER], env=env, capture_output=True, text=True, timeout=1200
     )
@@ -134,6 +135,11 @@ def test_cli_names_peaks_as_torchtitan_logs_them(result):
         gib = f"{r['reserved_peak_bytes'] / 2**30:.2f}"
         assert f"rank {r['rank']} as torchtitan logs it:" in cli["stdout"]
         assert f"memory/max_reserved(GiB) {gib}" in " ".join(cli["stdout"].split())
+    # under default allocator settings, where torchtitan's launcher sets expandable segments: said
+    said = (
+        "run_train.sh runs with PYTORCH_ALLOC_CONF=expandable_segments:True; these peaks are under the default allocator settings"
+    )
+    assert said in " ".join(cli["stdout"].split())
 
 
 def _one_line_error(args: list[str], capsys) -> str:
