@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from memfit.cuda import gpu as gpus
-from memfit.cuda.allocator import AllocatorSettings
+from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import determinism, workspace
 from memfit.measure.checked import Step, check_step, checked_step
@@ -115,9 +115,18 @@ class CudaMemory:
 
 
 def allocator_settings_from_env() -> AllocatorSettings:
-    """``PYTORCH_CUDA_ALLOC_CONF`` as the step's process has it: read once, where a CUDA step
-    starts (a bad value is a one-line :class:`~memfit.cuda.allocator.AllocatorConfigError`)."""
-    return AllocatorSettings.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    """The caching allocator's settings as the step's process has them: read once, where a CUDA
+    step starts (a bad value is a one-line :class:`~memfit.cuda.allocator.AllocatorConfigError`).
+    ``PYTORCH_CUDA_ALLOC_CONF``, or else ``PYTORCH_ALLOC_CONF``, torch's device-generic name
+    (torch reads either; torchtitan's ``run_train.sh`` sets ``PYTORCH_ALLOC_CONF=expandable_segments:True``).
+    Both set and different is refused: torch takes some options from one and some from the other."""
+    cuda, generic = os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF")
+    if cuda and generic and cuda != generic:
+        raise AllocatorConfigError(
+            f"PYTORCH_CUDA_ALLOC_CONF={cuda!r} and PYTORCH_ALLOC_CONF={generic!r} differ: "
+            "torch reads some options from each, which memfit does not model; set one of them"
+        )
+    return AllocatorSettings.parse(cuda or generic)
 
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
