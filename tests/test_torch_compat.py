@@ -254,3 +254,24 @@ def test_selective_checkpoint_saves_reports_what_the_policy_keeps():
     assert [s for s, _ in seen] == [(4, 8)]  # the mm's output only: relu and sum recompute
     out.backward()
     assert w.grad is not None
+
+
+def test_when_all_grads_fires_once_after_the_last_and_keeps_no_gradient():
+    """As torch's register_multi_grad_hook (mode "all"): once per backward, after the last
+    gradient that backward makes (a tensor it does not reach is not waited for); unlike
+    it, the first gradient is not kept until then."""
+    x = torch.randn(8, 8, requires_grad=True)
+    b = x.exp()
+    a, unused = b * 2, x + 1  # a's gradient comes first, then b's (through a's node)
+    first: list = []
+    calls: list = []
+    alive: list = []
+    a.register_hook(lambda g: first.append(weakref.ref(g)))
+    b.register_hook(lambda g: alive.append(first[0]() is not None))
+    handle = _torch_compat.when_all_grads([a, b, unused], lambda: calls.append(len(first)))
+    a.sum().backward(retain_graph=True)
+    assert calls == [1]
+    assert alive == [False]  # torch's own hook would hold it here
+    handle.remove()
+    a.sum().backward()
+    assert calls == [1]

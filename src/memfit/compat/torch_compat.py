@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "AllocationTrace",
     "current_autograd_node",
     "selective_checkpoint_saves",
+    "when_all_grads",
 ]
 
 
@@ -487,3 +489,44 @@ def selective_checkpoint_saves(on_save: Any) -> Iterator[None]:
         yield
     finally:
         checkpoint._VersionWrapper = base  # type: ignore[attr-defined]
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
+    """Call ``fn()`` once every one of ``tensors`` that this backward reaches has its
+    gradient, as ``torch.autograd.graph.register_multi_grad_hook(tensors, fn)`` (mode
+    "all") does, but without its buffer: that one keeps each gradient until the last
+    arrives, so watching a module whose outputs' gradients come at different times (BART's
+    logits and its encoder's output, whose gradient arrives after the whole decoder's
+    backward) kept a logits-sized gradient alive that the step frees at once. Returns a
+    handle with ``remove()``."""
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc  # private: where torch's own hook gets it
+
+    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
+    count: dict[int, int] = {}  # graph task -> gradients seen
+    expected: dict[int, int] = {}  # graph task -> gradients it will make
+
+    lock = threading.Lock()  # the engine runs each device's part of a backward on its own thread
+
+    def hook(_grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        with lock:
+            seen = count.get(task, 0)
+            if seen == 0:
+                expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+            count[task] = seen + 1
+            last = seen + 1 == expected[task]
+            if last:
+                del count[task], expected[task]
+        if last:
+            fn()
+
+    return _Handles([t.register_hook(hook) for t in tensors])

@@ -3,7 +3,8 @@
 Forward is tracked with per-module pre/post hooks on the user's model (a stack).
 Backward is tracked the way ``torch.utils.module_tracker.ModuleTracker`` does it, with
 multi-grad hooks: a module is entered when gradients reach its outputs and left when
-its inputs' gradients are done. ModuleTracker itself is not used because it names
+its inputs' gradients are done (:func:`memfit.compat.torch_compat.when_all_grads`: torch's
+own keeps the gradients it waits on alive, which the step being measured does not). ModuleTracker itself is not used because it names
 modules by class (``GPT.transformer.h.0``), keeps a set (a module called twice breaks
 it) and forgets the module that raised; memfit needs ``state_dict``-style names and the
 innermost module at the moment a forward fails.
@@ -17,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from memfit.compat import torch_compat
 from memfit.measure.ledger import Phase
 from memfit.recompute.checkpoint import RECOMPUTE_WATCHERS
 
@@ -162,7 +163,7 @@ class Scope:
                 tensors = _grad_tensors((args, kwargs))
                 self._passed.setdefault(mod, []).append({id(t): t._version for t in tensors})
                 if tensors:
-                    self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._leave_bw(n)))
+                    self._grad_handles.append(torch_compat.when_all_grads(tensors, lambda n=name: self._leave_bw(n)))
 
     def _post(self, mod: nn.Module, args: Any, output: Any) -> None:
         name = self.names[mod]
@@ -184,7 +185,7 @@ class Scope:
             passed = frames.pop() if frames else {}
             tensors = [t for t in _grad_tensors(output) if passed.get(id(t)) != t._version]
             if tensors:
-                self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g, n=name: self._enter_bw(n)))
+                self._grad_handles.append(torch_compat.when_all_grads(tensors, lambda n=name: self._enter_bw(n)))
 
     def _enter_bw(self, name: str) -> None:
         self._backward.append((name, self._mark()))
