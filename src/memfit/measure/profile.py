@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.compat import bnb4bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -754,7 +755,10 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     a module's own before its children's), which lays them out differently."""
     for child in model.children():
         yield from module_tensors_in_to_order(child)
-    yield Category.PARAMETER, list(model.parameters(recurse=False))
+    own = list(model.parameters(recurse=False))
+    # a 4-bit weight's quantization state (absmax, codes) is neither parameter nor buffer,
+    # but is the weight as much as its packed values are
+    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)]
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
