@@ -55,7 +55,22 @@ def add_parser(sub: Any) -> None:
         help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
     )
     p.add_argument(
-        "--quant", default="none", choices=["none", "4bit", "8bit"], help="a quantized base (QLoRA): not supported yet"
+        "--quant",
+        default="none",
+        choices=["none", "4bit", "8bit"],
+        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
+    )
+    p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
+    p.add_argument(
+        "--double-quant",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="with --quant 4bit: quantize the absmax too (bnb_4bit_use_double_quant; default on, as QLoRA)",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
     )
     p.add_argument(
         "--gradient-checkpointing",
@@ -95,7 +110,17 @@ def _spec(ns: argparse.Namespace) -> Any:
     from memfit.integrations.finetune import LoraSpec
 
     targets = tuple(t.strip() for t in ns.lora_targets.split(","))
-    spec = LoraSpec(ns.lora_rank, ns.lora_alpha, targets, ns.lora_dropout, ns.base_dtype, ns.quant)
+    spec = LoraSpec(
+        ns.lora_rank,
+        ns.lora_alpha,
+        targets,
+        ns.lora_dropout,
+        ns.base_dtype,
+        ns.quant,
+        quant_type=ns.quant_type,
+        double_quant=ns.double_quant,
+        compute_dtype=ns.compute_dtype,
+    )
     spec.check()
     return spec
 
@@ -129,7 +154,8 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
         ) from exc
     # peft is imported while the model is built
-    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), _without_bitsandbytes():
+    hidden = _without_bitsandbytes() if spec.quant == "none" else contextlib.nullcontext()
+    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), hidden:
         work = lora_workload(
             ns.config,
             spec,

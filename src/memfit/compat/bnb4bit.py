@@ -4,8 +4,8 @@ tensors, and what their matmul allocates on CUDA.
 A ``bnb.nn.Linear4bit`` holds its weight as a ``Params4bit``: the packed 4-bit values (two
 per uint8, ``n*m/2`` bytes) plus a ``QuantState`` that is *not* a parameter or a buffer: the
 absmax of every block of 64 values (float32; with double quantization uint8, with a float32
-absmax per 256 of them, a float32 offset and the 256-entry float32 code), and the 16-entry
-float32 4-bit code. :func:`state_tensors` lists them, so the ledger counts them with the
+absmax per 256 of them, a float32 offset and the 256-entry float32 code, a copy per weight),
+and the 16-entry float32 4-bit code. :func:`state_tensors` lists them, so the ledger counts them with the
 weight.
 
 - :func:`quantize_linears` replaces a model's ``nn.Linear`` layers (the output head left
