@@ -8,7 +8,8 @@
   the model quantized by bitsandbytes on the CPU by hand;
 - the dequantized weight of each matmul is a temporary of the step on CPU (bitsandbytes'
   CPU kernel) and on fake CUDA past 1536 rows (its CUDA fallback), not below;
-- a recompute plan on a QLoRA model trains bitwise as without it (CPU, real bitsandbytes).
+- a recompute plan on a QLoRA model trains bitwise as without it (CPU, real bitsandbytes);
+- a paged optimizer's paged state is outside the ledger, on a line of its own.
 """
 
 from __future__ import annotations
@@ -179,6 +180,12 @@ SCRIPT = textwrap.dedent(
         out[flag] = {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                      "breakdown": prof.breakdown, "forward_blocks": dq(prof), "small_forward_blocks": dq(small),
                      "parameters": sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.PARAMETER)}
+    wide = json.load(open(cfg))
+    wide.update(hidden_size=2048, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=16)
+    json.dump(wide, open(cfg + ".wide", "w"))
+    for optim in ("paged_adamw_8bit", "adamw_bnb_8bit"):
+        assert main(["finetune", cfg + ".wide", "--quant", "4bit", "--seq-len", "256", "--lora-rank", "64", "--gpu", "A100-80GB",
+                     "--optim", optim, "--json", OUT + optim]) == 0
     print("RESULT" + json.dumps(out))
     """
 )
@@ -203,3 +210,10 @@ def test_fake_cuda_quant_state_closed_form_and_dequantized_weights(fake_cuda, tm
         fwd = by_hand["forward_blocks"]
         assert 8192 in fwd and 8192 not in by_hand["small_forward_blocks"], (fwd, by_hand["small_forward_blocks"])
         assert fwd.count(512) - by_hand["small_forward_blocks"].count(512) == (2 if double else 0), fwd
+    # a paged optimizer: the state of the adapters of 100,000 elements or more (q_proj's A and B, v_proj's A: 2048 x 64)
+    # is unified memory, outside allocated and reserved; with the rest it is the non-paged 8-bit optimizer's state
+    paged, plain = (json.loads((tmp_path / f"answer{o}").read_text()) for o in ("paged_adamw_8bit", "adamw_bnb_8bit"))
+    assert paged["paged_optimizer_state_bytes"] == 3 * 2 * 2048 * 64  # two uint8 moments each
+    assert "paged_optimizer_state_bytes" not in plain
+    in_ledger = paged["profile"]["breakdown"]["optimizer_state"]
+    assert 0 < in_ledger and in_ledger + paged["paged_optimizer_state_bytes"] == plain["profile"]["breakdown"]["optimizer_state"]

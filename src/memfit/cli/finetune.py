@@ -73,6 +73,13 @@ def add_parser(sub: Any) -> None:
         help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
     )
     p.add_argument(
+        "--optim",
+        default="adamw_torch",
+        choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
+        help="the optimizer, by the Trainer's optim names (default adamw_torch); a paged one's paged state is CUDA "
+        "unified memory, outside the caching allocator: shown on a line of its own, not in allocated or reserved",
+    )
+    p.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="transformers' gradient checkpointing as peft's recipes turn it on (reentrant, enable_input_require_grads)",
@@ -163,12 +170,23 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             seq_len=ns.seq_len,
             sizes=zoo.parse_sizes(ns.size),
             checkpointing=ns.gradient_checkpointing,
+            optim=ns.optim,
         )
     require_device(DEVICE)
     spec_gpu, capacity = _gpu(ns)
     prof = profile_work(work, DEVICE, console, gpu=spec_gpu, capacity=capacity)
     render_profile(prof, console, title=work.name, top=4)
     out: dict[str, Any] = {"workload": work.name, "budget": label, "budget_bytes": budget, "profile": prof.to_dict(ledger=False)}
+    paged = work.meta.get("paged_optimizer_state_bytes", 0)
+    if ns.optim.startswith("paged_"):
+        out["paged_optimizer_state_bytes"] = paged
+        console.print(
+            f"paged optimizer state ({ns.optim}): {memfit.format_bytes(paged)} in CUDA unified memory (cudaMallocManaged), "
+            "outside the caching allocator, so not in the allocated or reserved peak above; the driver pages it to host "
+            f"memory when the GPU runs short (state of parameters under {optim_min():,} elements is ordinary device memory, "
+            "counted above)",
+            highlight=False,
+        )
     fits = prof.budget_peak_bytes <= budget
     if ns.max:
         out["max"] = _largest(ns, work, budget, console)
@@ -178,6 +196,12 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         Path(ns.json).write_text(json.dumps(out))
         console.print(f"wrote {ns.json}")
     return 0
+
+
+def optim_min() -> int:
+    from memfit.integrations.finetune import PAGED_MIN_NUMEL
+
+    return PAGED_MIN_NUMEL
 
 
 def _gpu(ns: argparse.Namespace) -> tuple[Any, int | None]:

@@ -40,6 +40,7 @@ __all__ = [
     "quantize_linears",
     "materialize",
     "state_tensors",
+    "values",
     "copy_param",
     "cuda_gemm_4bit",
     "PYTHON_CPU_KERNELS",
@@ -149,6 +150,13 @@ def state_tensors(param: Any) -> list[torch.Tensor]:
         out.extend(t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor))
         state = state.state2
     return out
+
+
+def values(param: Any) -> int:
+    """How many values ``param`` holds: a 4-bit weight's packed uint8 tensor holds two per
+    element (its quantization state knows the weight's shape)."""
+    state = getattr(param, "quant_state", None)
+    return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
 
 
 def _copy_state(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any]) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit
+from memfit.compat import bnb4bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
@@ -33,7 +33,9 @@ from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
 from memfit.workload import Workload
 
-__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS"]
+__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS", "PAGED_MIN_NUMEL"]
+
+PAGED_MIN_NUMEL = optim8bit.PAGED_MIN_NUMEL
 
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTS = ("none", "4bit", "8bit")
@@ -164,6 +166,17 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)  # the Trainer's default optimizer and learning rate
 
 
+def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer]:
+    if name not in optim8bit.OPTIMIZERS:
+        raise TargetError(f"the optimizer is one of {', '.join(optim8bit.OPTIMIZERS)} (the Trainer's optim names), got {name!r}")
+    if name == "adamw_torch":
+        return _adamw
+    why = bnb4bit.unavailable()
+    if why:
+        raise TargetError(f"optim {name} needs bitsandbytes: {why}")
+    return lambda params: optim8bit.by_name(name, params, 1e-4)
+
+
 def lora_workload(
     config: str,
     spec: LoraSpec,
@@ -172,20 +185,28 @@ def lora_workload(
     seq_len: int = 512,
     sizes: Mapping[str, Any] | None = None,
     checkpointing: bool = False,
+    optim: str = "adamw_torch",
 ) -> Workload:
     """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
-    :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, AdamW over the
-    adapters (the Workload's optimizer takes the trainable parameters only)."""
+    :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, the optimizer the
+    Trainer's ``optim`` names (torch's AdamW; bitsandbytes' 8-bit or paged AdamW) over the
+    adapters (the Workload's optimizer takes the trainable parameters only). A paged
+    optimizer's paged state is not in the step's ledger (unified memory, outside the
+    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it."""
+    make_optimizer = _optimizer(optim)
     model = lora_model(config, spec, sizes=sizes, checkpointing=checkpointing)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(bnb4bit.values(p) for p in model.parameters())
     name = (
         f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
         f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, batch {batch_size} x {seq_len}"
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
-    return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=_adamw, name=name, meta=meta)
+    meta["optim"] = optim
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
+    return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=make_optimizer, name=name, meta=meta)
 
 
 def _base_words(spec: LoraSpec) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit
+from memfit.compat import bnb4bit, optim8bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -778,7 +778,13 @@ def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) 
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    # a paged optimizer's paged state is CUDA unified memory, outside the allocator: not the step's
+    return [
+        v
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and not optim8bit.is_paged_state(v)
+    ]
 
 
 def _module_stats(

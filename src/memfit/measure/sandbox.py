@@ -164,6 +164,10 @@ def _prepare(box: Sandbox) -> Sandbox:
         box.optimizer = optim8bit.eight_bit(box.optimizer)
         if box.fake_mode is not None:
             optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
+    elif box.fake_mode is not None and optim8bit.is_bitsandbytes(box.optimizer):
+        # the user's own bitsandbytes optimizer (a paged one for QLoRA), copied over fake parameters
+        optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
+        optim8bit.fake_paged_state(box.optimizer)
     if o.foreach is not None:
         for group in box.optimizer.param_groups:
             group["foreach"] = o.foreach
