@@ -351,6 +351,7 @@ class FakeCudaChild:
         src = str(Path(memfit.__file__).resolve().parents[1])
         env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "PYTHONPATH": src, "MEMFIT_FAKE_CUDA": "1"}
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env.pop("PYTORCH_ALLOC_CONF", None)  # memfit reads either name
         self._log = tempfile.TemporaryFile("w+")
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _FAKE_CUDA_CHILD],

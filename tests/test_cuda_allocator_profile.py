@@ -200,3 +200,23 @@ def test_cpu_profile_has_no_allocator_keys(monkeypatch):
     data = prof.to_dict(ledger=False)
     assert prof.allocated_peak_bytes is None and prof.reserved_peak_bytes is None
     assert not {"allocated_peak_bytes", "reserved_peak_bytes", "allocator_settings", "cuda_memory"} & data.keys()
+
+
+def test_the_allocator_settings_are_read_under_either_name(monkeypatch):
+    # torch reads PYTORCH_CUDA_ALLOC_CONF or else PYTORCH_ALLOC_CONF (the name torchtitan's
+    # run_train.sh sets); different values under both names are refused in one line
+    from memfit.cuda.allocator import AllocatorConfigError
+    from memfit.measure.profile import allocator_settings_from_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_settings_from_env().expandable_segments is False
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_settings_from_env().expandable_segments is True
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_settings_from_env().expandable_segments is True
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    with pytest.raises(AllocatorConfigError, match="PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:128' and PYTORCH_ALLOC_CONF"):
+        allocator_settings_from_env()
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert allocator_settings_from_env().max_split_size == 128 * 2**20

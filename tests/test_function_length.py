@@ -25,7 +25,6 @@ KNOWN = {
     ("measure/timing.py", "time_steps"): 102,
     ("report/profiles.py", "render_profile"): 98,
     ("report/timeline.py", "timeline_html"): 97,
-    ("measure/profile.py", "profile_step"): 90,
     ("cuda/snapshot.py", "replay_trace"): 84,
     ("measure/recorder.py", "__init__"): 83,
 }

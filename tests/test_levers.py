@@ -13,25 +13,24 @@ from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why
 from memfit.levers.catalog.base import read_reason
 from memfit.levers.recipe import LEVERS, Recipe, describe
+from memfit.measure.checked import Step
 from memfit.measure.step import StepOptions
 
 
 def _situation(*, allowed=(), exclude=None, set_to_none=True, device="cpu", fake_cuda=False, model=None, opt=None):
     model = model or nn.Linear(4, 4)
-    return Situation(
-        model=model,
-        args=(torch.randn(8, 4),),
-        kwargs={},
-        loss_fn=None,
-        optimizer=opt or torch.optim.AdamW(model.parameters(), foreach=False),
-        targets=None,
-        device=torch.device(device),
-        allowed=set(allowed),
-        exclude=exclude or {},
-        set_to_none=set_to_none,
-        fake_cuda=fake_cuda,
-        settings=None,
+    step = Step(
+        model,
+        (torch.randn(8, 4),),
+        {},
+        None,
+        opt or torch.optim.AdamW(model.parameters(), foreach=False),
+        None,
+        StepOptions(),
+        "cuda" if fake_cuda else None,
+        torch.device(device),
     )
+    return Situation(step=step, allowed=set(allowed), exclude=exclude or {}, set_to_none=set_to_none, settings=None)
 
 
 def test_every_module_of_the_catalog_is_one_lever_in_the_list():
@@ -123,3 +122,46 @@ def test_a_reason_keeps_its_kind_through_the_recipes_json_and_old_json_still_rea
     # a hand-made recipe with bare sentences gets kinds too; a Reason survives a copy
     assert _recipe(set_to_none="the loop already calls zero_grad").left_out["set_to_none"].why is Why.ALREADY_ON
     assert read_reason(dataclasses.replace(recipe).left_out["amp"]).why is Why.OPT_IN
+
+
+def test_each_lever_writes_its_own_lines_into_the_snippet():
+    """A lever's snippet lines are its record's (``Lever.lines``): a recipe using it alone shows
+    each of them in a snippet that is valid Python, and a recipe without it shows none."""
+    import ast
+    import types
+
+    plan = types.SimpleNamespace(checkpointed={"h.0": None, "h.1": None}, use_cache_off=())
+    steps = {
+        "microbatch": StepOptions(micro_batches=2),
+        "offload": StepOptions(offload=True),
+        "amp": StepOptions(autocast="float16", grad_scaler=True),
+        "bf16": StepOptions(param_dtype="bfloat16"),
+        "foreach": StepOptions(foreach=True),
+        "8bit": StepOptions(optimizer_8bit=True),
+    }
+    for lever in catalog.ALL:
+        recipe = dataclasses.replace(
+            _recipe(),
+            levers=(lever.name,),
+            step=steps.get(lever.name, StepOptions()),
+            plan=plan if lever.name == "recompute" else None,
+            optimizer_type="AdamW",
+            allocator_conf="expandable_segments:True",
+        )
+        text = recipe.snippet()
+        ast.parse(text)
+        lines = lever.lines(recipe)
+        pieces = [
+            *lines.environment,
+            *lines.applied,
+            *([lines.optimizer] if lines.optimizer else []),
+            *lines.setup,
+            *lines.batch,
+            *([lines.backward] if lines.backward else []),
+            *lines.step,
+            *(lines.context or ()),
+        ]
+        for piece in pieces:
+            assert piece in text, f"{lever.name}: {piece!r} not in its snippet"
+            assert piece not in _recipe().snippet()
+    assert catalog.BY_NAME["recompute"].lines(_recipe()) == catalog.Lines()  # no plan: nothing to say

@@ -176,6 +176,46 @@ def test_a_checkpointed_region_keeps_bookkeeping_instead_of_saved_records():
     assert {b.nbytes for b in nodes} == {GRAPH_NODE_BYTES + CHECKPOINT_BYTES_PER_NODE} and len(nodes) == 20
 
 
+class _EveryOtherMatmul(nn.Module):
+    """Checkpoints its two linears with torchtitan's per-op policy: the first matmul's output
+    kept by the policy's own cache (MUST_SAVE), everything else recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+        counts = {False: 0, True: 0}  # forward's and recompute's matmuls, as torchtitan counts them
+
+        def policy(ctx, func, *args, **kwargs):
+            if func is not torch.ops.aten.mm.default:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+        def inner(t: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(t)))
+
+        return checkpoint(inner, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+
+
+def test_what_a_selective_checkpoint_policy_saves_is_an_activation():
+    # the policy keeps the first matmul's output in its own cache, which autograd's hooks never
+    # see: still an activation (saved for backward), not a temporary
+    torch.manual_seed(0)
+    model = _EveryOtherMatmul()
+    prof = memfit.profile(model, torch.randn(32, 64))
+    mm_out = 32 * 64 * 4
+    fwd = [b for b in prof.ledger.blocks if b.phase is Phase.FORWARD and b.nbytes == mm_out]
+    kept = [b for b in fwd if b.module == "a"]
+    assert len(kept) == 1 and kept[0].category is Category.ACTIVATION and kept[0].savers
+    assert prof.ledger.ticks[kept[0].died].phase is Phase.BACKWARD
+    # the second matmul's output is the model's output, which nothing saves
+    assert [b.category for b in fwd if b.module == "b"] == [Category.TEMPORARY]
+
+
 class _OwnCheckpoint(nn.Module):
     """Checkpoints its child itself, as transformers' gradient checkpointing does."""
 

@@ -229,3 +229,28 @@ def test_current_autograd_node_is_named_while_its_backward_runs():
     assert "GatherBackward0" in names
     ids = {n[0] for n in seen if n is not None and n[1] == "GatherBackward0"}
     assert len(ids) == 1  # one identity for all of the node's ops
+
+
+def test_selective_checkpoint_saves_reports_what_the_policy_keeps():
+    # a per-op policy keeps mm outputs (torchtitan's SAC keeps every other one); the kept
+    # tensors reach the callback, what it recomputes does not, and the class is restored
+    from torch.utils import checkpoint as ckpt
+
+    def policy(ctx, func, *args, **kwargs):
+        return ckpt.CheckpointPolicy.MUST_SAVE if func is torch.ops.aten.mm.default else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    seen = []
+    base = ckpt._VersionWrapper
+    with _torch_compat.selective_checkpoint_saves(lambda t: seen.append((tuple(t.shape), t.untyped_storage().data_ptr()))):
+        out = ckpt.checkpoint(
+            lambda a: torch.relu(a @ w).sum(),
+            x,
+            use_reentrant=False,
+            context_fn=lambda: ckpt.create_selective_checkpoint_contexts(policy),
+        )
+    assert ckpt._VersionWrapper is base
+    assert [s for s, _ in seen] == [(4, 8)]  # the mm's output only: relu and sum recompute
+    out.backward()
+    assert w.grad is not None

@@ -46,7 +46,20 @@ SCRIPT = textwrap.dedent(
     kept = Ledger([dataclasses.replace(b, nbytes=storage_bytes(b.nbytes, dev)) for b in c.blocks
                    if b.category is not Category.GRAPH], c.ticks)
     cublas = g.ledger.cublas_workspaces * g.ledger.cublas_workspace_bytes
+
+    def saved(ledger):
+        # activations by the op that made them, at the peak and over the step: the attention
+        # kernel's outputs differ by device (torchtitan's SAC saves CUDA's flash kernel's, not
+        # the CPU's), the matmuls' do not
+        t = ledger.peak_tick
+        acts = [b for b in ledger.blocks if b.category is Category.ACTIVATION]
+        live = [b for b in acts if b.born <= t and (b.died is None or b.died > t)]
+        op = lambda b: ledger.ticks[b.born].op if b.born >= 0 else ""
+        attention = sum(b.nbytes for b in live if op(b).startswith("_scaled_dot_product"))
+        return {"rest": sum(b.nbytes for b in live) - attention, "mm": sum(b.nbytes for b in acts if op(b) == "mm")}
+
     out = {
+        "cpu_saved": saved(kept), "gpu_saved": saved(g.ledger),
         "device": g.device, "meta": g.meta,
         "expected": kept.peak_bytes + cublas, "allocated": g.allocated_peak_bytes, "reserved": g.reserved_peak_bytes,
         "cpu_at_peak": {k.value: v for k, v in kept.breakdown().items()},
@@ -76,6 +89,7 @@ def result(titan, shim_cache, tmp_path_factory) -> dict:
     script.write_text(SCRIPT)
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
     done = subprocess.run(
         [sys.executable, str(script), json.dumps(SIZES), *EAGER], env=env, capture_output=True, text=True, timeout=1200
     )
@@ -95,11 +109,17 @@ def test_builds_torchtitans_own_step(result):
 
 def test_allocated_peak_is_the_cpu_ledger_in_cuda_terms(result):
     cpu, gpu = result["cpu_at_peak"], result["gpu_at_peak"]
-    # at the peak every category but the attention kernels' temporaries and workspaces is the
-    # same on both devices, to the byte (CUDA's flash/efficient kernels against the CPU's own)
+    # at the peak every category but the attention kernels' temporaries, workspaces and saved
+    # outputs is the same on both devices, to the byte (CUDA's flash/efficient kernels against
+    # the CPU's own)
     for category in cpu:
-        if category not in ("temporaries", "kernel_workspace"):
+        if category not in ("temporaries", "kernel_workspace", "activations"):
             assert gpu[category] == cpu[category], category
+    cs, gs = result["cpu_saved"], result["gpu_saved"]
+    assert gs["rest"] == cs["rest"]
+    # what torchtitan's per-op SAC keeps in its own cache (every other matmul's output) is an
+    # activation, on both devices
+    assert gs["mm"] == cs["mm"] > 0
     assert gpu["kernel_workspace"] >= result["cublas"] > 0
     assert abs(result["allocated"] - result["expected"]) <= 0.005 * result["expected"]
     assert result["reserved"] >= result["allocated"]
@@ -115,6 +135,11 @@ def test_cli_names_peaks_as_torchtitan_logs_them(result):
         gib = f"{r['reserved_peak_bytes'] / 2**30:.2f}"
         assert f"rank {r['rank']} as torchtitan logs it:" in cli["stdout"]
         assert f"memory/max_reserved(GiB) {gib}" in " ".join(cli["stdout"].split())
+    # under default allocator settings, where torchtitan's launcher sets expandable segments: said
+    said = (
+        "run_train.sh runs with PYTORCH_ALLOC_CONF=expandable_segments:True; these peaks are under the default allocator settings"
+    )
+    assert said in " ".join(cli["stdout"].split())
 
 
 def _one_line_error(args: list[str], capsys) -> str:

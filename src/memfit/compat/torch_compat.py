@@ -33,6 +33,7 @@ __all__ = [
     "python_decomposition",
     "AllocationTrace",
     "current_autograd_node",
+    "selective_checkpoint_saves",
 ]
 
 
@@ -459,3 +460,30 @@ def current_autograd_node() -> tuple[int, str] | None:
     no reference to it is kept here (that would keep its saved tensors alive)."""
     node = torch._C._current_autograd_node()
     return None if node is None else (id(node), node.name())
+
+
+@contextmanager
+def selective_checkpoint_saves(on_save: Any) -> Iterator[None]:
+    """Call ``on_save(tensor)`` for each op output a selective-checkpoint policy keeps for
+    backward (``CheckpointPolicy.MUST_SAVE`` or ``PREFER_SAVE``, torchtitan's per-op SAC
+    among them). Those outputs are kept by the policy's own cache, not through autograd's
+    saved-tensor hooks (``torch.utils.checkpoint`` installs its own above any others), so a
+    recorder's hooks never see them. The cache wraps each kept tensor in
+    ``torch.utils.checkpoint._VersionWrapper`` (its version check), made once per kept
+    output in the original forward only; while this context is open that class is a
+    subclass that tells ``on_save`` first."""
+    from torch.utils import checkpoint
+
+    base = checkpoint._VersionWrapper
+
+    class Reporting(base):  # type: ignore[misc,valid-type]
+        def __init__(self, val: Any) -> None:
+            super().__init__(val)
+            if isinstance(val, torch.Tensor):
+                on_save(val)
+
+    checkpoint._VersionWrapper = Reporting  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        checkpoint._VersionWrapper = base  # type: ignore[attr-defined]

@@ -68,8 +68,9 @@ from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanE
 from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
 from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
+from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
-from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, check_step, model_cuda_memory, run_step
+from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, model_cuda_memory, run_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_device, real_sandbox
 from memfit.measure.scope import Scope
@@ -80,15 +81,12 @@ from memfit.plan.candidates import DeviceRates
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan, fingerprint
 from memfit.recompute.cache import switched_off
-from memfit.recompute.checkpoint import applied_choices, apply_choices, remove, unwrap
+from memfit.recompute.checkpoint import applied_choices, apply_choices, remove
 from memfit.units import format_bytes
 from memfit.workload import (
     batch_size_of,
-    check_arguments,
-    default_optimizer,
     join_inputs,
     split_batch,
-    split_inputs,
 )
 
 __all__ = ["fit", "parse_allow", "fit_budget", "EXACT_LEVERS", "OPT_IN_LEVERS"]
@@ -699,27 +697,15 @@ def _situation(
         raise PlanError(
             f"fit can exclude the levers 'microbatch', 'offload' and 'set_to_none', not {', '.join(map(repr, unknown))}"
         )
-    check_arguments(model, optimizer, loss_fn, targets)
-    model = unwrap(model)
-    if applied_choices(model) is not None:
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, targets=targets, unwrapped=True)
+    if applied_choices(the.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before fitting it")
-    args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs, targets)
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     return Situation(
-        model=model,
-        args=args,
-        kwargs=kwargs,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        targets=targets,
-        device=device,
+        step=the,
         allowed=allowed,
         exclude=exclude,
         set_to_none=set_to_none,
-        fake_cuda=fake_cuda,
-        settings=allocator_settings_from_env() if device.type == "cuda" or fake_cuda else None,
+        settings=allocator_settings_from_env() if the.cuda else None,
     )
 
 

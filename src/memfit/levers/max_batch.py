@@ -32,13 +32,12 @@ from memfit.compat import optim8bit
 from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.levers.fit import fit, fit_budget, parse_allow
 from memfit.levers.recipe import Recipe
-from memfit.measure.profile import Progress, check_step, fake_peaks
-from memfit.measure.sandbox import fake_device
+from memfit.measure.checked import checked_step
+from memfit.measure.profile import Progress, fake_peaks
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
-from memfit.recompute.checkpoint import unwrap
 from memfit.units import format_bytes
-from memfit.workload import batch_size_of, check_arguments, default_optimizer, resize_batch, resize_targets, split_inputs
+from memfit.workload import batch_size_of, resize_batch, resize_targets
 
 if TYPE_CHECKING:
     from memfit.levers.recipe import RankRecipe
@@ -248,20 +247,16 @@ def max_batch(
     allowed = parse_allow(allow)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
-    check_arguments(model, optimizer, loss_fn, targets)
-    model = unwrap(model)
-    args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs, targets)
-    example = batch_size_of(args, kwargs)
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, targets=targets, unwrapped=True)
+    model, optimizer, device = the.model, the.optimizer, the.device
+    example = batch_size_of(the.args, the.kwargs)
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
-    fake_cuda = fake_device(fake) == "cuda"
+    fake_cuda = the.fake_cuda
     if fake and not fake_cuda:
         raise WorkloadError("max_batch runs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
-    cuda = device.type == "cuda" or fake_cuda
+    cuda = the.cuda
     on = "cuda" if fake_cuda else True
 
     variants = {"": StepOptions()}
@@ -394,15 +389,12 @@ def largest_batch(
             or ladder != sorted(set(ladder))
         ):
             raise WorkloadError(f"ladder must be batch sizes, positive integers in increasing order, got {ladder!r}")
-    check_arguments(model, optimizer, loss_fn, targets)
-    args, kwargs = split_inputs(inputs)
-    check_step(unwrap(model), args, kwargs, targets)
-    example = batch_size_of(args, kwargs)
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
+    optimizer = the.optimizer
+    example = batch_size_of(the.args, the.kwargs)
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    on = "cuda" if fake_device(fake) == "cuda" else True
+    on = "cuda" if the.fake_cuda else True
 
     with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as peak_at:
 

@@ -200,42 +200,53 @@ class Recipe:
         )
         if self.predicted_step_time_s is not None:
             head += f", {self.predicted_step_time_s:.3f} s/step"
+        parts = [catalog.BY_NAME[lever].lines(self) for lever in self.levers]
+        environment = [line for p in parts for line in p.environment]
         if self.levers == ("expandable_segments",):
-            return f"{head}\n{self._environment_line()}\n# nothing else changes: keep your training loop\n"
+            return "\n".join([head, *environment, "# nothing else changes: keep your training loop"]) + "\n"
         if not self.levers:
             return f"{head}\n# the step fits as it is: keep your training loop unchanged\n"
-        k = self.step.micro_batches
-        name = "micro" if k > 1 else "batch"
-        call = {"tensor": f"model({name})", "args": f"model(*{name})", "kwargs": f"model(**{name})"}[self.inputs_kind]
-        scaler = self.step.grad_scaler
+        applied = "; ".join(words for p in parts for words in p.applied)
+        optimizer = "; ".join(p.optimizer for p in parts if p.optimizer)
         lines = [
             head,
-            *([self._environment_line()] if "expandable_segments" in self.levers else []),
+            *environment,
             f'recipe = memfit.Recipe.from_json(open("{path}").read())',
-            "run = memfit.apply_recipe(recipe, model, optimizer)  # in place" + self._apply_comment(),
-            "optimizer = run.optimizer" + self._optimizer_comment(),
+            "run = memfit.apply_recipe(recipe, model, optimizer)  # in place" + (f": {applied}" if applied else ""),
+            "optimizer = run.optimizer" + (f"  # {optimizer}" if optimizer else ""),
+            *(line for p in parts for line in p.setup),
         ]
-        if scaler:
-            lines.append("scaler = run.scaler  # torch.amp.GradScaler for float16")
         loop = "batch, targets" if self.targets else "batch"
         lines.append(f"for {loop} in loader:  # batch: inputs like the ones memfit measured")
-        if k > 1 and self.targets:
-            lines.append(
-                f"    for micro, micro_targets in run.split(batch, targets):  # {k} micro-batches" + self._batch_comment()
-            )
-            indent = "        "
-        elif k > 1:
-            lines.append(f"    for micro in run.split(batch):  # {k} micro-batches" + self._batch_comment())
-            indent = "        "
-        else:
-            if "bf16" in self.levers:
-                lines.append("    batch = run.cast(batch)  # floating-point inputs to bfloat16, like the parameters")
-            indent = "    "
+        indent = self._micro_batches(lines, parts)
+        lines += self._forward(indent, parts)
+        lines.append(f"{indent}{next((p.backward for p in parts if p.backward), 'loss.backward()')}")
+        lines += [f"    {line}" for line in next((p.step for p in parts if p.step), ("optimizer.step()",))]
+        lines.append(f"    optimizer.zero_grad(set_to_none={self.step.set_to_none})")
         if self.default_loss:
-            forward = f"loss = default_loss({call})"
             lines.insert(
                 1, "from memfit.workload import default_loss  # what memfit measured: output.loss, else the output's sum"
             )
+        return "\n".join(lines) + "\n"
+
+    def _micro_batches(self, lines: list[str], parts: list[catalog.Lines]) -> str:
+        """The loop over micro-batches (or the levers' lines on each whole batch); the indent inside."""
+        k = self.step.micro_batches
+        if k == 1:
+            lines += [f"    {line}" for p in parts for line in p.batch]
+            return "    "
+        words = f" of {self.batch_size // k}" + "".join(p.micro_batch for p in parts) if self.batch_size else ""
+        split = "micro, micro_targets in run.split(batch, targets)" if self.targets else "micro in run.split(batch)"
+        lines.append(f"    for {split}:  # {k} micro-batches{words}")
+        return "        "
+
+    def _forward(self, indent: str, parts: list[catalog.Lines]) -> list[str]:
+        """The forward and the loss, in the contexts the levers ask for."""
+        k = self.step.micro_batches
+        name = "micro" if k > 1 else "batch"
+        call = {"tensor": f"model({name})", "args": f"model(*{name})", "kwargs": f"model(**{name})"}[self.inputs_kind]
+        if self.default_loss:
+            forward = f"loss = default_loss({call})"
         elif self.targets:
             forward = f"loss = loss_fn({call}, {'micro_targets' if k > 1 else 'targets'})"
         else:
@@ -243,57 +254,11 @@ class Recipe:
         if k > 1:
             forward += f" * {self.loss_scale:g}"
             forward += "  # gradients add up to the full batch's" + (" mean" if self.loss_scale != 1 else "")
-        contexts = []
-        if self.step.autocast:
-            contexts.append(("run.autocast()", f"torch.autocast(dtype=torch.{self.step.autocast})"))
-        if self.step.offload:
-            contexts.append(("run.offload()", "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
-        if contexts:
-            with_ = ", ".join(c for c, _ in contexts)
-            lines.append(f"{indent}with {with_}:  # {'; '.join(w for _, w in contexts)}")
-            lines.append(f"{indent}    {forward}")
-        else:
-            lines.append(f"{indent}{forward}")
-        lines.append(f"{indent}{'scaler.scale(loss).backward()' if scaler else 'loss.backward()'}")
-        if scaler:
-            lines += ["    scaler.step(optimizer)", "    scaler.update()"]
-        else:
-            lines.append("    optimizer.step()")
-        lines.append(f"    optimizer.zero_grad(set_to_none={self.step.set_to_none})")
-        return "\n".join(lines) + "\n"
-
-    def _environment_line(self) -> str:
-        """The allocator setting the recipe's peak assumes: an environment variable, read when
-        CUDA's allocator starts, so it is set before the training script runs."""
-        return (
-            f"# run the training script with the environment line PYTORCH_CUDA_ALLOC_CONF={self.allocator_conf} "
-            "(the allocator reads it when CUDA starts)"
-        )
-
-    def _optimizer_comment(self) -> str:
-        if "8bit" in self.levers:
-            return (
-                f"  # a new bitsandbytes {self.optimizer_type}8bit: same parameters and hyperparameters, "
-                "state from its first step (build any LR scheduler on it)"
-            )
-        if "foreach" in self.levers:
-            return "  # the same object, foreach flag set"
-        return ""
-
-    def _apply_comment(self) -> str:
-        parts = []
-        if self.plan is not None and self.plan.checkpointed:
-            n = len(self.plan.checkpointed)
-            off = " with use_cache=False while training" if self.plan.use_cache_off else ""
-            parts.append(f"recompute {n} module{'s' if n != 1 else ''}{off} (memfit.remove(model) undoes it)")
-        if "bf16" in self.levers:
-            parts.append("parameters cast to bfloat16")
-        return ": " + "; ".join(parts) if parts else ""
-
-    def _batch_comment(self) -> str:
-        if self.batch_size:
-            return f" of {self.batch_size // self.step.micro_batches}" + (", cast to bfloat16" if "bf16" in self.levers else "")
-        return ""
+        contexts = [p.context for p in parts if p.context is not None]
+        if not contexts:
+            return [f"{indent}{forward}"]
+        with_ = ", ".join(c for c, _ in contexts)
+        return [f"{indent}with {with_}:  # {'; '.join(w for _, w in contexts)}", f"{indent}    {forward}"]
 
     # -- JSON ---------------------------------------------------------------------------------
 

@@ -26,9 +26,10 @@ from torch import nn
 
 from memfit.compat import bnb4bit, optim8bit
 from memfit.cuda import gpu as gpus
-from memfit.cuda.allocator import AllocatorSettings
+from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import determinism, workspace
+from memfit.measure.checked import Step, check_step, checked_step
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, Recorder
 from memfit.measure.replay import replay_training
@@ -38,7 +39,7 @@ from memfit.measure.step import StepOptions
 from memfit.recompute.cache import turned_off
 from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
-from memfit.workload import check_arguments, default_optimizer, model_device, split_inputs, split_micro_batches
+from memfit.workload import split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
 
@@ -115,9 +116,18 @@ class CudaMemory:
 
 
 def allocator_settings_from_env() -> AllocatorSettings:
-    """``PYTORCH_CUDA_ALLOC_CONF`` as the step's process has it: read once, where a CUDA step
-    starts (a bad value is a one-line :class:`~memfit.cuda.allocator.AllocatorConfigError`)."""
-    return AllocatorSettings.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    """The caching allocator's settings as the step's process has them: read once, where a CUDA
+    step starts (a bad value is a one-line :class:`~memfit.cuda.allocator.AllocatorConfigError`).
+    ``PYTORCH_CUDA_ALLOC_CONF``, or else ``PYTORCH_ALLOC_CONF``, torch's device-generic name
+    (torch reads either; torchtitan's ``run_train.sh`` sets ``PYTORCH_ALLOC_CONF=expandable_segments:True``).
+    Both set and different is refused: torch takes some options from one and some from the other."""
+    cuda, generic = os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF")
+    if cuda and generic and cuda != generic:
+        raise AllocatorConfigError(
+            f"PYTORCH_CUDA_ALLOC_CONF={cuda!r} and PYTORCH_ALLOC_CONF={generic!r} differ: "
+            "torch reads some options from each, which memfit does not model; set one of them"
+        )
+    return AllocatorSettings.parse(cuda or generic)
 
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:
@@ -323,28 +333,6 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_devices(model: nn.Module, args: tuple, kwargs: dict, targets: Any) -> torch.device:
-    from torch.utils._pytree import tree_flatten
-
-    device = model_device(model)
-    for what, tree in (("an input is", (args, kwargs)), ("the targets are", targets)):
-        leaves, _ = tree_flatten(tree)
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.device != device:
-                raise WorkloadError(f"{what} on {t.device} but the model is on {device}; move them to one device")
-    return device
-
-
-def check_step(model: nn.Module, args: tuple, kwargs: dict, targets: Any = None) -> torch.device:
-    """Refuse a step that cannot run before running anything: the model on several devices,
-    on meta, or on another one than its inputs or targets, or nothing to train. Returns the
-    model's device."""
-    device = _check_devices(model, args, kwargs, targets)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise WorkloadError("the model has no parameter that requires grad: there is no training step to measure")
-    return device
-
-
 def run_step(sandbox: Sandbox, scope: Scope, loss_fn: Any, on_phase: Callable[[Phase], None] | None = None) -> None:
     """One step on the sandbox, turning a failing forward into a ForwardError that names
     the module that raised."""
@@ -464,9 +452,8 @@ def profile(
             "the step against another memory size"
         )
     with _simulated(spec):
-        prof = profile_step(
-            model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, progress=progress, step=step, targets=targets
-        )
+        the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
+        prof = profile_step(the, progress=progress)
     if capacity_bytes is not None:
         prof.device_fit = _device_fit(prof, capacity_bytes, spec)
     return prof
@@ -512,62 +499,20 @@ def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None =
     )
 
 
-def _checked(
-    model: nn.Module,
-    inputs: Any,
-    loss_fn: Any,
-    optimizer: torch.optim.Optimizer | None,
-    fake: bool | str,
-    step: StepOptions | None,
-    targets: Any,
-) -> tuple[str | None, StepOptions, tuple, dict, torch.device, torch.device, torch.optim.Optimizer]:
-    """The step's arguments checked before anything runs: where the step runs
-    (:func:`fake_device`), its options, inputs split, the model's device and the step's
-    (fake CUDA: ``cuda:0``), and the optimizer (memfit's default when none is given)."""
-    check_arguments(model, optimizer, loss_fn, targets)
-    where = fake_device(fake)
-    if step is not None and not isinstance(step, StepOptions):
-        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
-    options = step or StepOptions()
-    args, kwargs = split_inputs(inputs)
-    device = check_step(model, args, kwargs, targets)
-    step_device = torch.device("cuda", 0) if where == "cuda" else device
-    if options.offload and step_device.type != "cuda":
-        raise WorkloadError(
-            f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
-            f"{step_device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
-        )
-    split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    return where, options, args, kwargs, device, step_device, optimizer
-
-
-def profile_step(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    optimizer: torch.optim.Optimizer | None,
-    fake: bool | str,
-    progress: Progress | None,
-    step: StepOptions | None,
-    warm: bool = False,
-    targets: Any = None,
-) -> Profile:
-    """:func:`profile`; with ``warm``, a real profile skips its warm-up step when the
-    optimizer has state already and the process has run the step (the planner profiles
-    inside its verifier's sandbox, whose first step was that warm-up)."""
-    where, options, args, kwargs, device, step_device, optimizer = _checked(
-        model, inputs, loss_fn, optimizer, fake, step, targets
-    )
-    fake = where is not None
+def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = False) -> Profile:
+    """:func:`profile` of a checked step; with ``warm``, a real profile skips its warm-up step
+    when the optimizer has state already and the process has run the step (the planner
+    profiles inside its verifier's sandbox, whose first step was that warm-up)."""
+    model, loss_fn, options, device, step_device = step.model, step.loss_fn, step.options, step.device, step.step_device
+    fake = step.fake
     settings = allocator_settings_from_env() if step_device.type == "cuda" else None
     report = progress or (lambda desc, done, total: None)
     total = 2 if fake else 3
 
     with ExitStack() as stack:
-        box = stack.enter_context(step_sandbox(where, model, args, kwargs, optimizer, step=options, targets=targets))
+        box = stack.enter_context(
+            step_sandbox(step.where, model, step.args, step.kwargs, step.optimizer, step=options, targets=step.targets)
+        )
         scope = stack.enter_context(Scope(box.model))
         clock = Clock(device)
         if not box.optimizer.state or not (fake or warm):
@@ -656,13 +601,14 @@ def fake_peaks(
     not hold, a step that leaves behind other bytes than it found or starts from other bytes
     than the first did (a module keeping a tensor sized by the batch), the answer is a
     fresh profile's, so it is always what :func:`profile` would say."""
-    where, options, args, kwargs, _, step_device, optimizer = _checked(model, inputs, loss_fn, optimizer, fake, step, targets)
-    if where is None:
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
+    if not the.fake:
         raise WorkloadError("fake_peaks records fake copies of the step: give fake=True or 'cuda', not False")
-    settings = allocator_settings_from_env() if step_device.type == "cuda" else None
+    options, optimizer = the.options, the.optimizer
+    settings = allocator_settings_from_env() if the.cuda else None
     steady: list[tuple[int, int]] = []  # the first recorded step's held bytes: a fresh profile's
     with ExitStack() as stack:
-        box = stack.enter_context(step_sandbox(where, model, args, kwargs, optimizer, step=options, targets=targets))
+        box = stack.enter_context(step_sandbox(the.where, model, the.args, the.kwargs, optimizer, step=options, targets=targets))
         scope = stack.enter_context(Scope(box.model))
 
         def peak(batch: Any, labels: Any = None) -> int:

@@ -505,6 +505,15 @@ class Recorder(TorchDispatchMode):
             self._saved[id(alias)] = self._add_graph(GRAPH_SAVED_BYTES, self.scope.module or "")
         return alias
 
+    def _policy_saved(self, t: torch.Tensor) -> None:
+        """A selective-checkpoint policy kept ``t`` for backward in its own cache (torchtitan's
+        per-op SAC keeps every other matmul's output so): an activation, as what autograd's
+        hooks save is, though those hooks never see it."""
+        s = _storage(t)
+        idx = self._live.get(id(s)) if s is not None else None
+        if idx is not None:
+            self.records[idx].savers.setdefault(self.scope.module or "", None)
+
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         idx = self._saved.pop(id(t), None)
         if idx is not None and not self._closed:
@@ -739,6 +748,8 @@ class Recorder(TorchDispatchMode):
         self._hooks_pack = self._pack  # one bound method object, to recognise it on the hooks' stack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._hooks_pack, self._unpack)
         self._hooks.__enter__()
+        self._policy_saves = torch_compat.selective_checkpoint_saves(self._policy_saved)
+        self._policy_saves.__enter__()
         self._resizes = _distributed.tracking_resize(self._on_resize)
         self._resizes.__enter__()
         self._recording = True
@@ -753,6 +764,7 @@ class Recorder(TorchDispatchMode):
             self._recording = False
             if self._gc_was_enabled:
                 gc.enable()
+            self._policy_saves.__exit__(*exc)
             self._hooks.__exit__(*exc)
             if self._trace is not None:
                 self._trace.__exit__(*exc)

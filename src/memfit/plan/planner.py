@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from memfit.cuda.allocator import AllocatorSettings
-from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
+from memfit.errors import BudgetInfeasibleError, PlanError
 from memfit.measure.cache_check import real_switch_check
+from memfit.measure.checked import checked_step
 from memfit.measure.inputs import input_bytes
 from memfit.measure.ledger import Category
-from memfit.measure.profile import Profile, Progress, check_step, model_cuda_memory, profile_step
-from memfit.measure.sandbox import fake_device
+from memfit.measure.profile import Profile, Progress, model_cuda_memory, profile_step
 from memfit.measure.step import StepOptions
 from memfit.measure.timing import NOISY_STEPS, selective_overhead_s
 from memfit.measure.verify import RecomputeFailed, Run, Verifier, step_verifier
@@ -40,9 +40,8 @@ from memfit.plan.candidates import DeviceRates, Option, build_candidates, leaf_s
 from memfit.plan.result import Choice, Plan, fingerprint
 from memfit.plan.solver import Problem, Solution
 from memfit.recompute import cache
-from memfit.recompute.checkpoint import applied_choices, unwrap
+from memfit.recompute.checkpoint import applied_choices
 from memfit.units import format_bytes
-from memfit.workload import check_arguments, default_optimizer, split_inputs
 
 __all__ = [
     "plan",
@@ -180,17 +179,23 @@ def plan(
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
-    check_arguments(model, optimizer, loss_fn, targets)
-    fake_device(_profile_fake(profile) if profile is not None else fake)  # fake CUDA unavailable: say so before any work
-    # A compiled or DDP-wrapped model is planned as the module inside: the plan names its
-    # modules, and memfit.apply accepts the wrapper or the module alike.
-    model = unwrap(model)
+    # Before anything runs: fake CUDA unavailable, inputs on another device (with a profile
+    # given, nothing else would check them), no trainable parameters. A compiled or
+    # DDP-wrapped model is planned as the module inside: the plan names its modules, and
+    # memfit.apply accepts the wrapper or the module alike.
+    the = checked_step(
+        model,
+        inputs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        fake=_profile_fake(profile) if profile is not None else fake,
+        options=step,
+        targets=targets,
+        unwrapped=True,
+    )
+    model, args, kwargs, optimizer = the.model, the.args, the.kwargs, the.optimizer
     if applied_choices(model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
-    args, kwargs = split_inputs(inputs)
-    # Before anything runs (with a profile given, nothing else would check the inputs'
-    # device; without trainable parameters the default optimizer fails obscurely).
-    check_step(model, args, kwargs, targets)
     if profile is not None and not set(profile.modules) <= {name for name, _ in model.named_modules()}:
         raise PlanError(
             f"the profile was made for another model ({profile.model_type}, module names that this "
@@ -206,8 +211,6 @@ def plan(
             f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
             f"{_step_input_bytes(profile, args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
         )
-    if step is not None and not isinstance(step, StepOptions):
-        raise WorkloadError(f"step must be a memfit.StepOptions, got {type(step).__name__}")
     if profile is not None and step is not None and profile.step != step:
         raise PlanError(f"the profile measured another step ({profile.step}) than step= asks ({step}); pass one of them")
     options = step or (profile.step if profile is not None else StepOptions())
@@ -216,8 +219,6 @@ def plan(
             "an inference step saves nothing for backward, so recomputing frees nothing: plan the training step "
             "(a profile without StepOptions(inference=True))"
         )
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
     report = progress or (lambda desc, done, total: None)
     excluded: dict[str, str] = {}
     with ExitStack() as closing:
@@ -266,24 +267,12 @@ def plan(
             # KV cache on) while the plans' step runs with the cache off: that step on a fake
             # copy (kernel workspaces from the saved profile), timed by the saved profile's
             # measurements: the cache changes what the step keeps, not what it computes.
-            fake_prof = profile_step(
-                model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=True, progress=progress, step=options, targets=targets
-            )
+            fake_prof = profile_step(the.on(True, options), progress=progress)
             prof = _timed_like(fake_prof, profile)
         else:
             # (a profile given was measured with the cache on: memfit.profile measures the
             # step as it is; the plan's step runs with it off, and is measured so)
-            prof = profile_step(
-                model,
-                inputs,
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                fake=on_fake,
-                progress=progress,
-                step=options,
-                warm=True,
-                targets=targets,
-            )
+            prof = profile_step(the.on(on_fake, options), progress=progress, warm=True)
 
         if on_profile is not None:
             on_profile(prof)
@@ -540,9 +529,7 @@ def _none_allocated(prof: Profile) -> int:
     return _none_peak(prof, "allocated_peak_bytes")
 
 
-def _fit(
-    problem: Problem, verifier: Verifier, target: int, none: Run, low: tuple[list[Option], Run]
-) -> tuple[list[Option], Run]:
+def _fit(problem: Problem, verifier: Verifier, target: int, none: Run, low: tuple[list[Option], Run]) -> tuple[list[Option], Run]:
     """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
     step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
     leaves the unplanned step's reserved-over-allocated gap, and each run's overshoot

@@ -207,6 +207,17 @@ def _titan_lines(ranks: RankProfiles, names: dict[str, str], console: Console) -
             parts.append(f"{escape(names[kind])} {value / 2**30:.2f}{pct}")
         if parts:
             console.print(f"rank {r} as torchtitan logs it: " + ", ".join(parts))
+    cuda = next(iter(ranks.profiles.values())).cuda_memory
+    if cuda is not None and not cuda.settings.expandable_segments:
+        # torchtitan's launcher sets it: a reserved peak under other settings is not its job's
+        console.print(
+            "torchtitan's run_train.sh runs with PYTORCH_ALLOC_CONF=expandable_segments:True; these peaks are under "
+            f"{_settings_named(cuda.settings.describe())}: run memfit with that line to predict its job's reserved peak"
+        )
+
+
+def _settings_named(conf: str) -> str:
+    return f"PYTORCH_ALLOC_CONF={escape(conf)}" if conf else "the default allocator settings"
 
 
 def _step_time_line(profile: Profile, console: Console) -> None:

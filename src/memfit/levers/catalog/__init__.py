@@ -21,9 +21,9 @@ from memfit.levers.catalog import (
     recompute,
     set_to_none,
 )
-from memfit.levers.catalog.base import Combo, Lever, Reason, Situation, Why
+from memfit.levers.catalog.base import Combo, Lever, Lines, Reason, Situation, Why
 
-__all__ = ["ALL", "BY_NAME", "EXACT", "OPT_IN", "Combo", "Lever", "Reason", "Situation", "Why"]
+__all__ = ["ALL", "BY_NAME", "EXACT", "OPT_IN", "Combo", "Lever", "Lines", "Reason", "Situation", "Why"]
 
 ALL: tuple[Lever, ...] = (
     recompute.LEVER,

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from memfit.cuda.allocator import AllocatorSettings
+from memfit.measure.checked import Step
 from memfit.measure.step import StepOptions
 from memfit.plan.result import Plan
 
-__all__ = ["Why", "Reason", "Combo", "Situation", "Lever"]
+__all__ = ["Why", "Reason", "Combo", "Situation", "Lever", "Lines"]
 
 
 class Why(enum.Enum):
@@ -82,34 +82,55 @@ class Situation:
     def __init__(
         self,
         *,
-        model: nn.Module,
-        args: tuple,
-        kwargs: dict,
-        loss_fn: Any,
-        optimizer: torch.optim.Optimizer,
-        targets: Any,
-        device: torch.device,
+        step: Step,
         allowed: set[str],
         exclude: Mapping[str, str],
         set_to_none: bool,
-        fake_cuda: bool,
         settings: AllocatorSettings | None,
     ) -> None:
-        self.model, self.args, self.kwargs = model, args, kwargs
-        self.loss_fn, self.optimizer, self.targets = loss_fn, optimizer, targets
-        self.device = device
+        self.step = step
+        # the step's parts, as the levers read them
+        self.model, self.args, self.kwargs = step.model, step.args, step.kwargs
+        self.loss_fn, self.optimizer, self.targets = step.loss_fn, step.optimizer, step.targets
+        self.device = step.device
         self.allowed = allowed
         self.exclude = dict(exclude)
         self.set_to_none = set_to_none
         """What the training loop calls now: ``zero_grad(set_to_none=...)``."""
-        self.fake_cuda = fake_cuda
-        self.cuda = device.type == "cuda" or fake_cuda
+        self.fake_cuda = step.fake_cuda
+        self.cuda = step.cuda
         self.settings = settings
         """On CUDA (real or fake): the process's allocator settings (``PYTORCH_CUDA_ALLOC_CONF``), which
         peaks are judged under; None elsewhere."""
         self.probes: dict[str, Any] = {}
         """What a lever measured on the real step to judge it, kept for the search (the micro-batch
         lever's loss scales): probed once."""
+
+
+@dataclass(frozen=True)
+class Lines:
+    """What one lever writes into a recipe's snippet, place by place in the training loop;
+    :meth:`memfit.Recipe.snippet` puts the levers' pieces into the loop in recipe order (the
+    loop itself, micro-batches and ``zero_grad`` included, is the step's, written there)."""
+
+    environment: tuple[str, ...] = ()
+    """Lines on how the training script is started (an environment variable)."""
+    applied: tuple[str, ...] = ()
+    """Words on what ``memfit.apply_recipe`` did to the model."""
+    optimizer: str = ""
+    """Words on ``optimizer = run.optimizer``."""
+    setup: tuple[str, ...] = ()
+    """Lines after the optimizer, before the loop."""
+    batch: tuple[str, ...] = ()
+    """Lines at the top of each batch (when it is not cut into micro-batches)."""
+    micro_batch: str = ""
+    """Words on each micro-batch."""
+    context: tuple[str, str] | None = None
+    """``(expression, its words)``: a context the forward and the loss run in."""
+    backward: str = ""
+    """The backward line, instead of ``loss.backward()``."""
+    step: tuple[str, ...] = ()
+    """The optimizer's step lines, instead of ``optimizer.step()``."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,8 @@ class Lever:
     """It in a recipe's summary, from the step, the plan and the optimizer's type name."""
     field: str = ""
     """The :class:`Combo` field its settings go to."""
+    lines: Callable[[Any], Lines] = lambda recipe: Lines()
+    """What it writes into a recipe's snippet (:meth:`memfit.Recipe.snippet`), given the recipe."""
     cuda_only: bool = False
     """Named only for a CUDA step (real or fake): elsewhere it is not a lever at all."""
     allows: Callable[[Combo], bool] = lambda combo: True

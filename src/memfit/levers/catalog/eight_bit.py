@@ -4,7 +4,7 @@ AdamW / Adam. Changes the numerics (quantised state): weighed only when allowed.
 from __future__ import annotations
 
 from memfit.compat import optim8bit
-from memfit.levers.catalog.base import Lever, Reason, Why, opt_in
+from memfit.levers.catalog.base import Lever, Lines, Reason, Why, opt_in
 
 
 def _settings(s):
@@ -23,6 +23,10 @@ LEVER = Lever(
     step=lambda combo, s: {"optimizer_8bit": combo.eight_bit},
     words=lambda step, plan, optimizer_type: f"8-bit {optimizer_type or 'optimizer'} state (bitsandbytes)",
     field="eight_bit",
+    lines=lambda recipe: Lines(
+        optimizer=f"a new bitsandbytes {recipe.optimizer_type}8bit: same parameters and hyperparameters, "
+        "state from its first step (build any LR scheduler on it)"
+    ),
     # foreach is a flag of torch's optimizers: the 8-bit one (bitsandbytes') has none
     allows=lambda combo: not (combo.eight_bit and combo.foreach is not None),
 )

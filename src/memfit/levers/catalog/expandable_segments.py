@@ -4,7 +4,7 @@ allocator, so not a lever at all (nor named) off CUDA."""
 
 from __future__ import annotations
 
-from memfit.levers.catalog.base import Lever, Reason, Why
+from memfit.levers.catalog.base import Lever, Lines, Reason, Why
 
 
 def _settings(s):
@@ -25,5 +25,12 @@ LEVER = Lever(
     step=lambda combo, s: {},
     words=lambda step, plan, optimizer_type: "expandable_segments:True",
     field="expandable",
+    # an environment variable, read when CUDA's allocator starts: set before the training script runs
+    lines=lambda recipe: Lines(
+        environment=(
+            f"# run the training script with the environment line PYTORCH_CUDA_ALLOC_CONF={recipe.allocator_conf} "
+            "(the allocator reads it when CUDA starts)",
+        )
+    ),
     cuda_only=True,
 )

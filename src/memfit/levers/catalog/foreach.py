@@ -4,7 +4,7 @@ temporaries differ. Changes the numerics (another summation order): weighed only
 from __future__ import annotations
 
 from memfit.compat import torch_compat
-from memfit.levers.catalog.base import Lever, Reason, Why, opt_in
+from memfit.levers.catalog.base import Lever, Lines, Reason, Why, opt_in
 
 
 def _settings(s):
@@ -28,4 +28,5 @@ LEVER = Lever(
     step=lambda combo, s: {"foreach": combo.foreach},
     words=lambda step, plan, optimizer_type: f"{optimizer_type or 'optimizer'} foreach={step.foreach}",
     field="foreach",
+    lines=lambda recipe: Lines(optimizer="the same object, foreach flag set"),
 )

@@ -5,7 +5,7 @@ cannot run with it leaves it out with that reason."""
 
 from __future__ import annotations
 
-from memfit.levers.catalog.base import Lever, Reason, Why
+from memfit.levers.catalog.base import Lever, Lines, Reason, Why
 
 
 def _settings(s):
@@ -37,4 +37,5 @@ LEVER = Lever(
     step=lambda combo, s: {"offload": combo.offload},
     words=lambda step, plan, optimizer_type: "activations offloaded to host memory",
     field="offload",
+    lines=lambda recipe: Lines(context=("run.offload()", "torch.autograd.graph.save_on_cpu(pin_memory=True)")),
 )

@@ -3,12 +3,20 @@ combination of the other levers (:func:`memfit.plan`), so it has no setting of i
 
 from __future__ import annotations
 
-from memfit.levers.catalog.base import Lever
+from memfit.levers.catalog.base import Lever, Lines
 
 
 def _words(step, plan, optimizer_type):
     n = len(plan.checkpointed) if plan is not None else 0
     return f"recompute ({n} module{'s' if n != 1 else ''})"
+
+
+def _lines(recipe):
+    n = len(recipe.plan.checkpointed) if recipe.plan is not None else 0
+    if not n:
+        return Lines()
+    off = " with use_cache=False while training" if recipe.plan.use_cache_off else ""
+    return Lines(applied=(f"recompute {n} module{'s' if n != 1 else ''}{off} (memfit.remove(model) undoes it)",))
 
 
 LEVER = Lever(
@@ -19,4 +27,5 @@ LEVER = Lever(
     used=lambda combo, plan, s: plan is not None and bool(plan.checkpointed),
     step=lambda combo, s: {},
     words=_words,
+    lines=_lines,
 )
