@@ -44,7 +44,7 @@ def _config(tmp_path: Path) -> Path:
         (["nowhere/config.json"], "no such file"),
         (["{cfg}", "--lora-rank", "0"], "positive integer"),
         (["{cfg}", "--gpu", "B300"], "B300"),
-        (["{cfg}", "--quant", "4bit"], "not supported yet"),
+        (["{cfg}", "--quant", "8bit"], "not supported yet"),
         (["{cfg}", "--batch-size", "0"], "positive"),
     ],
 )

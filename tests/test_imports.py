@@ -40,7 +40,9 @@ LAYERS: dict[str, set[str]] = {
     "target": _BASE | {"workload", "zoo"},
     # putting decisions on the user's model, and where training happens
     "apply": _BASE | {"compat", "workload", "recompute", "measure", "plan", "levers"},
-    "integrations": _BASE | {"workload", "recompute", "measure", "plan", "levers", "apply"},
+    # compat: memfit finetune builds a QLoRA base with bitsandbytes' 4-bit layers (compat/bnb4bit), as
+    # transformers' own bitsandbytes integration would from a checkpoint
+    "integrations": _BASE | {"compat", "workload", "recompute", "measure", "plan", "levers", "apply"},
     "report": _BASE | {"cuda", "measure", "plan", "levers", "integrations"},
     # the edges
     "memfit": _BASE | {"cuda", "workload", "measure", "plan", "levers", "apply", "target"},  # __init__: the public API

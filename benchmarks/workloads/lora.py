@@ -6,7 +6,9 @@ built from a config (random weights, nothing downloaded) with peft's LoRA adapte
   the base in bfloat16, adapters r=8 on q/k/v/o (peft keeps them in float32), batch 4 x 256;
 - ``llama_gc``: the same with transformers' gradient checkpointing as peft's recipes enable it
   (``gradient_checkpointing_enable(use_reentrant=True)`` and ``enable_input_require_grads``);
-- ``gpt2``: GPT-2 (n_embd 256, 4 layers), the base in float32, adapters r=8 on ``c_attn``.
+- ``gpt2``: GPT-2 (n_embd 256, 4 layers), the base in float32, adapters r=8 on ``c_attn``;
+- ``qlora``: ``llama`` with every linear layer but the head quantized by bitsandbytes on the
+  CPU (``Linear4bit``, NF4, double quantization, bfloat16 compute), as QLoRA loads it.
 
     python benchmarks/profile_accuracy.py --models benchmarks/workloads/lora.py:llama,benchmarks/workloads/lora.py:llama_gc
     memfit profile benchmarks/workloads/lora.py:llama --device fake-cuda --gpu A10G
@@ -72,3 +74,36 @@ def gpt2(batch_size: int = 4) -> memfit.Workload:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=8, n_positions=SEQ)
     return _lora(transformers.GPT2LMHeadModel(cfg), ["c_attn"], batch_size, f"gpt2 LoRA fp32 base, batch {batch_size} x {SEQ}")
+
+
+def _quantized(base: torch.nn.Module, quant_type: str = "nf4", double: bool = True) -> torch.nn.Module:
+    """Each linear layer but the head as bitsandbytes' Linear4bit, quantized on the CPU by
+    bitsandbytes itself (what ``BitsAndBytesConfig(load_in_4bit=True)`` leaves)."""
+    import bitsandbytes as bnb
+
+    for parent in list(base.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=double,
+                    quant_type=quant_type,
+                )
+                q.weight = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False, compress_statistics=double, quant_type=quant_type, module=q
+                )
+                setattr(parent, name, q.to("cpu"))
+    base.is_loaded_in_4bit = True  # as transformers marks it: peft wraps these with its 4-bit LoRA layer
+    return base
+
+
+def qlora(batch_size: int = 4) -> memfit.Workload:
+    return _lora(
+        _quantized(_llama_base()),
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        batch_size,
+        f"llama QLoRA NF4 base (double quant, bf16 compute), batch {batch_size} x {SEQ}",
+    )

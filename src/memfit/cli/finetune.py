@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -55,7 +56,29 @@ def add_parser(sub: Any) -> None:
         help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
     )
     p.add_argument(
-        "--quant", default="none", choices=["none", "4bit", "8bit"], help="a quantized base (QLoRA): not supported yet"
+        "--quant",
+        default="none",
+        choices=["none", "4bit", "8bit"],
+        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
+    )
+    p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
+    p.add_argument(
+        "--double-quant",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="with --quant 4bit: quantize the absmax too (bnb_4bit_use_double_quant; default on, as QLoRA)",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
+    )
+    p.add_argument(
+        "--optim",
+        default="adamw_torch",
+        choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
+        help="the optimizer, by the Trainer's optim names (default adamw_torch); a paged one's paged state is CUDA "
+        "unified memory, outside the caching allocator: shown on a line of its own, not in allocated or reserved",
     )
     p.add_argument(
         "--gradient-checkpointing",
@@ -91,11 +114,56 @@ def _without_bitsandbytes() -> Iterator[None]:
             del sys.modules["bitsandbytes"]
 
 
+@contextlib.contextmanager
+def _compile_on_first_call() -> Iterator[None]:
+    """bitsandbytes wraps some of its CPU kernels in ``torch.compile`` when it is imported,
+    which imports torch's dynamo: 7.5 of the CPU seconds a 7-8B QLoRA answer takes, for
+    kernels a fake-tensor step never runs. While it is imported, ``torch.compile`` returns a
+    function that compiles on its first call, which is when torch compiles anyway (and
+    bitsandbytes' own fallback to the eager function still catches a failure there). This
+    process is the command's own, and the real ``torch.compile`` is back once imported."""
+    import torch
+
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    original = torch.compile
+
+    def lazy(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: lazy(fn, **kwargs)
+        compiled: list[Any] = []
+
+        @functools.wraps(model)
+        def call(*args: Any, **kw: Any) -> Any:
+            if not compiled:
+                compiled.append(original(model, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return call
+
+    torch.compile = lazy  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def _spec(ns: argparse.Namespace) -> Any:
     from memfit.integrations.finetune import LoraSpec
 
     targets = tuple(t.strip() for t in ns.lora_targets.split(","))
-    spec = LoraSpec(ns.lora_rank, ns.lora_alpha, targets, ns.lora_dropout, ns.base_dtype, ns.quant)
+    spec = LoraSpec(
+        ns.lora_rank,
+        ns.lora_alpha,
+        targets,
+        ns.lora_dropout,
+        ns.base_dtype,
+        ns.quant,
+        quant_type=ns.quant_type,
+        double_quant=ns.double_quant,
+        compute_dtype=ns.compute_dtype,
+    )
     spec.check()
     return spec
 
@@ -129,7 +197,8 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
         ) from exc
     # peft is imported while the model is built
-    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), _without_bitsandbytes():
+    hidden = _without_bitsandbytes() if spec.quant == "none" else _compile_on_first_call()
+    with status(console, f"building {ns.config} on the meta device with peft's LoRA"), hidden:
         work = lora_workload(
             ns.config,
             spec,
@@ -137,12 +206,23 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             seq_len=ns.seq_len,
             sizes=zoo.parse_sizes(ns.size),
             checkpointing=ns.gradient_checkpointing,
+            optim=ns.optim,
         )
     require_device(DEVICE)
     spec_gpu, capacity = _gpu(ns)
     prof = profile_work(work, DEVICE, console, gpu=spec_gpu, capacity=capacity)
     render_profile(prof, console, title=work.name, top=4)
     out: dict[str, Any] = {"workload": work.name, "budget": label, "budget_bytes": budget, "profile": prof.to_dict(ledger=False)}
+    paged = work.meta.get("paged_optimizer_state_bytes", 0)
+    if ns.optim.startswith("paged_"):
+        out["paged_optimizer_state_bytes"] = paged
+        console.print(
+            f"paged optimizer state ({ns.optim}): {memfit.format_bytes(paged)} in CUDA unified memory (cudaMallocManaged), "
+            "outside the caching allocator, so not in the allocated or reserved peak above; the driver pages it to host "
+            f"memory when the GPU runs short (state of parameters under {optim_min():,} elements is ordinary device memory, "
+            "counted above)",
+            highlight=False,
+        )
     fits = prof.budget_peak_bytes <= budget
     if ns.max:
         out["max"] = _largest(ns, work, budget, console)
@@ -152,6 +232,12 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         Path(ns.json).write_text(json.dumps(out))
         console.print(f"wrote {ns.json}")
     return 0
+
+
+def optim_min() -> int:
+    from memfit.integrations.finetune import PAGED_MIN_NUMEL
+
+    return PAGED_MIN_NUMEL
 
 
 def _gpu(ns: argparse.Namespace) -> tuple[Any, int | None]:

@@ -1,10 +1,12 @@
 """Compat: memfit's adapters to other libraries' private or fragile corners, in one place.
 
 - ``torch_compat``: torch's private APIs (fake tensors, FLOP formulas, optimizer kernels);
-- ``optim8bit``: bitsandbytes' 8-bit optimizers (the ``8bit`` lever);
+- ``optim8bit``: bitsandbytes' 8-bit optimizers (the ``8bit`` lever) and paged optimizers' state;
+- ``bnb4bit``: bitsandbytes' 4-bit linear layers (QLoRA bases built on meta, their quantization
+  state, what their matmul allocates on CUDA);
 - ``hf_fake``: transformers' packed-sequence check on fake tensors.
 
 Each is exercised by a test (``tests/test_torch_compat.py``, ``tests/test_fit.py``,
-``tests/test_distributed.py``), so a release that moves what it leans on fails there first.
+``tests/test_distributed.py``, ``tests/test_qlora.py``), so a release that moves what it leans on fails there first.
 The bottom layer: it imports nothing of memfit but its errors.
 """

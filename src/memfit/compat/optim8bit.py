@@ -21,7 +21,19 @@ import torch
 
 from memfit.errors import WorkloadError
 
-__all__ = ["unavailable", "eight_bit", "make_maps_fake", "eight_bit_name"]
+__all__ = [
+    "unavailable",
+    "eight_bit",
+    "make_maps_fake",
+    "eight_bit_name",
+    "OPTIMIZERS",
+    "by_name",
+    "is_bitsandbytes",
+    "fake_paged_state",
+    "is_paged_state",
+    "paged_state_bytes",
+    "PAGED_MIN_NUMEL",
+]
 
 # torch optimizer -> bitsandbytes 8-bit optimizer with the same update rule
 _COUNTERPARTS = {torch.optim.AdamW: "AdamW8bit", torch.optim.Adam: "Adam8bit"}
@@ -84,3 +96,72 @@ def make_maps_fake(optimizer: torch.optim.Optimizer, mode: Any) -> None:
         for key, value in list(maps.items()):
             if isinstance(value, torch.Tensor):
                 maps[key] = mode.from_tensor(value)
+
+
+# -- the fine-tuner's optimizers by the Trainer's names (``TrainingArguments(optim=...)``) ----------
+
+OPTIMIZERS = {
+    "adamw_torch": None,
+    "adamw_bnb_8bit": "AdamW8bit",
+    "paged_adamw_8bit": "PagedAdamW8bit",
+    "paged_adamw_32bit": "PagedAdamW32bit",
+}
+"""The Trainer's ``optim`` names memfit finetune takes, to the bitsandbytes class (None: torch's AdamW)."""
+
+PAGED_MIN_NUMEL = 100_000
+"""bitsandbytes' ``Optimizer8bit.get_state_buffer``: a parameter of fewer elements gets ordinary
+device memory for its state even in a paged optimizer (``p.numel() < 1e5``)."""
+
+
+def by_name(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """The optimizer the Trainer builds for ``optim=name``, over ``params``."""
+    kind = OPTIMIZERS[name]
+    if kind is None:
+        return torch.optim.AdamW(params, lr=lr)
+    import bitsandbytes as bnb
+
+    return getattr(bnb.optim, kind)(params, lr=lr)
+
+
+def is_bitsandbytes(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("bitsandbytes.")
+
+
+def is_paged_state(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a paged optimizer's state made by :func:`fake_paged_state` (not the step's device memory)."""
+    return bool(getattr(t, "memfit_paged", False))
+
+
+def fake_paged_state(optimizer: torch.optim.Optimizer) -> None:
+    """On fake CUDA, a paged optimizer's paged state as what it is: CUDA unified memory
+    (``cudaMallocManaged``, outside the caching allocator), which the step's allocated and
+    reserved bytes do not hold. bitsandbytes' own ``get_state_buffer`` would call into its
+    CUDA library; here a paged buffer is a fake tensor made without dispatching an op (so
+    no recorder counts it), marked :func:`is_paged_state`. Smaller parameters' state is
+    ordinary device memory, as in bitsandbytes."""
+    if not getattr(optimizer, "is_paged", False):
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from memfit.compat import torch_compat
+
+    def get_state_buffer(p: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if p.numel() < PAGED_MIN_NUMEL:
+            return torch.zeros_like(p, dtype=dtype, device=p.device)
+        with torch_compat.no_dispatch_modes():
+            meta = torch.empty(p.shape, dtype=dtype, device="meta")
+        buf = FakeTensor(p.fake_mode, meta, p.device)
+        buf.memfit_paged = True
+        return buf
+
+    optimizer.get_state_buffer = get_state_buffer  # type: ignore[method-assign]
+
+
+def paged_state_bytes(params: Any, name: str) -> int:
+    """Bytes of the paged state of optimizer ``name`` (0 unless paged) over ``params``: its two
+    moments of every parameter of at least :data:`PAGED_MIN_NUMEL` elements, uint8 (8-bit) or
+    float32 (32-bit); their 8-bit absmax and the smaller parameters' state are device memory."""
+    if not name.startswith("paged_"):
+        return 0
+    per_value = 2 * (1 if name.endswith("8bit") else 4)
+    return sum(per_value * p.numel() for p in params if p.numel() >= PAGED_MIN_NUMEL)

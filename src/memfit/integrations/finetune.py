@@ -8,7 +8,11 @@ made from it, and only shapes, dtypes and strides are read. So a 7-8B config cos
 and no initialisation time. The step is the one a peft recipe runs: ``input_ids`` and
 ``labels`` of ``batch x seq_len`` tokens, ``outputs.loss``, AdamW over the adapters only.
 
-QLoRA (bitsandbytes 4-bit base layers) is not built yet: :func:`lora_workload` refuses it.
+QLoRA (``quant="4bit"``): the base's linear layers (all but the output head, as transformers'
+``BitsAndBytesConfig(load_in_4bit=True)`` converts them) become bitsandbytes ``Linear4bit``
+layers quantized on meta by bitsandbytes itself (:mod:`memfit.compat.bnb4bit`): their packed
+weights and quantization state in the ledger, and peft wraps them with its 4-bit LoRA layer.
+8-bit bases (``Linear8bitLt``) are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.compat import bnb4bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
@@ -28,7 +33,9 @@ from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
 from memfit.workload import Workload
 
-__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS"]
+__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS", "PAGED_MIN_NUMEL"]
+
+PAGED_MIN_NUMEL = optim8bit.PAGED_MIN_NUMEL
 
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTS = ("none", "4bit", "8bit")
@@ -46,6 +53,12 @@ class LoraSpec:
     dropout: float = 0.0
     base_dtype: str = "bfloat16"
     quant: str = "none"
+    quant_type: str = "nf4"
+    """4-bit only: ``bnb_4bit_quant_type``, nf4 or fp4."""
+    double_quant: bool = True
+    """4-bit only: ``bnb_4bit_use_double_quant`` (the absmax quantized to 8 bits, QLoRA's default)."""
+    compute_dtype: str | None = None
+    """4-bit only: ``bnb_4bit_compute_dtype`` (default: the base dtype); what the weight is dequantized to."""
 
     def check(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -55,13 +68,20 @@ class LoraSpec:
         if self.base_dtype not in BASE_DTYPES:
             raise TargetError(f"the base dtype is one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
         if self.quant not in QUANTS:
-            raise TargetError(f"quant is none (or 4bit, 8bit: not supported yet), got {self.quant!r}")
-        if self.quant != "none":
-            # issue 27 item 2: bitsandbytes' packed weights and quantization state are not in the ledger yet
+            raise TargetError(f"quant is none or 4bit (8bit: not supported yet), got {self.quant!r}")
+        if self.quant == "8bit":
+            # bitsandbytes' Linear8bitLt (LLM.int8) keeps int8 weights and outlier columns: not modelled
             raise TargetError(
-                f"--quant {self.quant} (QLoRA, bitsandbytes base layers) is not supported yet: give --quant none "
-                "(a LoRA on a bfloat16/float16/float32 base)"
+                "--quant 8bit (bitsandbytes Linear8bitLt base layers) is not supported yet: give --quant 4bit (QLoRA) or none"
             )
+        if self.quant == "4bit":
+            why = bnb4bit.unavailable()
+            if why:
+                raise TargetError(f"--quant 4bit needs bitsandbytes: {why}")
+        if self.quant_type not in bnb4bit.QUANT_TYPES:
+            raise TargetError(f"the 4-bit quant type is nf4 or fp4, got {self.quant_type!r}")
+        if self.compute_dtype is not None and self.compute_dtype not in BASE_DTYPES:
+            raise TargetError(f"the 4-bit compute dtype is one of {', '.join(BASE_DTYPES)}, got {self.compute_dtype!r}")
         if not self.targets or any(not t for t in self.targets):
             raise TargetError("give the LoRA target modules, e.g. q_proj,v_proj (or all-linear)")
 
@@ -105,6 +125,9 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
     base = _model_on_meta(cfg)
     _check_targets(base, spec.targets)
     base.to(BASE_DTYPES[spec.base_dtype])
+    if spec.quant == "4bit":
+        compute = BASE_DTYPES[spec.compute_dtype or spec.base_dtype]
+        bnb4bit.quantize_linears(base, quant_type=spec.quant_type, double_quant=spec.double_quant, compute_dtype=compute)
     targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
     lora = peft.LoraConfig(
         r=spec.rank,
@@ -118,6 +141,8 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise TargetError(f"peft refused the LoRA config: {first}") from exc
     _materialize(model)
+    if spec.quant == "4bit":
+        bnb4bit.materialize(model)
     if checkpointing:
         # as peft's recipes turn it on (prepare_model_for_kbit_training, the Trainer)
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -141,6 +166,17 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)  # the Trainer's default optimizer and learning rate
 
 
+def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer]:
+    if name not in optim8bit.OPTIMIZERS:
+        raise TargetError(f"the optimizer is one of {', '.join(optim8bit.OPTIMIZERS)} (the Trainer's optim names), got {name!r}")
+    if name == "adamw_torch":
+        return _adamw
+    why = bnb4bit.unavailable()
+    if why:
+        raise TargetError(f"optim {name} needs bitsandbytes: {why}")
+    return lambda params: optim8bit.by_name(name, params, 1e-4)
+
+
 def lora_workload(
     config: str,
     spec: LoraSpec,
@@ -149,19 +185,38 @@ def lora_workload(
     seq_len: int = 512,
     sizes: Mapping[str, Any] | None = None,
     checkpointing: bool = False,
+    optim: str = "adamw_torch",
 ) -> Workload:
     """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
-    :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, AdamW over the
-    adapters (the Workload's optimizer takes the trainable parameters only)."""
+    :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, the optimizer the
+    Trainer's ``optim`` names (torch's AdamW; bitsandbytes' 8-bit or paged AdamW) over the
+    adapters (the Workload's optimizer takes the trainable parameters only). A paged
+    optimizer's paged state is not in the step's ledger (unified memory, outside the
+    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it."""
+    make_optimizer = _optimizer(optim)
     model = lora_model(config, spec, sizes=sizes, checkpointing=checkpointing)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(bnb4bit.values(p) for p in model.parameters())
     name = (
         f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
-        f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {spec.base_dtype} base, batch {batch_size} x {seq_len}"
+        f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, batch {batch_size} x {seq_len}"
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
-    return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=_adamw, name=name, meta=meta)
+    meta["quant"] = spec.quant
+    meta["optim"] = optim
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
+    return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=make_optimizer, name=name, meta=meta)
+
+
+def _base_words(spec: LoraSpec) -> str:
+    if spec.quant != "4bit":
+        return f"{spec.base_dtype} base"
+    double = "double quant" if spec.double_quant else "no double quant"
+    return (
+        f"4-bit {spec.quant_type.upper()} base ({double}, {spec.compute_dtype or spec.base_dtype} compute, "
+        f"{spec.base_dtype} elsewhere)"
+    )
 
 
 def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:

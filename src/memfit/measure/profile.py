@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.compat import bnb4bit, optim8bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -700,7 +701,10 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     a module's own before its children's), which lays them out differently."""
     for child in model.children():
         yield from module_tensors_in_to_order(child)
-    yield Category.PARAMETER, list(model.parameters(recurse=False))
+    own = list(model.parameters(recurse=False))
+    # a 4-bit weight's quantization state (absmax, codes) is neither parameter nor buffer,
+    # but is the weight as much as its packed values are
+    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)]
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
@@ -720,7 +724,13 @@ def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) 
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    # a paged optimizer's paged state is CUDA unified memory, outside the allocator: not the step's
+    return [
+        v
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and not optim8bit.is_paged_state(v)
+    ]
 
 
 def _module_stats(

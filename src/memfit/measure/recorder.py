@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.compat import optim8bit, torch_compat
+from memfit.compat import bnb4bit, optim8bit, torch_compat
 from memfit.cuda import gpu
 from memfit.measure import _distributed, aliasing, determinism, workspace
 from memfit.measure.ledger import (
@@ -67,7 +67,11 @@ __all__ = ["Recorder", "storage_bytes", "output_tensors"]
 # Ops whose CPU kernel is Python made of torch ops (bitsandbytes' optimizer updates: the
 # 8-bit one dequantises both moments to float32 temporaries). Dispatched as one op, their
 # kernel's own allocations would be invisible; these run under the recorder instead.
-_RECORD_INSIDE_ON_CPU = optim8bit.PYTHON_CPU_KERNELS
+_RECORD_INSIDE_ON_CPU = optim8bit.PYTHON_CPU_KERNELS | bnb4bit.PYTHON_CPU_KERNELS
+# Ops whose fake kernel makes only their outputs while their CUDA kernel allocates more
+# (bitsandbytes' 4-bit matmul dequantizes the whole weight): on fake CUDA they run as the
+# CUDA kernel allocates, in torch ops, with the recorder on.
+_AS_CUDA_ALLOCATES = bnb4bit.FAKE_CUDA_KERNELS
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes
@@ -665,6 +669,7 @@ class Recorder(TorchDispatchMode):
             or func.is_view  # allocates nothing (and a select's index would make each call a kind of its own)
             or self._op in BOOKKEEPING_OPS
             or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU
+            or (self._trace is None and func.overloadpacket._qualified_op_name in _AS_CUDA_ALLOCATES)
             or func.namespace == "c10d"  # a communication backend's own buffers (gloo's copies, NCCL's): not the step's
         ):
             return None, None
@@ -714,6 +719,12 @@ class Recorder(TorchDispatchMode):
             # the recorder on for the torch ops it runs.
             with _Within(self):
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
+        as_cuda = _AS_CUDA_ALLOCATES.get(func.overloadpacket._qualified_op_name)
+        if as_cuda is not None and self._trace is None:
+            tensors = list(_tensors((*args, *kwargs.values())))
+            if tensors and all(t.device.type == "cuda" and torch_compat.is_fake(t) for t in tensors):
+                with _Within(self):
+                    return as_cuda(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _mark_mutated(self, written: list[Any]) -> None:

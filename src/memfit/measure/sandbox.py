@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.compat import hf_fake, optim8bit, torch_compat
+from memfit.compat import bnb4bit, hf_fake, optim8bit, torch_compat
 from memfit.cuda import fake as fake_cuda
 from memfit.errors import WorkloadError
 from memfit.measure.inputs import map_shared
@@ -164,6 +164,10 @@ def _prepare(box: Sandbox) -> Sandbox:
         box.optimizer = optim8bit.eight_bit(box.optimizer)
         if box.fake_mode is not None:
             optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
+    elif box.fake_mode is not None and optim8bit.is_bitsandbytes(box.optimizer):
+        # the user's own bitsandbytes optimizer (a paged one for QLoRA), copied over fake parameters
+        optim8bit.make_maps_fake(box.optimizer, box.fake_mode)
+        optim8bit.fake_paged_state(box.optimizer)
     if o.foreach is not None:
         for group in box.optimizer.param_groups:
             group["foreach"] = o.foreach
@@ -276,15 +280,18 @@ def _copy_step(
     optimizer: torch.optim.Optimizer,
     tensor: Callable[[torch.Tensor], torch.Tensor],
     scalar: Callable[[torch.Tensor], torch.Tensor],
+    uncast: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A copy of the model and optimizer (state included) whose tensors are ``tensor(t)``
     (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied. (Inputs and targets
-    are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)"""
+    are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)
+    A 4-bit weight's quantization state is copied with ``uncast`` (default ``tensor``)."""
     memo: dict[int, Any] = {}
     copies: dict[nn.Parameter, nn.Parameter] = {}
     for p in model.parameters():
         cp = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
         memo[id(p)] = copies[p] = cp
+        bnb4bit.copy_param(p, cp, uncast or tensor, memo)  # a 4-bit weight's quantization state, never cast
     for b in model.buffers():
         memo[id(b)] = tensor(b)
     try:
@@ -330,7 +337,7 @@ def _cast_sandbox(
     """Real tensors, cast to ``options.param_dtype``, on a copy: the cast is lossy, so the
     user's own parameters could not be put back bitwise by casting again."""
     tensor = _caster(options.cast_dtype, lambda t: t.detach().clone())
-    new_model, new_opt = _copy_step(model, optimizer, tensor, lambda t: t.detach().clone())
+    new_model, new_opt = _copy_step(model, optimizer, tensor, lambda t: t.detach().clone(), lambda t: t.detach().clone())
     new_args, new_kwargs = map_shared(tensor, (args, kwargs))  # inputs that share storage stay shared
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -426,7 +433,7 @@ def fake_sandbox(
                 a, k = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (a, k))
         return a, k, t
 
-    new_model, new_opt = _copy_step(model, optimizer, fake, lambda t: _fake_state(mode, t))
+    new_model, new_opt = _copy_step(model, optimizer, fake, lambda t: _fake_state(mode, t), fake_target)
     if to is not None:
         torch_compat.pin_cuda_optimizer_impl(new_opt, optimizer)
     new_args, new_kwargs, new_targets = copy_inputs(args, kwargs, targets)
