@@ -33,17 +33,17 @@ PYTEST := $(BIN)/python -m pytest -q --durations=20
 
 test: $(STAMP)
 	@status=0; \
-	echo "$(PYTEST) -n $(WORKERS) --dist loadgroup -m 'not timing'"; $(PYTEST) -n $(WORKERS) --dist loadgroup -m "not timing" || status=$$?; \
+	echo "$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m 'not timing'"; $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not timing" || status=$$?; \
 	echo "$(PYTEST) -m timing"; $(PYTEST) -m timing || status=$$?; \
 	exit $$status
 
 test-fast: $(STAMP)
-	$(PYTEST) -n $(WORKERS) --dist loadgroup -m "not slow and not timing"
+	$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not timing"
 
 # tests/slow.txt, what `slow` means: the tests over 2 CPU seconds, measured on the whole suite.
 slow-list: $(STAMP)
 	rm -f .slow-cpu.tsv
-	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadgroup
+	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 	$(BIN)/python tools/slow_list.py .slow-cpu.tsv
 	rm -f .slow-cpu.tsv
 
