@@ -13,11 +13,11 @@ STAMP := $(VENV)/.memfit-installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# One pip run (one resolve), and --no-compile: pip would byte-compile all ~16,000 .py files it
-# installs (about 100 CPU s on one core, transformers' 2,900 alone 18 s); Python compiles the
-# modules a run imports, once, as it first imports them.
+# One pip run: one resolve. (Not --no-compile, though pip's byte-compiling of the ~16,000 .py
+# files it installs takes about 100 CPU s: where PYTHONDONTWRITEBYTECODE=1 is set, nothing would
+# ever write the .pyc files, and every worker and child would compile torch again at import.)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --no-compile $(if $(strip $(TORCH)),"$(TORCH)") -e ".[hf,test,8bit,lightning,peft]"
+	$(BIN)/python -m pip install --quiet $(if $(strip $(TORCH)),"$(TORCH)") -e ".[hf,test,8bit,lightning,peft]"
 	touch $(STAMP)
 
 install: $(STAMP)
