@@ -13,9 +13,11 @@ STAMP := $(VENV)/.memfit-installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# One pip run: one resolve. (Not --no-compile, though pip's byte-compiling of the ~16,000 .py
+# files it installs takes about 100 CPU s: where PYTHONDONTWRITEBYTECODE=1 is set, nothing would
+# ever write the .pyc files, and every worker and child would compile torch again at import.)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(if $(strip $(TORCH)),$(BIN)/python -m pip install --quiet "$(TORCH)")
-	$(BIN)/python -m pip install --quiet -e ".[hf,test,8bit,lightning,peft]"
+	$(BIN)/python -m pip install --quiet $(if $(strip $(TORCH)),"$(TORCH)") -e ".[hf,test,8bit,lightning,peft]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,17 +35,17 @@ PYTEST := $(BIN)/python -m pytest -q --durations=20
 
 test: $(STAMP)
 	@status=0; \
-	echo "$(PYTEST) -n $(WORKERS) --dist loadgroup -m 'not timing'"; $(PYTEST) -n $(WORKERS) --dist loadgroup -m "not timing" || status=$$?; \
+	echo "$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m 'not timing'"; $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not timing" || status=$$?; \
 	echo "$(PYTEST) -m timing"; $(PYTEST) -m timing || status=$$?; \
 	exit $$status
 
 test-fast: $(STAMP)
-	$(PYTEST) -n $(WORKERS) --dist loadgroup -m "not slow and not timing"
+	$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not timing"
 
 # tests/slow.txt, what `slow` means: the tests over 2 CPU seconds, measured on the whole suite.
 slow-list: $(STAMP)
 	rm -f .slow-cpu.tsv
-	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadgroup
+	-MEMFIT_TEST_CPU=$(CURDIR)/.slow-cpu.tsv $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 	$(BIN)/python tools/slow_list.py .slow-cpu.tsv
 	rm -f .slow-cpu.tsv
 

@@ -33,29 +33,36 @@ _SLOW = Path(__file__).with_name("slow.txt")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests listed in slow.txt `slow`. And under xdist, a module- or session-scoped
-    fixture a test module defines (a real profile, a brute-force search) would be built once
-    per worker: the tests sharing it go to one worker (`make test` runs --dist loadgroup), so
-    it is built once, as without xdist."""
+    """Marks the tests listed in slow.txt `slow`, and orders the test files most slow tests first.
+
+    Under xdist, a module- or session-scoped fixture a test module defines (a real profile, a
+    brute-force search) would be built once per worker that runs one of its tests: `make test`
+    runs ``--dist loadfile``, each file on one worker, so it is built once, as without xdist.
+    (Not ``--dist loadgroup`` with ``xdist_group`` marks: xdist 3.8 groups by a suffix it writes
+    to ``item._nodeid``, which pytest 9.2 no longer reads, so every group was split over both
+    workers and its fixture built twice.) The files are handed out in the order they are
+    collected (``--no-loadscope-reorder``): the costly ones first, so that a long file does
+    not start last and leave the other worker idle while it runs."""
     slow = set(_SLOW.read_text().splitlines()) if _SLOW.exists() else set()
     groups: dict[str, list] = {}
+    weight: dict[str, int] = {}
     for item in items:
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0) + (item.nodeid in slow)
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
         info = getattr(item, "_fixtureinfo", None)
         for name in item.fixturenames if info else ():
             defs = info.name2fixturedefs.get(name) or ()
-            shared = [d for d in defs if d.scope in ("module", "session") and d.baseid == item.nodeid.split("::")[0]]
-            if shared:
-                group = f"{item.nodeid.split('::')[0]}::{name}"
-                item.add_marker(pytest.mark.xdist_group(group))
-                groups.setdefault(group, []).append(item)
+            if any(d.scope in ("module", "session") and d.baseid == path for d in defs):
+                groups.setdefault(f"{path}::{name}", []).append(item)
                 break
     for members in groups.values():
         # the fixture is built by whichever test runs first: if one of them is slow, all are
         if any(item.nodeid in slow for item in members):
             for item in members:
                 item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: each file's own order kept
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -201,8 +201,12 @@ TIMEOUT_S = 120
 
 
 def _spawn(worker, tmp_path: Path) -> list[dict]:
-    """Run ``worker(rank, tmp_path)`` in WORLD processes; return what each wrote to rank<i>.json."""
-    context = mp.start_processes(_run_then_exit, args=(worker, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    """Run ``worker(rank, tmp_path)`` in WORLD processes; return what each wrote to rank<i>.json.
+
+    Forked, not spawned: a spawned rank imports torch and this module again (about 5 CPU s
+    each, most of these tests' cost) for a step of milliseconds; a forked one has them. Each
+    rank still makes its own process group and leaves by ``os._exit`` (below)."""
+    context = mp.start_processes(_run_then_exit, args=(worker, str(tmp_path)), nprocs=WORLD, join=False, start_method="fork")
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
