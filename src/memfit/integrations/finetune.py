@@ -28,6 +28,7 @@ from memfit.compat import bnb4bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
+from memfit.measure.checked import checked_step
 from memfit.measure.profile import fake_peaks, profile
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
@@ -249,7 +250,7 @@ def largest_seq_len(
     start = inputs["input_ids"].shape[1]
     report = progress or (lambda desc, done, total: None)
     optimizer = work.make_optimizer()
-    with fake_peaks(work.model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake) as peak_at:
+    with fake_peaks(checked_step(work.model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake)) as peak_at:
 
         def peak(n: int) -> int:
             report(f"fake-tensor profile at {n} tokens", 0, 0)

@@ -277,14 +277,7 @@ class _Search:
 
     def __init__(self, inputs: Any, budget: int, situation: Situation, report: _Stages) -> None:
         self.situation = situation
-        self.model, self.optimizer = situation.model, situation.optimizer
-        self.inputs, self.args, self.kwargs = inputs, situation.args, situation.kwargs
-        self.loss_fn, self.targets = situation.loss_fn, situation.targets
-        self.device = situation.device
-        self.fake_cuda = situation.fake_cuda
-        """The step runs on fake CUDA: peaks from fake-CUDA profiles, times from the cost model only."""
-        self.settings = situation.settings
-        """On CUDA: the process's allocator settings, which peaks are judged under."""
+        self.inputs = inputs
         self.use_cache_off: tuple[str, ...] = ()
         """Modules whose KV cache the plans turn off (learnt from the first plan made)."""
         self.budget = budget
@@ -302,6 +295,19 @@ class _Search:
         self.plans: dict[Combo, Plan | int] = {}
         self.fake_profiles = 0
         self.chosen_by = "the measured times"
+
+    # the step and its settings, from the situation fit judged the levers in
+    model = property(lambda self: self.situation.model)
+    optimizer = property(lambda self: self.situation.optimizer)
+    args = property(lambda self: self.situation.args)
+    kwargs = property(lambda self: self.situation.kwargs)
+    loss_fn = property(lambda self: self.situation.loss_fn)
+    targets = property(lambda self: self.situation.targets)
+    device = property(lambda self: self.situation.device)
+    fake_cuda = property(lambda self: self.situation.fake_cuda)
+    """The step runs on fake CUDA: peaks from fake-CUDA profiles, times from the cost model only."""
+    settings = property(lambda self: self.situation.settings)
+    """On CUDA: the process's allocator settings, which peaks are judged under."""
 
     def options(self, combo: Combo) -> StepOptions:
         """The step a combination runs: each lever sets its fields of the step options."""

@@ -295,7 +295,7 @@ def max_batch(
                 limits.append(_largest(recomputed(step), target, example, multiple_of, levers))
                 continue
             # one fake copy of the step, warmed once, recorded at each batch the search asks for
-            with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as at:
+            with fake_peaks(the.on(on, step)) as at:
                 limits.append(_largest(plain(at), target, example, multiple_of, levers))
 
     batch = largest_of(limits, target, multiple_of)
@@ -390,13 +390,12 @@ def largest_batch(
         ):
             raise WorkloadError(f"ladder must be batch sizes, positive integers in increasing order, got {ladder!r}")
     the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
-    optimizer = the.optimizer
     example = batch_size_of(the.args, the.kwargs)
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
     on = "cuda" if the.fake_cuda else True
 
-    with fake_peaks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on, step=step, targets=targets) as peak_at:
+    with fake_peaks(the.on(on)) as peak_at:
 
         def peak(b: int) -> int:
             return peak_at(resize_batch(inputs, b), resize_targets(targets, inputs, b))

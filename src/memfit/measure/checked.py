@@ -71,8 +71,17 @@ class Step:
 
     def on(self, fake: bool | str | None, options: StepOptions | None = None) -> Step:
         """This step on other tensors (``fake=`` as :func:`checked_step` reads it), with other
-        options if given: one checked step profiled or verified several ways."""
-        return replace(self, where=fake_device(fake), options=options or self.options)
+        options if given, checked: one step profiled or verified several ways."""
+        where, options = fake_device(fake), options or self.options
+        _check_options(options, where, self.device, self.args, self.kwargs)
+        return replace(self, where=where, options=options)
+
+    def at(self, inputs: Any, targets: Any = None) -> Step:
+        """This step at other inputs and targets (another batch size), checked."""
+        args, kwargs = split_inputs(inputs)
+        check_step(self.model, args, kwargs, targets)
+        split_micro_batches(args, kwargs, self.options.micro_batches)
+        return replace(self, args=args, kwargs=kwargs, targets=targets)
 
     @property
     def inputs(self) -> Any:
@@ -103,15 +112,20 @@ def checked_step(
         model = unwrap(model)
     args, kwargs = split_inputs(inputs)
     device = check_step(model, args, kwargs, targets)
+    _check_options(options, where, device, args, kwargs)
+    if optimizer is None:
+        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
+    return Step(model, args, kwargs, loss_fn, optimizer, targets, options, where, device)
+
+
+def _check_options(options: StepOptions, where: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """Refuse options this step cannot run with, before it runs."""
     if options.offload and where != "cuda" and device.type != "cuda":
         raise WorkloadError(
             f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
             f"{device.type}, whose memory is host memory already: drop offload or move the model to CUDA"
         )
     split_micro_batches(args, kwargs, options.micro_batches)  # refuse a batch that does not split before running
-    if optimizer is None:
-        optimizer = default_optimizer([p for p in model.parameters() if p.requires_grad])
-    return Step(model, args, kwargs, loss_fn, optimizer, targets, options, where, device)
 
 
 def check_step(model: nn.Module, args: tuple, kwargs: dict, targets: Any = None) -> torch.device:

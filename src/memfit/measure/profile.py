@@ -29,7 +29,7 @@ from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
 from memfit.measure import determinism, workspace
-from memfit.measure.checked import Step, check_step, checked_step
+from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import START_TICK, Category, Ledger, Phase, ancestors
 from memfit.measure.recorder import BOOKKEEPING_OPS, Recorder
 from memfit.measure.replay import replay_training
@@ -39,7 +39,6 @@ from memfit.measure.step import StepOptions
 from memfit.recompute.cache import turned_off
 from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
-from memfit.workload import split_inputs, split_micro_batches
 
 __all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
 
@@ -505,7 +504,7 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
     profiles inside its verifier's sandbox, whose first step was that warm-up)."""
     model, loss_fn, options, device, step_device = step.model, step.loss_fn, step.options, step.device, step.step_device
     fake = step.fake
-    settings = allocator_settings_from_env() if step_device.type == "cuda" else None
+    settings = allocator_settings_from_env() if step.cuda else None
     report = progress or (lambda desc, done, total: None)
     total = 2 if fake else 3
 
@@ -581,16 +580,7 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
 
 
 @contextmanager
-def fake_peaks(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    fake: bool | str = True,
-    step: StepOptions | None = None,
-    targets: Any = None,
-) -> Iterator[Callable[[Any, Any], int]]:
+def fake_peaks(step: Step) -> Iterator[Callable[[Any, Any], int]]:
     """``peak(inputs, targets)``: :attr:`Profile.budget_peak_bytes` of the step at other
     inputs (another batch size), recorded on one fake copy of the step warmed up once.
 
@@ -601,30 +591,27 @@ def fake_peaks(
     not hold, a step that leaves behind other bytes than it found or starts from other bytes
     than the first did (a module keeping a tensor sized by the batch), the answer is a
     fresh profile's, so it is always what :func:`profile` would say."""
-    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
-    if not the.fake:
+    if not step.fake:
         raise WorkloadError("fake_peaks records fake copies of the step: give fake=True or 'cuda', not False")
-    options, optimizer = the.options, the.optimizer
-    settings = allocator_settings_from_env() if the.cuda else None
+    settings = allocator_settings_from_env() if step.cuda else None
     steady: list[tuple[int, int]] = []  # the first recorded step's held bytes: a fresh profile's
     with ExitStack() as stack:
-        box = stack.enter_context(step_sandbox(the.where, model, the.args, the.kwargs, optimizer, step=options, targets=targets))
+        box = stack.enter_context(
+            step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets)
+        )
         scope = stack.enter_context(Scope(box.model))
 
         def peak(batch: Any, labels: Any = None) -> int:
-            a, k = split_inputs(batch)
-            check_step(model, a, k, labels)
-            split_micro_batches(a, k, options.micro_batches)
-            box.use_inputs(a, k, labels)
+            at = step.at(batch, labels)
+            box.use_inputs(at.args, at.kwargs, labels)
             if not steady and not box.optimizer.state:
-                run_step(box, scope, loss_fn)  # the warm-up step, once, at the first batch asked for
-            ledger, _ = record_step(box, scope, loss_fn)
+                run_step(box, scope, step.loss_fn)  # the warm-up step, once, at the first batch asked for
+            ledger, _ = record_step(box, scope, step.loss_fn)
             held = _held_bytes(ledger)
             if not steady:
                 steady.append(held)
             elif held != steady[0]:  # not the steady step a fresh profile records
-                again = profile(model, batch, loss_fn=loss_fn, optimizer=optimizer, fake=fake, step=options, targets=labels)
-                return again.budget_peak_bytes
+                return profile_step(at).budget_peak_bytes
             return model_cuda_memory(ledger, settings).reserved_peak_bytes if settings is not None else ledger.peak_bytes
 
         yield peak

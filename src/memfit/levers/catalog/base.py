@@ -89,22 +89,27 @@ class Situation:
         settings: AllocatorSettings | None,
     ) -> None:
         self.step = step
-        # the step's parts, as the levers read them
-        self.model, self.args, self.kwargs = step.model, step.args, step.kwargs
-        self.loss_fn, self.optimizer, self.targets = step.loss_fn, step.optimizer, step.targets
-        self.device = step.device
         self.allowed = allowed
         self.exclude = dict(exclude)
         self.set_to_none = set_to_none
         """What the training loop calls now: ``zero_grad(set_to_none=...)``."""
-        self.fake_cuda = step.fake_cuda
-        self.cuda = step.cuda
         self.settings = settings
         """On CUDA (real or fake): the process's allocator settings (``PYTORCH_CUDA_ALLOC_CONF``), which
         peaks are judged under; None elsewhere."""
         self.probes: dict[str, Any] = {}
         """What a lever measured on the real step to judge it, kept for the search (the micro-batch
         lever's loss scales): probed once."""
+
+    # the step's parts, as the levers read them
+    model = property(lambda self: self.step.model)
+    args = property(lambda self: self.step.args)
+    kwargs = property(lambda self: self.step.kwargs)
+    loss_fn = property(lambda self: self.step.loss_fn)
+    optimizer = property(lambda self: self.step.optimizer)
+    targets = property(lambda self: self.step.targets)
+    device = property(lambda self: self.step.device)
+    fake_cuda = property(lambda self: self.step.fake_cuda)
+    cuda = property(lambda self: self.step.cuda)
 
 
 @dataclass(frozen=True)
