@@ -30,7 +30,8 @@ Python) are checked by ``tests/test_qlora.py``, which fails when bitsandbytes ch
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,17 +125,7 @@ def _linear4bit(bnb: Any, child: nn.Linear, quant_type: str, double_quant: bool,
     packed, state = bnb.functional.quantize_4bit(
         weight, blocksize=BLOCKSIZE, compress_statistics=double_quant, quant_type=quant_type
     )
-    layer.weight = bnb.nn.Params4bit(
-        packed,
-        requires_grad=False,
-        quant_state=state,
-        blocksize=BLOCKSIZE,
-        compress_statistics=double_quant,
-        quant_type=quant_type,
-        module=layer,
-        bnb_quantized=True,
-    )
-    layer.quant_state = state
+    _set_weight(bnb, layer, packed, state)
     if child.bias is not None:
         layer.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
     return layer
@@ -197,17 +188,23 @@ def materialize(model: nn.Module) -> None:
         if not isinstance(layer, bnb.nn.Linear4bit) or layer.quant_state is None:
             continue
         state = _copy_state(layer.quant_state, lambda t: torch.empty_like(t, device="cpu"), memo)
-        layer.weight = bnb.nn.Params4bit(
-            layer.weight.data,
-            requires_grad=False,
-            quant_state=state,
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            module=layer,
-            bnb_quantized=True,
-        )
-        layer.quant_state = state
+        _set_weight(bnb, layer, layer.weight.data, state)
+
+
+def _set_weight(bnb: Any, layer: nn.Module, packed: torch.Tensor, state: Any) -> None:
+    """``layer``'s weight a quantized, frozen ``Params4bit`` of ``packed`` with ``state``, as
+    bitsandbytes leaves a loaded layer (the state on the weight and on the layer)."""
+    layer.weight = bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=state.blocksize,
+        compress_statistics=state.nested,
+        quant_type=state.quant_type,
+        module=layer,
+        bnb_quantized=True,
+    )
+    layer.quant_state = state
 
 
 def cuda_gemm_4bit(
