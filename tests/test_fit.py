@@ -910,6 +910,7 @@ def test_fake_peaks_equal_fresh_fake_profiles(make):
     """One fake copy warmed once and recorded at batch after batch gives each batch the peak
     a fresh fake profile gives it; where a step leaves batch-sized state behind it falls
     back to the fresh profile, so the answer is the same either way."""
+    from memfit.measure.checked import checked_step
     from memfit.measure.profile import fake_peaks
 
     torch.manual_seed(0)
@@ -918,7 +919,7 @@ def test_fake_peaks_equal_fresh_fake_profiles(make):
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(4, width)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with fake_peaks(model, (x,), optimizer=opt, loss_fn=lambda out: out.sum()) as peak:
+    with fake_peaks(checked_step(model, (x,), optimizer=opt, loss_fn=lambda out: out.sum(), fake=True)) as peak:
         for b in (4, 8, 3, 17, 8):
             xb = resize_batch((x,), b)
             fresh = memfit.profile(model, xb, optimizer=opt, loss_fn=lambda out: out.sum(), fake=True).budget_peak_bytes

@@ -262,6 +262,7 @@ def test_peaks_at_other_batches_hold_an_output_of_their_own(monkeypatch):
     step starts with an output of that batch (one step runs first to make it), so every peak is
     a fresh profile's, without falling back to one."""
     import memfit.measure.profile as profile_module
+    from memfit.measure.checked import checked_step
     from memfit.measure.profile import fake_peaks
 
     torch.manual_seed(0)
@@ -270,8 +271,8 @@ def test_peaks_at_other_batches_hold_an_output_of_their_own(monkeypatch):
     batches = (8, 32, 8, 64)
     want = [memfit.profile(model, torch.randn(b, 16), step=step, fake=True).peak_bytes for b in batches]
     fresh: list[int] = []
-    original = profile_module.profile
-    monkeypatch.setattr(profile_module, "profile", lambda *a, **k: fresh.append(1) or original(*a, **k))
-    with fake_peaks(model, torch.randn(8, 16), step=step) as peak:
+    original = profile_module.profile_step  # what a fallback to a fresh profile runs
+    monkeypatch.setattr(profile_module, "profile_step", lambda *a, **k: fresh.append(1) or original(*a, **k))
+    with fake_peaks(checked_step(model, torch.randn(8, 16), options=step, fake=True)) as peak:
         assert [peak(torch.randn(b, 16)) for b in batches] == want
     assert not fresh
