@@ -16,7 +16,6 @@ LIMIT = 80
 KNOWN = {
     ("plan/planner.py", "plan"): 196,
     ("plan/candidates.py", "build_candidates"): 189,
-    ("levers/rank_fit.py", "fit_ranks"): 160,
     ("levers/max_batch.py", "max_batch"): 143,
     ("bench/runner.py", "run_bench"): 108,
     ("report/timeline.py", "build_track"): 106,

@@ -192,6 +192,18 @@ def read_budget(ns: argparse.Namespace) -> tuple[Any, str]:
     return budget, label
 
 
+def rank_budget(ns: argparse.Namespace, work: Any, raw: Any, label: str) -> tuple[Any, str]:
+    """A per-rank budget: with ``--gpu``/``--capacity`` on fake CUDA, the GPU's memory less the
+    CUDA context (:func:`read_budget`) and less NCCL's buffers for the rank's communicators,
+    which live outside the caching allocator; a ``--budget`` as given."""
+    if ns.device != "fake-cuda" or ns.budget is not None:
+        return raw, label
+    from memfit.measure.distributed import nccl_outside, world_size_of
+
+    nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
+    return raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
+
+
 _DTYPE_CHOICES = ("bfloat16", "float16")
 
 

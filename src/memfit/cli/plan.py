@@ -21,6 +21,7 @@ from memfit.cli.options import (
     json_arg,
     picture_args,
     positive,
+    rank_budget,
     ranks_arg,
     read_budget,
     read_ranks,
@@ -197,12 +198,8 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
         sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
         ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
     work = workload(ns, per_rank=True)
-    if ns.device == "fake-cuda" and ns.budget is None and ns.world_size is not None:
-        # the budget is the GPU's memory: NCCL's buffers (outside the allocator) come off it too
-        from memfit.measure.distributed import nccl_outside, world_size_of
-
-        nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
-        raw, label = raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
+    if ns.world_size is not None:
+        raw, label = rank_budget(ns, work, raw, label)
     if ns.min_world_size:
         with progress_bar(console, f"world sizes for {work.name}") as progress:
             found = min_world_size(

@@ -191,9 +191,12 @@ def render_rank_fit(recipe: RankRecipe, console: Console, *, title: str, path: s
     if recipe.plan is not None:
         render_left_out(recipe.plan.excluded, console, what="recompute")
     ranks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(recipe.rank_peak_bytes.items()))
+    reserved = "reserved " if recipe.allocated_peak_bytes is not None else ""
+    allocated = f", allocating {format_bytes(recipe.allocated_peak_bytes)}" if recipe.allocated_peak_bytes is not None else ""
     console.print(
-        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/] "
-        f"per rank ({ranks}); {recipe.all_gathers} all-gathers per step; step {recipe.predicted_step_time_s:.4f} s "
+        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted {reserved}peak "
+        f"[bold]{format_bytes(recipe.predicted_peak_bytes)}[/] per rank ({ranks}{allocated}); "
+        f"{recipe.all_gathers} all-gathers per step; step {recipe.predicted_step_time_s:.4f} s "
         "predicted by the cost model (not measured)",
         highlight=False,
     )
