@@ -83,6 +83,15 @@ SCRIPT = textwrap.dedent(
                      "--world-size", "2", "--ranks", "all", "--device", "fake-cuda", "--gpu", "H100-80GB",
                      "--json", sys.argv[0] + ".json"])
     out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(sys.argv[0] + ".json"))}
+    # how many ranks for a GPU's memory: NCCL's estimate comes off the budget at each size tried
+    from memfit.cuda.gpu import CUDA_CONTEXT
+    capacity = out["cli"]["json"]["reserved_peak_bytes"] + CUDA_CONTEXT.bytes + 544 * 2**20  # just fits 2 ranks
+    with redirect_stdout(io.StringIO()):
+        code = main(["plan", "llama", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2", *sizes,
+                     "--min-world-size", "--world-sizes", "2,4", "--device", "fake-cuda", "--capacity", f"{capacity}B",
+                     "--json", sys.argv[0] + ".mws.json"])
+    out["mws"] = {"code": code, "capacity": capacity, "context": CUDA_CONTEXT.bytes,
+                  "json": json.load(open(sys.argv[0] + ".mws.json"))}
     # a plan per rank whose budget is a GPU's memory (--capacity): less the CUDA context and NCCL estimates
     # (activations large enough for recompute to matter against the 2 x 32 MiB cuBLAS workspaces)
     big = dict(SIZES, hidden_size=256, intermediate_size=1024, vocab_size=256, seq_len=1024)
@@ -252,3 +261,13 @@ def test_plan_per_rank_starts_from_the_step_a_training_loop_runs(result):
     # none of them (30 MiB less reserved here); resharded, it is the profile's step to the byte.
     plan, profile = result["fit"]["kept"]
     assert plan == profile
+
+
+def test_min_world_size_takes_nccls_estimate_off_each_size(result):
+    r = result["mws"]
+    found = r["json"]
+    assert r["code"] == 0 and found["without_recompute"] == 2 == found["with_recompute"]
+    row = found["rows"][0]
+    # the GPU's memory less the CUDA context and NCCL's 2-rank communicator (544 MiB): the step's own
+    # reserved peak exactly, which fits
+    assert row["budget_bytes"] == r["capacity"] - r["context"] - 544 * MiB == row["none_peak_bytes"]

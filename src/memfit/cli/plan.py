@@ -198,8 +198,14 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
         sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
         ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
     work = workload(ns, per_rank=True)
+    outside = None
     if ns.world_size is not None:
         raw, label = rank_budget(ns, work, raw, label)
+    elif ns.device == "fake-cuda" and ns.budget is None:
+        # the GPU's memory: NCCL's buffers come off it at each size tried (its communicators grow)
+        from memfit.measure.distributed import nccl_outside
+
+        outside, label = (lambda n: nccl_outside(work.parallel, n).bytes), f"{label} - NCCL estimate at each size"
     if ns.min_world_size:
         with progress_bar(console, f"world sizes for {work.name}") as progress:
             found = min_world_size(
@@ -211,6 +217,7 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
                 ranks=ranks,
                 progress=progress,
                 fake=FAKE[ns.device],
+                outside=outside,
             )
         render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
         result: Any = found

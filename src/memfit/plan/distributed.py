@@ -20,7 +20,7 @@ Policy only: the process group is what :mod:`memfit.measure.distributed` is give
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -131,6 +131,18 @@ def plan_ranks(
     return plan
 
 
+def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
+    """The ranks to measure at each world size: ``"all"``, or integers (negative ones count
+    from the last); checked once, before any work."""
+    if ranks == "all":
+        return lambda n: list(range(n))
+    listed = list(ranks)
+    bad = [r for r in listed if isinstance(r, bool) or not isinstance(r, int)]
+    if bad or not listed:
+        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
+    return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+
+
 def _judged(prof: Profile, settings: AllocatorSettings | None) -> Profile:
     """``prof`` with its allocator figures under ``settings`` (fake CUDA; None: as measured)."""
     if settings is None or prof.cuda_memory is None:
@@ -204,7 +216,8 @@ class WorldSizeFit:
     with_recompute: int | None
     """Smallest world size tried at which memfit's plan fits; None: none."""
     rows: list[dict[str, Any]] = field(default_factory=list)
-    """Per world size tried: ``world_size``; ``ranks``: the ranks profiled (one per distinct
+    """Per world size tried: ``world_size``; ``budget_bytes`` (the budget there: less what a
+    rank holds outside the allocator at that size, where that was given); ``ranks``: the ranks profiled (one per distinct
     parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's;
     each profiled rank's in ``rank_none_peak_bytes``),
     ``min_peak_bytes`` (lowest reachable with recompute), ``plan_peak_bytes``: None where not
@@ -275,6 +288,7 @@ def min_world_size(
     ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
     fake: bool | str = True,
+    outside: Callable[[int], int] | None = None,
 ) -> WorldSizeFit:
     """The smallest world size at which every one of ``ranks`` of the step peaks within
     ``budget`` bytes per rank: without recompute (the unplanned profile) and with memfit's plan
@@ -296,27 +310,26 @@ def min_world_size(
     the budget skip that size's profile and plan; the unplanned profile's start (those plus
     the optimizer state, which no recompute changes) over the budget skips its plan. The
     plan reuses the unplanned profile of the rank it is made for. ``fake="cuda"``: on fake CUDA,
-    every peak judged the budget's way there (reserved; :func:`plan_ranks`)."""
+    every peak judged the budget's way there (reserved; :func:`plan_ranks`). ``outside(n)``: bytes a
+    rank holds outside the allocator at world size ``n`` (NCCL's buffers, whose communicators
+    grow with it), taken off the budget at that size (each row's ``budget_bytes``)."""
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
     sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
-    every = ranks == "all"
-    ranks = [] if every else list(ranks)
-    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
-    if bad or not (ranks or every):
-        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
+    asked_at = _asked_ranks(ranks)
     report = progress or (lambda desc, done, total: None)
     out = WorldSizeFit(spec.bytes, None, None)
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
-        asked = list(range(n)) if every else list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
+        asked = asked_at(n)
         states = {r: rank_state(workload, FakeGroup(n, r, rank_device(fake))) for r in asked}
-        row: dict[str, Any] = {"world_size": n, "ranks": [], "worst_rank": None, "none_peak_bytes": None}
-        row.update(min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
+        budget_n = spec.bytes - (outside(n) if outside is not None else 0)
+        row: dict[str, Any] = {"world_size": n, "budget_bytes": budget_n, "ranks": [], "worst_rank": None}
+        row.update(none_peak_bytes=None, min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
         resident = max(st.resident_bytes for st in states.values())
-        if resident > spec.bytes:
+        if resident > budget_n:
             row.update(lower_bound_bytes=resident, skipped="profile")
             continue
         layouts: dict[tuple, int] = {}
@@ -326,7 +339,7 @@ def min_world_size(
         none = measured.budget_peak_bytes
         row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
         row["rank_none_peak_bytes"] = {r: p.budget_peak_bytes for r, p in measured.profiles.items()}
-        if none <= spec.bytes:
+        if none <= budget_n:
             out.without_recompute = n
             if out.with_recompute is None:
                 out.with_recompute = n
@@ -334,11 +347,11 @@ def min_world_size(
         if out.with_recompute is not None:
             continue
         start = max(p.ledger.start_bytes for p in measured.profiles.values())
-        if start > spec.bytes:
+        if start > budget_n:
             row.update(lower_bound_bytes=start, skipped="plan")
             continue
         try:
-            p = plan_ranks(workload, spec.bytes, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
+            p = plan_ranks(workload, budget_n, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
         except BudgetInfeasibleError as exc:
             row["min_peak_bytes"] = exc.min_peak_bytes
             continue
