@@ -20,7 +20,7 @@ inductor's CPU (C++/OpenMP) code fuses differently from its Triton code, and CUD
 attention kernels.
 
 Where the compiled step cannot be run (fake tensors on the host: generated kernels need real
-memory), :func:`profile_compiled` falls back to the eager profile, labelled as such.
+memory), :func:`profile_compiled_step` falls back to the eager profile, labelled as such.
 """
 
 from __future__ import annotations
@@ -35,11 +35,22 @@ import torch
 
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
-from memfit.measure.checked import Step
+from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import Phase
 from memfit.measure.sandbox import real_sandbox
+from memfit.measure.step import StepOptions
+from memfit.units import parse_bytes
 
-__all__ = ["CompiledProfile", "profile_compiled", "budget_sweep", "fit_memory_budget", "BACKENDS", "DEFAULT_SWEEP"]
+__all__ = [
+    "CompiledProfile",
+    "profile_compiled",
+    "profile_compiled_step",
+    "budget_sweep",
+    "fit_memory_budget",
+    "fit_memory_budget_step",
+    "BACKENDS",
+    "DEFAULT_SWEEP",
+]
 
 BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 """Backends whose step memfit measures: inductor (fusion, buffer reuse), and the two AOTAutograd
@@ -237,7 +248,7 @@ def _cuda_replay(start: dict[int, int], events: list[tuple[int, int, int]], sett
     return stats.allocated_peak_bytes, stats.reserved_peak_bytes, keyed
 
 
-def profile_compiled(
+def profile_compiled_step(
     step: Step,
     *,
     backend: str = "inductor",
@@ -315,16 +326,19 @@ def _eager_fallback(step: Step, backend: str, budget: float, why: str) -> Compil
 
 def budget_sweep(step: Step, values: Sequence[float] = DEFAULT_SWEEP, *, backend: str = "inductor") -> list[CompiledProfile]:
     """The compiled step at each ``activation_memory_budget`` in ``values`` (one compile each)."""
-    return [profile_compiled(step, backend=backend, memory_budget=v) for v in values]
+    return [profile_compiled_step(step, backend=backend, memory_budget=v) for v in values]
 
 
-def fit_memory_budget(
+def fit_memory_budget_step(
     step: Step, byte_budget: int, values: Sequence[float] = DEFAULT_SWEEP, *, backend: str = "inductor"
 ) -> tuple[CompiledProfile | None, list[CompiledProfile]]:
     """The largest ``activation_memory_budget`` among ``values`` (the least recompute) whose
     compiled step's peak (allocated on fake CUDA, else the step's peak with its start) is within
     ``byte_budget``, and every value's profile. Each value is measured: the peak is not monotonic
     in the budget (pytorch#197838), so none is skipped by bisection."""
+    for v in values:
+        if not 0.0 <= v <= 1.0:
+            raise BudgetError(f"activation_memory_budget {v!r} is out of range: use fractions from 0 to 1")
     tried = budget_sweep(step, sorted(set(values), reverse=True), backend=backend)
     fits = [p for p in tried if _peak(p) <= byte_budget and not p.fallback]
     return (fits[0] if fits else None), tried
@@ -332,3 +346,51 @@ def fit_memory_budget(
 
 def _peak(p: CompiledProfile) -> int:
     return p.allocated_peak_bytes if p.allocated_peak_bytes is not None else p.peak_bytes
+
+
+def profile_compiled(
+    model: torch.nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    targets: Any = None,
+    fake: bool | str = False,
+    step: StepOptions | None = None,
+    backend: str = "inductor",
+    memory_budget: float | None = None,
+) -> CompiledProfile:
+    """The memory of one training step of ``torch.compile(model, backend=backend)`` compiled
+    with ``torch._functorch.config.activation_memory_budget = memory_budget`` (None: as torch's
+    config holds it). The step's parts as :func:`memfit.profile` takes them; ``fake="cuda"``
+    runs the compiled step on the host at full size and replays its allocations through the
+    caching allocator model. The model, optimizer, RNG and torch's configs are left as they were."""
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
+    return profile_compiled_step(the, backend=backend, memory_budget=memory_budget, allocator=_settings(the))
+
+
+def fit_memory_budget(
+    model: torch.nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    targets: Any = None,
+    fake: bool | str = False,
+    values: Sequence[float] = DEFAULT_SWEEP,
+    backend: str = "inductor",
+) -> tuple[CompiledProfile | None, list[CompiledProfile]]:
+    """The ``activation_memory_budget`` (the largest of ``values``) whose compiled step fits
+    ``budget`` bytes (``"6GiB"``), and every value's profile; None when none fits."""
+    limit = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, targets=targets)
+    return fit_memory_budget_step(the, limit, values, backend=backend)
+
+
+def _settings(step: Step) -> AllocatorSettings | None:
+    if not step.fake_cuda:
+        return None
+    from memfit.measure.profile import allocator_settings_from_env
+
+    return allocator_settings_from_env()
