@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from memfit.compat import torch_compat
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
 from memfit.measure.checked import Step, checked_step
@@ -120,15 +121,24 @@ def _fresh_backend(name: str) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _configured(memory_budget: float) -> Iterator[None]:
+def _configured(memory_budget: float, fake_cuda: bool) -> Iterator[None]:
     """torch's configs as a compile at ``memory_budget`` needs them, restored on the way out
     (``config.patch`` puts back exactly what was there). The recompile limit is raised: each
-    budget memfit tries is a compile of the same code."""
+    budget memfit tries is a compile of the same code. With fake CUDA loaded, torch believes a
+    GPU is there, and the compile caches' keys read properties of it that the fake one lacks:
+    the caches are off (the code generated is the same, compiled afresh)."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
 
     limits = {k: 10**6 for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, k)}
-    with functorch_config.patch(activation_memory_budget=memory_budget), dynamo_config.patch(**limits):
+    caches = {"fx_graph_cache": False, "fx_graph_remote_cache": False} if fake_cuda else {}
+    autograd_cache = {"enable_autograd_cache": False} if fake_cuda else {}
+    with (
+        functorch_config.patch(activation_memory_budget=memory_budget, **autograd_cache),
+        dynamo_config.patch(**limits),
+        inductor_config.patch(**caches),
+    ):
         yield
 
 
@@ -270,6 +280,8 @@ def profile_compiled_step(
     compile_fn = _fresh_backend(backend)
     if step.fake and not step.fake_cuda:
         return _eager_fallback(step, backend, budget, "fake host tensors cannot run compiled kernels")
+    if step.fake_cuda:
+        torch_compat.host_compile_system_info()
     host = step.on(False) if step.fake_cuda else step
     if step.fake_cuda and step.options.foreach is None:
         # CUDA's optimizers default to foreach (one kernel over every tensor, with temporaries
@@ -279,7 +291,7 @@ def profile_compiled_step(
         compiled = torch.compile(box.model, backend=compile_fn)
         run = replace(box, model=compiled)
         graphs0, breaks0 = _dynamo_counts()
-        with _configured(budget):
+        with _configured(budget, step.fake_cuda):
             t0 = time.process_time()
             run.step(step.loss_fn)  # warm-up: compiles, and creates the optimizer state
             compile_s = time.process_time() - t0

@@ -33,7 +33,7 @@ def render_compiled(
     """A row per compiled profile: its memory budget, peaks and what the forward saved."""
     cuda = any(p.allocated_peak_bytes is not None for p in profiles)
     table = Table(title=title)
-    for col in ("activation_memory_budget", "step peak", "over start", "saved for backward"):
+    for col in ("memory budget", "step peak", "over start", "saved for backward"):
         table.add_column(col, justify="right")
     if cuda:
         table.add_column("allocated (model)", justify="right")
