@@ -1,6 +1,8 @@
 """Predicted vs measured peak of a torch.compile'd training step (issue 27, item 4).
 
     python benchmarks/compile_accuracy.py [--models 'gpt:n_layer=2;llama:num_hidden_layers=2'] [--budget 1.0] [--out FILE.md]
+    python benchmarks/compile_accuracy.py --models 'gpt:n_layer=2' --sweep 1,0.5,0      # one row per activation_memory_budget
+    MEMFIT_FAKE_CUDA=1 python benchmarks/compile_accuracy.py --device fake-cuda         # allocated / reserved (no GPU to compare)
 
 For each model (a zoo name, then ``:K=V,K=V`` sizes): memfit's eager profile on real tensors,
 memfit's compiled-step figure (:func:`memfit.measure.compiled.profile_compiled`, inductor, in
@@ -79,13 +81,40 @@ def _row(spec: str, budget: float, fake: str | bool) -> str:
     )
 
 
+def _sweep(ns: argparse.Namespace) -> None:
+    rows = [
+        "| model | activation_memory_budget | saved for backward | compiled: measured RSS rise | compiled: memfit | error |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for spec in ns.models.split(";"):
+        name, sizes = _parse(spec)
+        batch = sizes.pop("batch_size", None)
+        work = memfit.load_target(name, batch_size=batch, sizes=sizes)
+        step = checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), targets=work.targets)
+        for value in (float(v) for v in ns.sweep.split(",")):
+            pred = profile_compiled_step(step, memory_budget=value)
+            gt = run_child(name, method=f"compile:{value}", batch_size=batch, sizes=sizes)
+            measured = gt.get("step_peak_bytes")
+            err = f"{(pred.step_peak_bytes - measured) / measured:+.2%}" if measured else gt.get("error", "")
+            row = (
+                f"| {spec} | {value:g} | {pred.saved_bytes / MiB:.1f} MiB | {(measured or 0) / MiB:.1f} MiB "
+                f"| {pred.step_peak_bytes / MiB:.1f} MiB | {err} |"
+            )
+            print(row, flush=True)
+            rows.append(row)
+    emit(rows, "cpu", ns.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=";".join(MODELS), help="zoo specs NAME[:K=V,...] separated by ';'")
     parser.add_argument("--budget", type=float, default=1.0, help="activation_memory_budget (default 1.0, torch's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "fake-cuda"])
+    parser.add_argument("--sweep", help="activation_memory_budget values F,F,...: one row per value for each model")
     parser.add_argument("--out")
     ns = parser.parse_args()
+    if ns.sweep:
+        return _sweep(ns)
     fake: str | bool = "cuda" if ns.device == "fake-cuda" else False
     if fake:
         head = "| model | eager allocated / reserved | compiled allocated / reserved | saved for backward | graphs / breaks | memfit CPU s |"
