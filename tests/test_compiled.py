@@ -95,6 +95,7 @@ def test_fake_host_tensors_fall_back_to_the_eager_step_labelled():
         (["profile", "mlp-deep", "--compile", "--device", "fake"], "need real tensors"),
         (["profile", "mlp-deep", "--compile", "tvm"], "is not one memfit measures"),
         (["plan", "mlp-deep", "--compile", "--budget", "50%"], "give --budget in bytes"),
+        (["profile", "mlp-deep", "--compile", "--plot", "t.png"], "draws no timeline"),
     ],
 )
 def test_bad_compile_input_is_one_line(argv, says, capsys):

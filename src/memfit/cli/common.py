@@ -155,6 +155,8 @@ def run_compiled(ns: argparse.Namespace, console: Console, budget: int | None) -
         raise TargetError("--compile measures the usual training step: drop the step options (--eval, --micro-batches, ...)")
     if ns.device == "fake":
         raise TargetError("--compile runs the compiled kernels, which need real tensors: use --device cpu or fake-cuda, not fake")
+    if getattr(ns, "plot", None) or getattr(ns, "html", None):
+        raise TargetError("--compile draws no timeline yet: drop --plot/--html")
     values = read_memory_budgets(ns)
     require_device(ns.device)
     work = workload(ns)
@@ -168,4 +170,10 @@ def run_compiled(ns: argparse.Namespace, console: Console, budget: int | None) -
         else:
             chosen, tried = None, [memfit.profile_compiled(model, inputs, memory_budget=v, **parts) for v in values or [None]]
     render_compiled(tried, console, title=title, chosen=chosen, budget=budget)
+    if getattr(ns, "json", None):
+        import json
+
+        chosen_value = None if chosen is None else chosen.memory_budget
+        Path(ns.json).write_text(json.dumps({"chosen": chosen_value, "profiles": [p.to_dict() for p in tried]}, indent=1))
+        console.print(f"wrote {ns.json}")
     return 0 if budget is None or chosen is not None else 1

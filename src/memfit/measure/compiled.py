@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -94,6 +94,11 @@ class CompiledProfile:
     @property
     def peak_bytes(self) -> int:
         return self.start_bytes + self.step_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON: the fields without the event list, with the label and peak."""
+        out = {k: v for k, v in asdict(self).items() if k != "events"}
+        return {**out, "peak_bytes": self.peak_bytes, "label": self.label}
 
     @property
     def label(self) -> str:
