@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from _table import emit  # benchmarks/_table.py, beside this script
+import memfit  # first: with MEMFIT_FAKE_CUDA=1, fake CUDA must load before torch (which _table imports)
 
-import memfit
+from _table import emit  # benchmarks/_table.py, beside this script
 from memfit.bench.child import run_child
 from memfit.measure.checked import checked_step
 from memfit.measure.compiled import profile_compiled_step

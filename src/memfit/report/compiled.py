@@ -61,7 +61,8 @@ def render_compiled(
             break
     else:
         p = profiles[0]
-        console.print(f"{p.label}; compile (warm-up step) {sum(q.compile_cpu_s for q in profiles):.1f} CPU s")
+        what = p.label if len(profiles) == 1 else f"compiled steps ({p.backend}), one compile per memory budget"
+        console.print(f"{what}; warm-up steps (they compile) {sum(q.compile_cpu_s for q in profiles):.1f} CPU s")
         if any(q.graph_breaks for q in profiles):
             console.print("graph breaks: the step ran several graphs with eager code between them; measured as it ran")
     console.print(f"[dim]{BACKEND_NOTE}[/dim]")
