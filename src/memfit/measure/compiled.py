@@ -240,6 +240,17 @@ def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def _cublas_workspaces() -> dict[int, int]:
+    """The cuBLAS workspaces a CUDA step holds from its first matmul on (the host's step has
+    none): one for the forward's thread and one for autograd's CUDA thread, as memfit's eager
+    recorder counts them, at the size the simulated GPU's capability gives. Keyed by addresses
+    no host allocation has (negative). Assumed: the step runs a matmul forward and backward."""
+    from memfit.cuda.gpu import cublas_workspace_bytes
+
+    size = cublas_workspace_bytes(tuple(torch.cuda.get_device_capability()))  # type: ignore[arg-type]
+    return {-1: size, -2: size}
+
+
 def _cuda_replay(start: dict[int, int], events: list[tuple[int, int, int]], settings: AllocatorSettings) -> tuple[int, int, list]:
     """The step's allocations through the caching allocator model: the start storages first,
     then each allocation and free in order (a free's address names the newest allocation there)."""
@@ -318,7 +329,7 @@ def profile_compiled_step(
         compile_cpu_s=compile_s,
     )
     if step.fake_cuda:
-        allocated, reserved, keyed = _cuda_replay(start, rec.events, allocator or AllocatorSettings())
+        allocated, reserved, keyed = _cuda_replay({**start, **_cublas_workspaces()}, rec.events, allocator or AllocatorSettings())
         out = replace(out, allocated_peak_bytes=allocated, reserved_peak_bytes=reserved, events=tuple(keyed))
     return out
 
