@@ -12,8 +12,10 @@ from typing import Any
 from rich.console import Console
 
 import memfit
-from memfit.cli.common import FAKE, on_device, require_device, workload, write_pictures
+from memfit.cli.common import FAKE, on_device, require_device, run_compiled, workload, write_pictures
 from memfit.cli.options import (
+    compile_args,
+    read_memory_budgets,
     budget_arg,
     device_arg,
     gpu_options,
@@ -77,13 +79,17 @@ def add_parser(sub: Any) -> None:
     )
     picture_args(p, "the step without and with the plan (as the run that verified the plan recorded it)")
     step_args(p)
+    compile_args(p)
     p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
+    read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
     raw, label = read_budget(ns)
+    if ns.compile:
+        return run_compiled(ns, console, _compile_budget(raw))
     step = step_options(ns)
     if ns.world_size is not None or ns.min_world_size:
         memfit.parse_budget(raw)  # bad budgets fail before any work
@@ -262,3 +268,11 @@ def _saved_profile(path: str, device: str) -> memfit.Profile:
             f"--profile: {path} was measured on {prof.device}; plan it with the --device it was made on, not {device}"
         )
     return prof
+
+
+def _compile_budget(raw: Any) -> int:
+    """``plan --compile``'s budget: bytes (a fraction of the way between peaks is an eager plan's notion)."""
+    budget = memfit.parse_budget(raw)
+    if budget.bytes is None:
+        raise TargetError(f"--compile picks activation_memory_budget for a byte budget: give --budget in bytes (6GiB), not {raw}")
+    return budget.bytes
