@@ -19,6 +19,7 @@ EXPECTED = {
     "parse_budget",
     "apply",
     "remove",
+    "mechanisms",
     "fit",
     "max_batch",
     "MaxBatch",

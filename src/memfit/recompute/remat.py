@@ -173,6 +173,10 @@ class RegionForward:
         return inner(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # a compiled chosen module runs the policy's checkpoint (dynamo's own recompute):
+            # the call is the submodule's alone there
+            return self._call(*args, **kwargs)
         out = self._region(*args, **kwargs)
         if not self._remat.is_recomputing():
             self._remat.recompute_needs_tensor(*([out] if isinstance(out, torch.Tensor) else [t for t in out if t is not None]))
