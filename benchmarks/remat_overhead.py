@@ -24,10 +24,10 @@ import time
 import torch
 
 from memfit import zoo
-from memfit.workload import split_inputs
 from memfit.measure.step import train_step
 from memfit.plan.baselines import blocks
 from memfit.recompute.checkpoint import apply_choices, mechanisms
+from memfit.workload import split_inputs
 
 SIZES = {
     "gpt": {},
@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU seconds less noisy)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {a.threads} thread(s), {a.steps} timed steps, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"torch {torch.__version__}, {a.threads} thread(s), {a.steps} timed steps, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     print("| model | blocks (through torch_remat) | no recompute | SAC policy | torch_remat | torch_remat vs SAC | bitwise |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in a.models.split(","):
@@ -93,8 +95,7 @@ def main() -> None:
         ratio = med["remat"] / med["sac"] - 1
         print(
             f"| {name} | {r['blocks']} ({r['remat_blocks']}) | {med['none']:.3f} s | {med['sac']:.3f} s | "
-            f"{med['remat']:.3f} s | {ratio:+.1%} | {'yes' if r['bitwise'] else 'NO'} |"
-            + (f" {r['why']}" if r["why"] else ""),
+            f"{med['remat']:.3f} s | {ratio:+.1%} | {'yes' if r['bitwise'] else 'NO'} |" + (f" {r['why']}" if r["why"] else ""),
             flush=True,
         )
 

@@ -115,6 +115,24 @@ def test_a_choice_torch_remat_cannot_say_stays_on_the_policy_and_forcing_it_is_o
     assert "\n" not in str(err.value)
 
 
+def test_a_copy_of_the_model_runs_its_own_submodules():
+    """copy.deepcopy(model) after the switch (an EMA copy): its saved calls are its own."""
+    model = _net()
+    apply_choices(model, KEEP_MATMULS)
+    for _ in range(2):
+        model(torch.randn(2, 5, 16)).backward()
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].fc1.forward.module is twin.blocks[0].fc1
+    torch.manual_seed(3)
+    a = twin(torch.randn(2, 5, 16))
+    torch.manual_seed(3)
+    b = model(torch.randn(2, 5, 16))
+    assert torch.equal(a, b)
+    a.backward()
+    remove(twin)
+    assert "forward" not in twin.blocks[0].fc1.__dict__ and "forward" in model.blocks[0].fc1.__dict__
+
+
 def test_unknown_mechanism_is_refused_naming_the_choices():
     with pytest.raises(PlanError, match="unknown recompute mechanism 'fast'; expected one of auto, remat, sac"):
         apply_choices(_net(), KEEP_MATMULS, mechanism="fast")

@@ -33,7 +33,16 @@ from memfit.errors import PlanError
 from memfit.recompute import cache, remat
 from memfit.recompute.stateful import call_state, changed
 
-__all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "mechanisms", "last_recompute", "CHECKPOINTED", "RECOMPUTE_WATCHERS"]
+__all__ = [
+    "apply_choices",
+    "remove",
+    "unwrap",
+    "applied_choices",
+    "mechanisms",
+    "last_recompute",
+    "CHECKPOINTED",
+    "RECOMPUTE_WATCHERS",
+]
 
 CHECKPOINTED = "_memfit_applied"
 """Key in a model's ``__dict__`` under which :func:`apply_choices` lists the modules it runs
@@ -264,7 +273,6 @@ class _CheckpointedForward:
             )
         return out
 
-
     def _probed(self, inner: Callable[..., Any], args: tuple, kwargs: dict, contexts: Any) -> Any:
         """The policy's checkpoint; while the mechanism is pending, under a probe."""
         if self.mechanism != "pending" or self.pending is not None or remat.fake_or_meta(args, kwargs):
@@ -287,21 +295,24 @@ class _CheckpointedForward:
         self.pending = None
         if not regions:
             if self.requested == "remat":
-                raise PlanError(f"module {self.name!r} cannot be recomputed through torch_remat: {why}; use mechanism 'auto' or 'sac'")
+                raise PlanError(
+                    f"module {self.name!r} cannot be recomputed through torch_remat: {why}; use mechanism 'auto' or 'sac'"
+                )
             self.mechanism, self.why = "sac", why
             return
         for sub in regions:
             mod = self.module.get_submodule(sub)
-            own = mod.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+            # None, not the sentinel, for "no instance forward": copy.deepcopy copies an object()
+            own = mod.__dict__.get("forward")
             self.regions[sub] = own
-            mod.forward = remat.RegionForward(mod, sub, None if own is _NO_INSTANCE_FORWARD else own)
+            mod.forward = remat.RegionForward(mod, sub, own)
         self.mechanism, self.why = "remat", f"saves the calls of {', '.join(regions)}"
 
     def uninstall(self) -> None:
-        """Put back the forwards of the submodules saved through torchremat."""
+        """Put back the forwards of the submodules saved through torch_remat."""
         for sub, own in self.regions.items():
             mod = self.module.get_submodule(sub)
-            if own is _NO_INSTANCE_FORWARD:
+            if own is None:
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = own
@@ -353,8 +364,14 @@ def apply_choices(
         if mode not in ("full", "selective"):
             raise PlanError(f"unknown recompute mode {mode!r} for {name!r}; expected 'full' or 'selective'")
     for name, (mode, _) in choices.items():
-        if mechanism == "remat" and mode == "selective" and any(o != name and (_within(o, name) or _within(name, o)) for o in choices):
-            raise PlanError(f"module {name!r} cannot be recomputed through torch_remat: another chosen module is nested in it or around it; use mechanism 'auto' or 'sac'")
+        if (
+            mechanism == "remat"
+            and mode == "selective"
+            and any(o != name and (_within(o, name) or _within(name, o)) for o in choices)
+        ):
+            raise PlanError(
+                f"module {name!r} cannot be recomputed through torch_remat: another chosen module is nested in it or around it; use mechanism 'auto' or 'sac'"
+            )
     # The switch first: a checkpoint on the same module then replays the switched forward.
     switched = cache.install(model, cache_off)
     originals: dict[str, Any] = {}

@@ -30,7 +30,18 @@ from torch import nn
 from memfit.compat import torch_compat
 from memfit.errors import PlanError
 
-__all__ = ["MECHANISMS", "available", "check_mechanism", "Probe", "RngState", "RegionForward", "output_ok", "fake_or_meta", "Verdict", "run"]
+__all__ = [
+    "MECHANISMS",
+    "available",
+    "check_mechanism",
+    "Probe",
+    "RngState",
+    "RegionForward",
+    "output_ok",
+    "fake_or_meta",
+    "Verdict",
+    "run",
+]
 
 MECHANISMS = ("auto", "remat", "sac")
 """How selective choices are applied: ``"auto"`` through ``torch_remat`` where it is installed
@@ -125,7 +136,10 @@ class Probe:
                 return (), f"a kept op ({kind}) runs in the module's own forward, outside any submodule"
             fit = next((m for m in where if m not in impure and self.calls[m] == 1 and m not in self.bad_output), None)
             if fit is None:
-                return (), f"a kept op ({kind}) runs only in submodules that also make other tensors, are called twice, or return other than tensors"
+                return (
+                    (),
+                    f"a kept op ({kind}) runs only in submodules that also make other tensors, are called twice, or return other than tensors",
+                )
             if fit not in chosen:
                 chosen.append(fit)
         if not chosen:
@@ -160,13 +174,11 @@ class RegionForward:
     keeps these outputs too. Outside a checkpoint ``remat.region`` is a plain call."""
 
     def __init__(self, module: nn.Module, name: str, original: Any) -> None:
-        import torch_remat
-
+        # (nothing of torch_remat held: copy.deepcopy(model) copies this too, and its copy
+        # must call the copied submodule)
         self.module = module
         self.name = name
         self.original = original  # the instance-level forward it replaced, or None
-        self._remat = torch_remat
-        self._region = torch_remat.region(self._call, name, recompute=False)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -177,9 +189,11 @@ class RegionForward:
             # a compiled chosen module runs the policy's checkpoint (dynamo's own recompute):
             # the call is the submodule's alone there
             return self._call(*args, **kwargs)
-        out = self._region(*args, **kwargs)
-        if not self._remat.is_recomputing():
-            self._remat.recompute_needs_tensor(*([out] if isinstance(out, torch.Tensor) else [t for t in out if t is not None]))
+        import torch_remat
+
+        out = torch_remat.region(self._call, self.name, recompute=False)(*args, **kwargs)
+        if not torch_remat.is_recomputing():
+            torch_remat.recompute_needs_tensor(*([out] if isinstance(out, torch.Tensor) else [t for t in out if t is not None]))
         return out
 
 
@@ -187,9 +201,7 @@ def fake_or_meta(args: tuple, kwargs: dict) -> bool:
     """Whether a call runs on fake or meta tensors, where the policy stays (planning runs there)."""
     from torch.utils._pytree import tree_leaves
 
-    return any(
-        isinstance(t, torch.Tensor) and (t.is_meta or torch_compat.is_fake(t)) for t in tree_leaves((args, kwargs))
-    )
+    return any(isinstance(t, torch.Tensor) and (t.is_meta or torch_compat.is_fake(t)) for t in tree_leaves((args, kwargs)))
 
 
 class Verdict:
