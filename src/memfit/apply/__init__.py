@@ -18,7 +18,7 @@ from memfit.recompute.checkpoint import apply_choices, mechanisms, remove, unwra
 __all__ = ["apply", "remove", "mechanisms"]
 
 
-def apply(model: nn.Module, plan: Plan, mechanism: str = "auto") -> nn.Module:
+def apply(model: nn.Module, plan: Plan, mechanism: str | None = None) -> nn.Module:
     """Recompute what ``plan`` says, in place; returns ``model``. Undo with :func:`remove`.
 
     Module names, ``state_dict`` keys, classes and hooks are unchanged. Raises PlanError if
@@ -31,7 +31,8 @@ def apply(model: nn.Module, plan: Plan, mechanism: str = "auto") -> nn.Module:
     ``mechanism`` says how selective choices run: ``"auto"`` through torch_remat where it is
     installed and the choice can be said in its regions (decided by the first step, which
     runs under today's selective-checkpoint policy), else that policy; ``"remat"`` insists
-    on torch_remat (PlanError where it cannot); ``"sac"`` never uses it.
+    on torch_remat (PlanError where it cannot); ``"sac"`` never uses it. None: the
+    environment variable ``MEMFIT_RECOMPUTE`` if set, else ``"auto"``.
     :func:`mechanisms` says which each module got, and why.
     """
     if not isinstance(plan, Plan):

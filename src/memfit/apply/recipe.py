@@ -27,7 +27,7 @@ from memfit.levers.recipe import Recipe
 from memfit.measure.step import offload_saved, train_step
 from memfit.plan.result import check_fingerprint
 from memfit.recompute.checkpoint import applied_choices, apply_choices, unwrap
-from memfit.recompute.remat import check_mechanism
+from memfit.recompute.remat import resolve
 from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
 
 __all__ = ["AppliedRecipe", "apply_recipe"]
@@ -104,7 +104,7 @@ class AppliedRecipe:
 
 
 def apply_recipe(
-    recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, mechanism: str = "auto"
+    recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, mechanism: str | None = None
 ) -> AppliedRecipe:
     """Apply ``recipe`` to ``model`` (and ``optimizer``, default a new AdamW) in place.
 
@@ -119,7 +119,7 @@ def apply_recipe(
         raise PlanError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     inner = unwrap(model)
     check_fingerprint(inner, recipe.fingerprint, recipe.model_type, "recipe", "make one for it with memfit.fit")
-    check_mechanism(mechanism)
+    mechanism = resolve(mechanism)
     if recipe.plan is not None and recipe.plan.checkpointed and applied_choices(inner) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying a recipe")
     step = recipe.step

@@ -342,13 +342,14 @@ def apply_choices(
     model: nn.Module,
     choices: dict[str, tuple[str, tuple[str, ...]]],
     cache_off: tuple[str, ...] | list[str] = (),
-    mechanism: str = "auto",
+    mechanism: str | None = None,
 ) -> nn.Module:
     """Recompute ``choices`` (``{module name: (mode, save_ops)}``) in ``model``, in place,
     with transformers' KV cache off in training in the modules ``cache_off`` names
     (:mod:`memfit.recompute.cache`). ``mechanism`` says how selective choices run
-    (:data:`memfit.recompute.remat.MECHANISMS`; ``"auto"`` uses torch_remat where it can)."""
-    remat.check_mechanism(mechanism)
+    (:data:`memfit.recompute.remat.MECHANISMS`; ``"auto"`` uses torch_remat where it can;
+    None: ``MEMFIT_RECOMPUTE``, else ``"auto"``)."""
+    mechanism = remat.resolve(mechanism)
     if mechanism == "auto" and not remat.available():
         mechanism = "sac"
     if model.__dict__.get(_APPLIED) is not None:

@@ -19,6 +19,7 @@ submodules, else it stays on the policy, and :func:`describe` says which and why
 from __future__ import annotations
 
 import importlib.util
+import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,6 +59,21 @@ def available() -> bool:
         return False
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 10)
+
+
+ENV = "MEMFIT_RECOMPUTE"
+"""The environment variable that picks the mechanism when the caller names none (a training
+script run as it is, a benchmark's child process): ``auto``, ``remat`` or ``sac``."""
+
+
+def resolve(mechanism: str | None) -> str:
+    """``mechanism``, or the one ``MEMFIT_RECOMPUTE`` names, or ``"auto"``; checked."""
+    if mechanism is None:
+        mechanism = os.environ.get(ENV) or "auto"
+        if mechanism not in MECHANISMS:
+            raise PlanError(f"{ENV}={mechanism!r} is not a recompute mechanism; expected one of {', '.join(MECHANISMS)}")
+    check_mechanism(mechanism)
+    return mechanism
 
 
 def check_mechanism(mechanism: str) -> None:
