@@ -133,9 +133,17 @@ def test_a_copy_of_the_model_runs_its_own_submodules():
     assert "forward" not in twin.blocks[0].fc1.__dict__ and "forward" in model.blocks[0].fc1.__dict__
 
 
-def test_unknown_mechanism_is_refused_naming_the_choices():
+def test_unknown_mechanism_is_refused_naming_the_choices(monkeypatch):
     with pytest.raises(PlanError, match="unknown recompute mechanism 'fast'; expected one of auto, remat, sac"):
         apply_choices(_net(), KEEP_MATMULS, mechanism="fast")
+    monkeypatch.setenv("MEMFIT_RECOMPUTE", "fast")
+    model = _net()
+    with pytest.raises(PlanError, match="MEMFIT_RECOMPUTE='fast' is not a recompute mechanism; expected one of auto, remat, sac"):
+        apply_choices(model, KEEP_MATMULS)
+    assert mechanisms(model) is None  # nothing applied
+    monkeypatch.setenv("MEMFIT_RECOMPUTE", "sac")
+    apply_choices(model, KEEP_MATMULS)
+    assert mechanisms(model)["blocks.0"][0] == "sac"
 
 
 def test_nested_choices_stay_on_the_policy():
