@@ -177,15 +177,19 @@ def test_same_ledger_peak_as_the_policy():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS ground truth reads /proc")
 def test_selective_plan_through_torch_remat_measured_in_a_fresh_process(tmp_path):
-    """A selective plan's step in a fresh process (its second step: the first through
-    torch_remat) rises as much as the policy's step predicts, within 3%."""
+    """A selective plan applied by memfit.apply in a fresh process (its second step, the first
+    through torch_remat): the RSS rise is what memfit's ledger says for that step, within 1%,
+    and no more than the policy's step, which the plan was measured on (torch_remat frees a
+    saved call's output as the recompute reads it: 2 MiB of 67 MiB less here at batch 16)."""
     from memfit.bench.child import measure_step_peak
 
-    work = memfit.load_target(f"{USER}:plain", batch_size=8)
     choices = {f"blocks.{i}": ("selective", ("addmm",)) for i in range(4)}
-    apply_choices(work.model, choices, mechanism="sac")
-    predicted = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
-    remove(work.model)
+    ledger = {}
+    for mech in ("sac", "auto"):
+        work = memfit.load_target(f"{USER}:plain", batch_size=8)
+        apply_choices(work.model, choices, mechanism=mech)
+        ledger[mech] = memfit.profile(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer())
+        assert mechanisms(work.model)["blocks.0"][0] == {"sac": "sac", "auto": "remat"}[mech]
     plan = {
         "format": "memfit.plan", "version": 2, "budget_bytes": 0, "predicted_peak_bytes": 0, "start_bytes": 0,
         "none_peak_bytes": 0, "min_peak_bytes": 0, "extra_compute_s": None, "extra_flops": 0, "step_time_s": None,
@@ -194,7 +198,8 @@ def test_selective_plan_through_torch_remat_measured_in_a_fresh_process(tmp_path
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     measured = measure_step_peak(f"{USER}:plain", batch_size=8, plan_path=str(path))["step_peak_bytes"]
-    assert abs(predicted.step_peak_bytes - measured) <= 0.03 * measured
+    assert abs(ledger["auto"].step_peak_bytes - measured) <= 0.01 * measured
+    assert ledger["auto"].step_peak_bytes <= ledger["sac"].step_peak_bytes + 2048 * len(choices)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS ground truth reads /proc")
