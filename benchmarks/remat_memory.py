@@ -45,7 +45,7 @@ def plan_rows(batch: int) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(json.dumps(plan))
-        for mech, label in (("sac", "selective-checkpoint policy"), ("remat", "torch_remat")):
+        for mech, label in (("sac", "the selective-checkpoint policy"), ("remat", "torch_remat")):
             work = memfit.load_target(f"{USER}:plain", batch_size=batch)
             apply_choices(work.model, choices, mechanism=mech)
             ledger = _profile(work).step_peak_bytes
@@ -56,7 +56,7 @@ def plan_rows(batch: int) -> list[str]:
             finally:
                 del os.environ[ENV]
             rows.append(
-                f"| selective plan (addmm kept) through the {label} | {ledger / MiB:.2f} MiB | {measured / MiB:.2f} MiB | "
+                f"| selective plan (addmm kept) through {label} | {ledger / MiB:.2f} MiB | {measured / MiB:.2f} MiB | "
                 f"{(ledger - measured) / measured:+.2%} |"
             )
     return rows
