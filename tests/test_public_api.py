@@ -22,6 +22,7 @@ EXPECTED = {
     "parse_budget",
     "apply",
     "remove",
+    "mechanisms",
     "fit",
     "max_batch",
     "MaxBatch",

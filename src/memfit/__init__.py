@@ -17,7 +17,7 @@ from memfit.cuda import fake as _fake_cuda
 
 _fake_cuda.preload()
 
-from memfit.apply import apply, remove
+from memfit.apply import apply, mechanisms, remove
 from memfit.apply.recipe import apply_recipe
 from memfit.errors import (
     BudgetError,
@@ -68,6 +68,7 @@ __all__ = [
     "parse_budget",
     "apply",
     "remove",
+    "mechanisms",
     # every lever
     "fit",
     "Recipe",
