@@ -212,9 +212,13 @@ def test_the_allocator_settings_are_read_under_either_name(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert allocator_settings_from_env().expandable_segments is False
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    assert allocator_settings_from_env().expandable_segments is True
+    generic = allocator_settings_from_env()
+    assert generic.expandable_segments is True
+    # reports name the variable the process set (the same settings either way)
+    assert generic.assignment() == "PYTORCH_ALLOC_CONF=expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert allocator_settings_from_env().expandable_segments is True
+    cuda = allocator_settings_from_env()
+    assert cuda == generic and cuda.assignment() == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     with pytest.raises(AllocatorConfigError, match="PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:128' and PYTORCH_ALLOC_CONF"):
         allocator_settings_from_env()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memfit.errors import MemfitError
 
@@ -89,13 +89,17 @@ class AllocatorSettings:
     garbage_collection_threshold: float = 0.0
     """With a capacity: before a new segment, free cached unsplit large blocks (oldest first) once
     reserved memory passes this fraction of it. 0: off."""
+    variable: str = field(default="PYTORCH_CUDA_ALLOC_CONF", compare=False)
+    """The environment variable they were read from (torch reads ``PYTORCH_CUDA_ALLOC_CONF``, else
+    its device-generic ``PYTORCH_ALLOC_CONF``): what a report names. Not part of the settings."""
 
     @classmethod
-    def parse(cls, conf: str | None) -> AllocatorSettings:
+    def parse(cls, conf: str | None, variable: str = "PYTORCH_CUDA_ALLOC_CONF") -> AllocatorSettings:
         """Settings from the ``PYTORCH_CUDA_ALLOC_CONF`` form, e.g.
-        ``"expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]"``."""
+        ``"expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]"``;
+        ``variable``: the environment variable ``conf`` came from."""
         if not conf:
-            return cls()
+            return cls(variable=variable)
         tokens = _lex(conf)
         values: dict = {}
         divisions = [0] * ROUNDUP_INTERVALS
@@ -160,7 +164,7 @@ class AllocatorSettings:
                 if tokens[i] != ",":
                     raise AllocatorConfigError(f"PYTORCH_CUDA_ALLOC_CONF {conf!r}: expected ',' before {tokens[i]!r}")
                 i += 1
-        return cls(**values)
+        return cls(**values, variable=variable)
 
     @classmethod
     def from_snapshot(cls, meta: dict | None) -> AllocatorSettings:
@@ -178,6 +182,11 @@ class AllocatorSettings:
             roundup_power2_divisions=divisions,
             garbage_collection_threshold=float(meta.get("garbage_collection_threshold", 0.0) or 0.0),
         )
+
+    def assignment(self) -> str:
+        """``VARIABLE=value`` as the process set it ("" for the defaults)."""
+        conf = self.describe()
+        return f"{self.variable}={conf}" if conf else ""
 
     def describe(self) -> str:
         """Back in the ``PYTORCH_CUDA_ALLOC_CONF`` form ("" for the defaults)."""

@@ -554,7 +554,7 @@ def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, lef
     if settings is not None:
         notes.append(
             "fake CUDA: each rank's peak is its reserved memory (memfit's caching-allocator model under "
-            f"PYTORCH_CUDA_ALLOC_CONF={settings.describe() or '(unset)'}); NCCL's buffers and the CUDA context are not in it"
+            f"{settings.assignment() or 'the default settings'}); NCCL's buffers and the CUDA context are not in it"
         )
     fsdp = search.fsdp
     if fsdp is not None and search.blocks and fsdp.reshard_after_forward is False:

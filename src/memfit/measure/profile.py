@@ -126,7 +126,7 @@ def allocator_settings_from_env() -> AllocatorSettings:
             f"PYTORCH_CUDA_ALLOC_CONF={cuda!r} and PYTORCH_ALLOC_CONF={generic!r} differ: "
             "torch reads some options from each, which memfit does not model; set one of them"
         )
-    return AllocatorSettings.parse(cuda or generic)
+    return AllocatorSettings.parse(cuda or generic, "PYTORCH_ALLOC_CONF" if generic and not cuda else "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def model_cuda_memory(ledger: Ledger, settings: AllocatorSettings) -> CudaMemory:

@@ -191,7 +191,9 @@ def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int 
             "outside them (estimated apart, in the fit above)"
         )
     else:
-        console.print("per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it")
+        console.print(
+            "per rank, tensors only: the communication backend's own buffers (NCCL's) and the CUDA context are not in it"
+        )
 
 
 def _titan_lines(ranks: RankProfiles, names: dict[str, str], console: Console) -> None:
@@ -272,12 +274,12 @@ def render_device_fit(profile: Profile, console: Console) -> None:
 def render_cuda_memory(profile: Profile, console: Console) -> None:
     """The caching allocator's peaks beside the tensors' (CUDA only)."""
     c = profile.cuda_memory
-    conf = c.settings.describe()
+    conf = c.settings.assignment()
     how = c.source if c.model is None else f"measured: {c.source}"
     frag = f"; {format_bytes(c.fragmentation_bytes)} reserved but unused at the peak" if c.fragmentation_bytes else ""
     console.print(
         f"CUDA allocator: allocated [bold]{format_bytes(c.allocated_peak_bytes)}[/], reserved "
-        f"[bold]{format_bytes(c.reserved_peak_bytes)}[/] ({how}{', PYTORCH_CUDA_ALLOC_CONF=' + escape(conf) if conf else ''}){frag}"
+        f"[bold]{format_bytes(c.reserved_peak_bytes)}[/] ({how}{', ' + escape(conf) if conf else ''}){frag}"
     )
 
 

@@ -863,8 +863,7 @@ def _source(prof: Profile) -> str:
 
 
 def _conf(settings: AllocatorSettings) -> str:
-    conf = settings.describe()
-    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "the allocator's default settings"
+    return settings.assignment() or "the allocator's default settings"
 
 
 def _cuda(prof: Profile) -> tuple[list[tuple[str, list[int], int]], list[str]]:
