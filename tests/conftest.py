@@ -65,6 +65,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: each file's own order kept
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m timing`` (`make test`'s second run) only the files that name the mark are
+    collected: a file that never writes ``mark.timing`` holds no such test, and importing the
+    other fifty files again cost that run about as many CPU seconds as its tests' own."""
+    if config.getoption("markexpr", "") != "timing" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.timing" not in collection_path.read_text(encoding="utf-8") or None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
