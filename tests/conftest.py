@@ -65,6 +65,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: each file's own order kept
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m timing`` (`make test`'s second run) only the files that name the mark are
+    collected: a file that never writes ``mark.timing`` holds no such test, and importing the
+    other fifty files again cost that run about as many CPU seconds as its tests' own."""
+    if config.getoption("markexpr", "") != "timing" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.timing" not in collection_path.read_text(encoding="utf-8") or None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
@@ -86,6 +97,44 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     with open(out, "a") as f:
         f.write(f"{cpu() - cpu0:.2f}\t{time.perf_counter() - wall0:.2f}\t{item.nodeid}\n")
+
+
+class LazyModule:
+    """A module imported at its first attribute, for a test file's frameworks (peft, accelerate,
+    bitsandbytes): every xdist worker and the `timing` run collect every file, and importing
+    them at collection cost each of those processes seconds (peft alone about 3.5 CPU s) for files
+    that run on one worker. ``needs`` skips the file at collection as ``importorskip`` did; an
+    import that fails later, once a test touches the module, skips that test the same way."""
+
+    def __init__(self, name: str, then: Callable[[Any], None] | None = None) -> None:
+        self._name, self._then, self._module = name, then, None
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_") and attr not in ("__file__", "__version__"):
+            raise AttributeError(attr)  # what collection asks of every module global (__test__, ...)
+        if self._module is None:
+            self._module = pytest.importorskip(self._name)
+            if self._then is not None:
+                self._then(self._module)
+        return getattr(self._module, attr)
+
+
+def needs(*names: str) -> pytest.MarkDecorator:
+    """Skip a test file whose frameworks are not installed, without importing them (a
+    dotted name is looked up from its top-level package's folder, not imported either)."""
+    import importlib.util
+
+    def found(name: str) -> bool:
+        top, _, rest = name.partition(".")
+        spec = importlib.util.find_spec(top)
+        if spec is None or not rest:
+            return spec is not None
+        base = Path(next(iter(spec.submodule_search_locations or ()), ""))
+        path = base.joinpath(*rest.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    missing = [n for n in names if not found(n)]
+    return pytest.mark.skipif(bool(missing), reason=f"could not import {', '.join(missing)}")
 
 
 class TinyNet(nn.Module):

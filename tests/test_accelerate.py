@@ -20,11 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import LazyModule, needs
 
 import memfit
 
-accelerate = pytest.importorskip("accelerate")
-tf = pytest.importorskip("transformers")
+pytestmark = needs("accelerate", "transformers")
+accelerate = LazyModule("accelerate")  # imported when a test first uses it, not at collection
+tf = LazyModule("transformers")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

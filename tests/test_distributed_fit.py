@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import gloo_ranks, rank_differences, train_ranks
+from conftest import gloo_ranks, needs, rank_differences, train_ranks
 
 torch_dist = pytest.importorskip("torch.distributed")
 if not torch_dist.is_available():
     pytest.skip("torch built without distributed", allow_module_level=True)
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")  # looked up, not imported: the tests import it when they run
 
 from memfit import Workload  # noqa: E402
 from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError  # noqa: E402

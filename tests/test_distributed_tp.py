@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import gloo_ranks, rank_differences, settled, train_ranks
+from conftest import gloo_ranks, needs, rank_differences, settled, train_ranks
 
 torch_dist = pytest.importorskip("torch.distributed")
 if not torch_dist.is_available():
     pytest.skip("torch built without distributed", allow_module_level=True)
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")  # looked up, not imported: the tests import it when they run
 
 import memfit  # noqa: E402
 from memfit import Workload, zoo  # noqa: E402

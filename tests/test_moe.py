@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise, train
+from conftest import assert_bitwise, needs, train
 
 import memfit
 from memfit.cli import main
 from memfit.compat import torch_compat as _torch_compat
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")  # looked up, not imported: the tests import it when they run
 if not hasattr(torch, "_grouped_mm"):
     pytest.skip("torch before 2.8 has no grouped GEMM", allow_module_level=True)
 

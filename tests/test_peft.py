@@ -23,15 +23,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_equivalent
+from conftest import LazyModule, assert_equivalent, needs
 
 import memfit
 from memfit.measure.ledger import Category
 from memfit.measure.step import StepOptions
 
-tf = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-tf.logging.set_verbosity_error()
+pytestmark = needs("transformers", "peft")
+tf = LazyModule("transformers", then=lambda tf: tf.logging.set_verbosity_error())
+peft = LazyModule("peft")  # imported when a test first uses it: collecting this file imports neither
 
 BATCH, SEQ, VOCAB = 2, 16, 96
 PREFIX = "base_model.model."  # what peft's PeftModel (base_model) and LoraModel (model) put before the base's names

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_equivalent
+from conftest import LazyModule, assert_equivalent, needs
 
 import memfit
 from memfit.cli import main
 from memfit.measure.ledger import Category, Phase
 
-tf = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-bnb = pytest.importorskip("bitsandbytes")
-tf.logging.set_verbosity_error()
+pytestmark = needs("transformers", "peft", "bitsandbytes")
+tf = LazyModule("transformers", then=lambda tf: tf.logging.set_verbosity_error())
+peft = LazyModule("peft")  # imported when a test first uses it: collecting this file imports none of the three
+bnb = LazyModule("bitsandbytes")
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -107,6 +107,7 @@ def _parameter_bytes(prof: memfit.Profile) -> int:
 
 def test_bitsandbytes_ops_are_as_memfit_expects():
     """What :mod:`memfit.compat.bnb4bit` rests on: fails when a bitsandbytes release changes it."""
+    pytest.importorskip("bitsandbytes")  # its ops are registered at its import (bnb is imported lazily)
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     for op in ("quantize_4bit", "dequantize_4bit", "dequantize_blockwise", "quantize_blockwise", "gemm_4bit"):
         assert has(f"bitsandbytes::{op}", "Meta"), f"{op} has no fake/meta kernel"

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_bitwise, assert_equivalent, assert_same, make_plan, snapshot, train
+from conftest import LazyModule, assert_bitwise, assert_equivalent, assert_same, make_plan, needs, snapshot, train
 from torch import nn
 
 import memfit
 
-tf = pytest.importorskip("transformers")
-tf.logging.set_verbosity_error()
+pytestmark = needs("transformers")
+tf = LazyModule("transformers", then=lambda tf: tf.logging.set_verbosity_error())  # imported when a test first uses it
 
 BATCH, SEQ, VOCAB = 2, 16, 96
 DROP = 0.1
