@@ -68,6 +68,7 @@ from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanE
 from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
 from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
+from memfit.levers.ties import TIE, simplest_of_fastest
 from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, model_cuda_memory, run_step
@@ -97,7 +98,6 @@ OPT_IN_LEVERS = catalog.OPT_IN
 """Levers that change the numerics: considered only when ``allow`` names them."""
 
 _TIMED_STEPS = 3
-_TIE = 0.05  # times within 5% are a tie on a busy host: the simpler recipe wins
 _SLOW = 2.0  # a probe step running past this many times the base step's is stopped
 _SLOW_WARMUP = 4.0  # the same for its warm-up step (one-time costs), forgiven once
 _MARGIN = 0.15  # combinations predicted within 15% of the fastest are timed for real
@@ -593,10 +593,8 @@ class _Search:
 
 
 def _choose(cands: list[_Candidate], key: Callable[[_Candidate], float] = lambda c: c.time_s) -> _Candidate:
-    fastest = min(key(c) for c in cands)
-    close = [c for c in cands if key(c) <= fastest * (1 + _TIE)]
     # then fewer micro-batches: bigger ones keep the device busier, which noise can hide
-    return min(close, key=lambda c: (len(c.levers), c.combo.micro_batches, key(c)))
+    return simplest_of_fastest(cands, key, lambda c: (len(c.levers), c.combo.micro_batches, key(c)))
 
 
 def fit(
@@ -985,14 +983,14 @@ class _Queue:
     def bound(self) -> float | None:
         """No combination predicted slower than this (without recompute, which only adds)
         can change which candidates :func:`_time_candidates` runs: they are the one
-        :func:`_choose` picks among those within :data:`_TIE` of the fastest, and the
+        :func:`_choose` picks among those within :data:`~memfit.levers.ties.TIE` of the fastest, and the
         fastest others within :data:`_MARGIN`, :data:`_MAX_TIMED` in all."""
         if not self.cands:
             return None
         times = sorted(c.time_s for c in self.cands)
         fastest = times[0]
         if len(times) >= _MAX_TIMED:
-            return min(fastest * (1 + _MARGIN), max(fastest * (1 + _TIE), times[_MAX_TIMED - 1]))
+            return min(fastest * (1 + _MARGIN), max(fastest * (1 + TIE), times[_MAX_TIMED - 1]))
         return fastest * (1 + _MARGIN)
 
     def weigh(self, up_to: float | None = None) -> None:
@@ -1018,7 +1016,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
 
     The predictions' choice runs first, its recorded step as the warm-up (its ledger peak
     is the recipe's measured peak). Each other one races it: a warm-up, then its steps
-    until most of them are over the first's median plus :data:`_TIE` (it cannot be chosen
+    until most of them are over the first's median plus :data:`~memfit.levers.ties.TIE` (it cannot be chosen
     then). One that wins has its peak recorded after."""
     cands = queue.cands
     fastest = min(c.time_s for c in cands)
@@ -1036,7 +1034,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
             cand.measured = search.run(cand, 1 if slow else _TIMED_STEPS, record=cand is pick, stop_above=threshold)
             timed.append(cand)
             if cand is pick and cand.measured is not None and not math.isinf(cand.measured.median):
-                threshold = cand.measured.median * (1 + _TIE)
+                threshold = cand.measured.median * (1 + TIE)
 
     timed: list[_Candidate] = []
     race(finalists)

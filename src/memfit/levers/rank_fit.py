@@ -47,6 +47,7 @@ from memfit.levers.catalog.base import opt_in as opt_in_reason
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
+from memfit.levers.ties import simplest_of_fastest
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
 from memfit.measure.profile import Progress, allocator_settings_from_env
@@ -60,7 +61,6 @@ __all__ = ["fit_ranks", "max_batch_ranks", "RankRecipe", "RANK_LEVERS", "parse_r
 
 OPT_IN_RANK_LEVERS = ("reduce_bf16",)
 EXACT_RANK_LEVERS = ("recompute", "reshard_after_forward", "expandable_segments")
-_TIE = 0.05
 
 LINK_BYTES_PER_S = {"cuda": 100e9, "cpu": 5e9}
 """Nominal bytes per second each rank sends in a ring collective: NVLink-class GPUs (NCCL's
@@ -595,10 +595,12 @@ def _allocated(search: _RankSearch, best: _Candidate) -> int | None:
 
 def _choose(cands: list[_Candidate]) -> _Candidate:
     """The fastest predicted; a lever that changes the numerics only when it is more than
-    :data:`_TIE` faster than the fastest without one (as fit chooses among near-ties)."""
-    fastest = min(c.time_s for c in cands)
-    close = [c for c in cands if c.time_s <= fastest * (1 + _TIE)]
-    return min(close, key=lambda c: (sum(lev in OPT_IN_RANK_LEVERS for lev in c.levers), c.time_s, len(c.levers), c.peak_bytes))
+    :data:`~memfit.levers.ties.TIE` faster than the fastest without one (as fit chooses among near-ties)."""
+    return simplest_of_fastest(
+        cands,
+        lambda c: c.time_s,
+        lambda c: (sum(lev in OPT_IN_RANK_LEVERS for lev in c.levers), c.time_s, len(c.levers), c.peak_bytes),
+    )
 
 
 def _fsdp_args(fsdp: FSDP2, blocks: list[str]) -> dict[str, Any]:
