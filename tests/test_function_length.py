@@ -17,10 +17,8 @@ KNOWN = {
     ("plan/planner.py", "plan"): 196,
     ("plan/candidates.py", "build_candidates"): 189,
     ("levers/rank_fit.py", "fit_ranks"): 160,
-    ("levers/max_batch.py", "max_batch"): 143,
     ("levers/rank_fit.py", "max_batch_ranks"): 105,
     ("measure/timing.py", "time_steps"): 102,
-    ("cuda/snapshot.py", "replay_trace"): 84,
     ("measure/recorder.py", "__init__"): 83,
 }
 
