@@ -18,8 +18,6 @@ KNOWN = {
     ("plan/candidates.py", "build_candidates"): 189,
     ("levers/rank_fit.py", "fit_ranks"): 160,
     ("levers/rank_fit.py", "max_batch_ranks"): 105,
-    ("measure/timing.py", "time_steps"): 102,
-    ("measure/recorder.py", "__init__"): 83,
 }
 
 
