@@ -83,6 +83,15 @@ SCRIPT = textwrap.dedent(
                      "--world-size", "2", "--ranks", "all", "--device", "fake-cuda", "--gpu", "H100-80GB",
                      "--json", sys.argv[0] + ".json"])
     out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(sys.argv[0] + ".json"))}
+    # how many ranks for a GPU's memory: NCCL's estimate comes off the budget at each size tried
+    from memfit.cuda.gpu import CUDA_CONTEXT
+    capacity = out["cli"]["json"]["reserved_peak_bytes"] + CUDA_CONTEXT.bytes + 544 * 2**20  # just fits 2 ranks
+    with redirect_stdout(io.StringIO()):
+        code = main(["plan", "llama", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2", *sizes,
+                     "--min-world-size", "--world-sizes", "2,4", "--device", "fake-cuda", "--capacity", f"{capacity}B",
+                     "--json", sys.argv[0] + ".mws.json"])
+    out["mws"] = {"code": code, "capacity": capacity, "context": CUDA_CONTEXT.bytes,
+                  "json": json.load(open(sys.argv[0] + ".mws.json"))}
     # a plan per rank whose budget is a GPU's memory (--capacity): less the CUDA context and NCCL estimates
     # (activations large enough for recompute to matter against the 2 x 32 MiB cuBLAS workspaces)
     big = dict(SIZES, hidden_size=256, intermediate_size=1024, vocab_size=256, seq_len=1024)
@@ -100,6 +109,42 @@ SCRIPT = textwrap.dedent(
     fresh = profile_ranks(planned(w, memfit.Plan.from_dict(plan)), world_size=2, fake="cuda").profiles[0]
     out["plan"] = {"code": code, "capacity": capacity, "plan": plan, "unplanned": none,
                    "fresh": [fresh.reserved_peak_bytes, fresh.peak_bytes]}
+    # fit per rank on fake CUDA: the budget bounds each rank's reserved peak (here the step's own)
+    import os
+    from memfit.cuda.allocator import AllocatorSettings
+    from memfit.levers.rank_fit import fit_ranks
+    # (the plan's workload: keeping every block unsharded is over its reserved peak as it is)
+    w, as_is = memfit.load_target("llama", batch_size=4, sizes=big), unplanned
+    expandable = AllocatorSettings.parse("expandable_segments:True")
+    recipe = fit_ranks(w, as_is.budget_peak_bytes, world_size=2, fake="cuda", exclude={"recompute": "none"})
+    fsdp = dataclasses.replace(w.parallel.parallelize, root_reshard_after_forward=recipe.fsdp["root_reshard_after_forward"],
+                               keep_last=recipe.fsdp["block_reshard_after_forward"].count(False))
+    chosen = profile_ranks(dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, parallelize=fsdp)), world_size=2,
+                           fake="cuda")
+    if "expandable_segments" in recipe.levers:
+        chosen = chosen.under(expandable)
+    # every block kept unsharded after forward: a plan's figure for the step as it is, the profile's
+    from memfit.plan.distributed import plan_ranks
+    kept = dataclasses.replace(w.parallel.parallelize, root_reshard_after_forward=False, keep_last=2)
+    kept = dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, parallelize=kept))
+    kept_plan = plan_ranks(kept, 2**40, world_size=2, fake="cuda")
+    kept_profile = profile_ranks(kept, world_size=2, fake="cuda")
+    small = work("fsdp2")
+    replayed = profile_ranks(small, world_size=2, fake="cuda").under(expandable)
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # a process started with it
+    started = profile_ranks(small, world_size=2, fake="cuda")
+    on = fit_ranks(small, "1GiB", world_size=2, fake="cuda", exclude={"recompute": "none"})
+    del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    out["fit"] = {
+        "as_is": [as_is.budget_peak_bytes, as_is.peak_bytes],
+        "recipe": recipe.to_dict(), "snippet": recipe.snippet(),
+        "chosen": [chosen.budget_peak_bytes, chosen.peak_bytes],
+        "replayed": [replayed.budget_peak_bytes, replayed.peak_bytes],
+        "started": [started.budget_peak_bytes, started.peak_bytes],
+        "on": {"left_out": on.left_out["expandable_segments"].why.name, "conf": on.allocator_conf},
+        "kept": [[kept_plan.none_peak_bytes, kept_plan.allocated_peak_bytes],
+                 [kept_profile.budget_peak_bytes, kept_profile.peak_bytes]],
+    }
     print("RESULT" + json.dumps(out))
     """
 )
@@ -185,3 +230,44 @@ def test_plan_per_rank_within_a_gpu_capacity(result):
     assert plan["checkpointed"] and plan["allocated_peak_bytes"] <= plan["predicted_peak_bytes"]
     # the figures come from the run that verified the plan: a fresh profile of the rank has them too
     assert r["fresh"] == [plan["predicted_peak_bytes"], plan["allocated_peak_bytes"]]
+
+
+def test_fit_per_rank_bounds_each_ranks_reserved_peak(result):
+    r = result["fit"]
+    recipe = r["recipe"]
+    budget = r["as_is"][0]  # the reserved peak as it is, exactly
+    assert budget > r["as_is"][1]  # reserved over allocated: the budget is not the tensors'
+    assert recipe["device"].startswith("fake:cuda") and recipe["base_peak_bytes"] == budget
+    # the recipe's figures are a fresh fake-CUDA profile's of the configuration it chose
+    assert recipe["predicted_peak_bytes"] == r["chosen"][0] == recipe["rank_peak_bytes"]["0"] <= budget
+    assert recipe["allocated_peak_bytes"] == r["chosen"][1]
+    # the budget bound the step (keeping every block is over it), so expandable segments were weighed
+    assert any(not row["fits"] and "expandable" not in row["label"] for row in recipe["what_if"])
+    assert any("expandable segments" in row["label"] for row in recipe["what_if"])
+    if "expandable_segments" in recipe["levers"]:
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r["snippet"]
+
+
+def test_expandable_segments_judged_as_a_process_started_with_them(result):
+    r = result["fit"]
+    assert r["replayed"] == r["started"]
+    # already on in this process: not a lever to weigh
+    assert r["on"] == {"left_out": "NOT_NEEDED", "conf": "expandable_segments:True"}
+
+
+def test_plan_per_rank_starts_from_the_step_a_training_loop_runs(result):
+    # The plan's stateful check runs a forward without backward: FSDP2 modules that keep their
+    # parameters unsharded after forward stayed unsharded, and the step recorded next all-gathered
+    # none of them (30 MiB less reserved here); resharded, it is the profile's step to the byte.
+    plan, profile = result["fit"]["kept"]
+    assert plan == profile
+
+
+def test_min_world_size_takes_nccls_estimate_off_each_size(result):
+    r = result["mws"]
+    found = r["json"]
+    assert r["code"] == 0 and found["without_recompute"] == 2 == found["with_recompute"]
+    row = found["rows"][0]
+    # the GPU's memory less the CUDA context and NCCL's 2-rank communicator (544 MiB): the step's own
+    # reserved peak exactly, which fits
+    assert row["budget_bytes"] == r["capacity"] - r["context"] - 544 * MiB == row["none_peak_bytes"]

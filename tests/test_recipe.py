@@ -32,9 +32,11 @@ DATA = Path(__file__).parent / "data"
 def test_json_written_before_the_split_loads_and_writes_back_the_same(cls, name):
     text = (DATA / name).read_text()
     recipe = cls.from_json(text)
-    assert recipe.to_json() == json.dumps(json.loads(text), indent=1)
-    assert cls.from_json(recipe.to_json()) == recipe
     data = json.loads(text)
+    # fields added since (within version 2: the per-rank recipe's fake-CUDA peaks) write their defaults
+    added = {"allocated_peak_bytes": None, "allocator_conf": None} if cls is RankRecipe else {}
+    assert recipe.to_json() == json.dumps({**data, **added}, indent=1)
+    assert cls.from_json(recipe.to_json()) == recipe
     for key, value in data.items():  # every field of the old file is in exactly one record
         if key not in ("format", "version", "step", "plan", "what_if", "left_out", "levers", "rank_peak_bytes"):
             assert getattr(getattr(recipe, cls.WHERE[key]), key) == value == getattr(recipe, key)

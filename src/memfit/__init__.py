@@ -17,7 +17,7 @@ from memfit.cuda import fake as _fake_cuda
 
 _fake_cuda.preload()
 
-from memfit.apply import apply, remove
+from memfit.apply import apply, mechanisms, remove
 from memfit.apply.recipe import apply_recipe
 from memfit.errors import (
     BudgetError,
@@ -32,6 +32,7 @@ from memfit.errors import (
 from memfit.levers.fit import fit
 from memfit.levers.max_batch import BatchLimit, MaxBatch, max_batch
 from memfit.levers.recipe import Recipe
+from memfit.measure.compiled import CompiledProfile, fit_memory_budget, profile_compiled
 from memfit.measure.ledger import Block, Category, Ledger, Phase, Tick
 from memfit.measure.profile import ModuleStats, Profile, profile
 from memfit.measure.step import StepOptions
@@ -56,6 +57,9 @@ __all__ = [
     "Category",
     "Phase",
     "StepOptions",
+    "profile_compiled",
+    "CompiledProfile",
+    "fit_memory_budget",
     # plan and apply
     "plan",
     "Plan",
@@ -64,6 +68,7 @@ __all__ = [
     "parse_budget",
     "apply",
     "remove",
+    "mechanisms",
     # every lever
     "fit",
     "Recipe",

@@ -13,12 +13,12 @@ from torch import nn
 
 from memfit.errors import PlanError
 from memfit.plan.result import Plan, check_fingerprint
-from memfit.recompute.checkpoint import apply_choices, remove, unwrap
+from memfit.recompute.checkpoint import apply_choices, mechanisms, remove, unwrap
 
-__all__ = ["apply", "remove"]
+__all__ = ["apply", "remove", "mechanisms"]
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, mechanism: str | None = None) -> nn.Module:
     """Recompute what ``plan`` says, in place; returns ``model``. Undo with :func:`remove`.
 
     Module names, ``state_dict`` keys, classes and hooks are unchanged. Raises PlanError if
@@ -27,6 +27,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     the plan goes on the module inside (whose names it uses), and the wrapper is returned.
     The modules in ``plan.use_cache_off`` run with ``use_cache=False`` while training
     (transformers' KV cache, as its gradient checkpointing does; :mod:`memfit.recompute.cache`).
+
+    ``mechanism`` says how selective choices run: ``"auto"`` through torch_remat where it is
+    installed and the choice can be said in its regions (decided by the first step, which
+    runs under today's selective-checkpoint policy), else that policy; ``"remat"`` insists
+    on torch_remat (PlanError where it cannot); ``"sac"`` never uses it. None: the
+    environment variable ``MEMFIT_RECOMPUTE`` if set, else ``"auto"``.
+    :func:`mechanisms` says which each module got, and why.
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply needs a memfit.Plan, got {type(plan).__name__}")
@@ -34,5 +41,5 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         raise PlanError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     inner = unwrap(model)
     check_fingerprint(inner, plan.fingerprint, plan.model_type, "plan", "make a plan for it with memfit.plan")
-    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
+    apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off, mechanism)
     return model

@@ -27,6 +27,7 @@ from memfit.levers.recipe import Recipe
 from memfit.measure.step import offload_saved, train_step
 from memfit.plan.result import check_fingerprint
 from memfit.recompute.checkpoint import applied_choices, apply_choices, unwrap
+from memfit.recompute.remat import resolve
 from memfit.workload import check_loss_targets, default_optimizer, join_inputs, split_batch, split_inputs
 
 __all__ = ["AppliedRecipe", "apply_recipe"]
@@ -102,11 +103,14 @@ class AppliedRecipe:
         )
 
 
-def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> AppliedRecipe:
+def apply_recipe(
+    recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, mechanism: str | None = None
+) -> AppliedRecipe:
     """Apply ``recipe`` to ``model`` (and ``optimizer``, default a new AdamW) in place.
 
     Raises PlanError if the recipe was made for a model of another structure or a plan is
-    already applied. The returned :class:`AppliedRecipe` holds what the loop uses."""
+    already applied. The returned :class:`AppliedRecipe` holds what the loop uses.
+    ``mechanism``: how the plan's selective choices run, as for :func:`memfit.apply`."""
     if not isinstance(recipe, Recipe):
         raise PlanError(f"apply_recipe needs a memfit.Recipe, got {type(recipe).__name__}")
     if not isinstance(model, nn.Module):
@@ -115,6 +119,7 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
         raise PlanError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     inner = unwrap(model)
     check_fingerprint(inner, recipe.fingerprint, recipe.model_type, "recipe", "make one for it with memfit.fit")
+    mechanism = resolve(mechanism)
     if recipe.plan is not None and recipe.plan.checkpointed and applied_choices(inner) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying a recipe")
     step = recipe.step
@@ -130,7 +135,7 @@ def apply_recipe(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimi
     # The plan first: it was made (and fingerprinted) on the parameters as they were.
     if recipe.plan is not None and recipe.plan.checkpointed:
         plan = recipe.plan
-        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off)
+        apply_choices(inner, {name: (c.mode, c.save_ops) for name, c in plan.checkpointed.items()}, plan.use_cache_off, mechanism)
     dtype = step.cast_dtype
     if dtype is not None:
         inner.to(dtype)  # floating parameters and buffers; the Parameter objects stay the same

@@ -140,3 +140,40 @@ def applied_profile(
     finally:
         if plan is not None and plan.checkpointed:
             memfit.remove(model)
+
+
+def run_compiled(ns: argparse.Namespace, console: Console, budget: int | None) -> int:
+    """``profile --compile`` (``budget`` None) and ``plan --compile --budget BYTES``: the compiled
+    step at each ``--memory-budget`` value, and with a byte budget the value that fits it."""
+    from memfit.cli.options import read_memory_budgets, step_options
+    from memfit.measure.compiled import DEFAULT_SWEEP, fit_memory_budget
+    from memfit.report.console import render_compiled, status
+
+    if getattr(ns, "world_size", None) is not None:
+        raise TargetError("--compile measures one process's step: drop --world-size")
+    if step_options(ns) is not None or getattr(ns, "eval", False):
+        raise TargetError("--compile measures the usual training step: drop the step options (--eval, --micro-batches, ...)")
+    if ns.device == "fake":
+        raise TargetError("--compile runs the compiled kernels, which need real tensors: use --device cpu or fake-cuda, not fake")
+    if getattr(ns, "plot", None) or getattr(ns, "html", None):
+        raise TargetError("--compile draws no timeline yet: drop --plot/--html")
+    values = read_memory_budgets(ns)
+    require_device(ns.device)
+    work = workload(ns)
+    fake = FAKE.get(ns.device, False)
+    model, inputs = on_device(work, "cpu" if fake else ns.device)
+    parts = dict(loss_fn=work.loss_fn, optimizer=work.make_optimizer(), targets=work.targets, fake=fake, backend=ns.compile)
+    title = f"{work.name}: torch.compile (backend {ns.compile}) on {ns.device}"
+    with status(console, f"compiling and measuring {work.name}"):
+        if budget is not None:
+            chosen, tried = fit_memory_budget(model, inputs, budget, values=values or DEFAULT_SWEEP, **parts)
+        else:
+            chosen, tried = None, [memfit.profile_compiled(model, inputs, memory_budget=v, **parts) for v in values or [None]]
+    render_compiled(tried, console, title=title, chosen=chosen, budget=budget)
+    if getattr(ns, "json", None):
+        import json
+
+        chosen_value = None if chosen is None else chosen.memory_budget
+        Path(ns.json).write_text(json.dumps({"chosen": chosen_value, "profiles": [p.to_dict() for p in tried]}, indent=1))
+        console.print(f"wrote {ns.json}")
+    return 0 if budget is None or chosen is not None else 1

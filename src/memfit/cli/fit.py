@@ -18,6 +18,7 @@ from memfit.cli.options import (
     gpu_options,
     json_arg,
     picture_args,
+    rank_budget,
     ranks_arg,
     read_budget,
     read_ranks,
@@ -44,12 +45,13 @@ def add_parser(sub: Any) -> None:
     device_arg(
         p,
         "fake-cuda: exact peaks on a simulated CUDA GPU, step times predicted by the cost model (nothing timed); "
-        "fake: with --world-size, each rank on torch's fake process group",
+        "with --world-size, each rank on torch's fake process group: fake, or fake-cuda (reserved peaks per rank)",
     )
     world_size_arg(
         p,
-        "fit one rank of N of the target's distributed step (--device fake): recompute, FSDP2's "
-        "reshard_after_forward and, with --allow reduce_bf16, a bfloat16 reduce dtype; budget per rank",
+        "fit one rank of N of the target's distributed step (--device fake or fake-cuda): recompute, FSDP2's "
+        "reshard_after_forward, on fake-cuda expandable_segments and, with --allow reduce_bf16, a bfloat16 reduce "
+        "dtype; budget per rank (--gpu: its memory less the CUDA context and NCCL's buffers)",
     )
     ranks_arg(p, "with --world-size: the ranks to fit (default 0)")
     gpu_options(p)
@@ -75,7 +77,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     if ns.multiple_of < 1:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     if ns.world_size is not None:
-        return _run_ranks(ns, console, budget, label)
+        return _run_ranks(ns, console, raw, label)
     if ns.ranks is not None:
         raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
     if ns.device == "fake":
@@ -130,20 +132,26 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _run_ranks(ns: argparse.Namespace, console: Console, budget: int, label: str) -> int:
+def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
     """``fit --world-size N``: the fastest configuration of one rank's step (recompute,
-    FSDP2's reshard_after_forward, opt-in reduce dtype) on the fake process group; with
-    ``--max-batch``, the largest per-rank batch first."""
+    FSDP2's reshard_after_forward, expandable segments on fake CUDA, opt-in reduce dtype) on
+    the fake process group; with ``--max-batch``, the largest per-rank batch first."""
+    from memfit.levers.fit import fit_budget
     from memfit.levers.rank_fit import fit_ranks, max_batch_ranks, parse_rank_allow
     from memfit.report.console import progress_bar, render_max_batch, render_rank_fit
 
-    if ns.device != "fake":
-        raise TargetError(f"fit per rank runs each rank on torch's fake process group: give --device fake, not {ns.device}")
+    if ns.device not in FAKE:
+        raise TargetError(
+            f"fit per rank runs each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
+        )
+    require_device(ns.device)
     if ns.plot or ns.html or ns.keep_grads:
         raise TargetError("fit per rank does not take --plot, --html or --keep-grads yet; drop them")
     parse_rank_allow(ns.allow)
     ranks = read_ranks(ns.ranks, ns.world_size)
     work = workload(ns, per_rank=True)
+    raw, label = rank_budget(ns, work, raw, label)
+    budget = fit_budget(raw)
     if ns.max_batch:
         with progress_bar(console, f"largest batch per rank of {work.name}") as progress:
             found = max_batch_ranks(
@@ -154,13 +162,16 @@ def _run_ranks(ns: argparse.Namespace, console: Console, budget: int, label: str
                 multiple_of=ns.multiple_of,
                 allow=ns.allow,
                 progress=progress,
+                fake=FAKE[ns.device],
             )
         render_max_batch(found, console, title=work.name)
         recipe = found.recipe
         assert recipe is not None
     else:
         with progress_bar(console, f"fitting {work.name} per rank") as progress:
-            recipe = fit_ranks(work, budget, world_size=ns.world_size, ranks=ranks, allow=ns.allow, progress=progress)
+            recipe = fit_ranks(
+                work, budget, world_size=ns.world_size, ranks=ranks, allow=ns.allow, progress=progress, fake=FAKE[ns.device]
+            )
     recipe.budget = label
     render_rank_fit(recipe, console, title=work.name, path=ns.json)  # type: ignore[arg-type]
     if ns.json:

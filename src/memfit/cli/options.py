@@ -192,6 +192,18 @@ def read_budget(ns: argparse.Namespace) -> tuple[Any, str]:
     return budget, label
 
 
+def rank_budget(ns: argparse.Namespace, work: Any, raw: Any, label: str) -> tuple[Any, str]:
+    """A per-rank budget: with ``--gpu``/``--capacity`` on fake CUDA, the GPU's memory less the
+    CUDA context (:func:`read_budget`) and less NCCL's buffers for the rank's communicators,
+    which live outside the caching allocator; a ``--budget`` as given."""
+    if ns.device != "fake-cuda" or ns.budget is not None:
+        return raw, label
+    from memfit.measure.distributed import nccl_outside, world_size_of
+
+    nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
+    return raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
+
+
 _DTYPE_CHOICES = ("bfloat16", "float16")
 
 
@@ -304,3 +316,38 @@ def int_list(flag: str, text: str, example: str) -> list[int]:
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise TargetError(f"{flag} takes integers separated by commas ({example}), got {text!r}") from None
+
+
+def compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="the step of torch.compile(model, backend=BACKEND) (default inductor; aot_eager, aot_eager_decomp_partition), "
+        "run compiled on real tensors and read from the CPU allocator (fake-cuda: replayed through the caching allocator model)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        metavar="F[,F...]",
+        help="with --compile: torch._functorch.config.activation_memory_budget value(s) to compile with, fractions from 0 to 1 "
+        "(profile: default torch's; plan: the values tried, default 1,0.8,0.6,0.4,0.2,0)",
+    )
+
+
+def read_memory_budgets(ns: argparse.Namespace) -> list[float] | None:
+    """``--memory-budget`` as fractions, or None when not given."""
+    if ns.memory_budget is None:
+        return None
+    if not ns.compile:
+        raise MemfitError("--memory-budget is torch.compile's activation_memory_budget: give --compile too")
+    out = []
+    for item in ns.memory_budget.split(","):
+        try:
+            v = float(item)
+        except ValueError:
+            v = -1.0
+        if not 0.0 <= v <= 1.0:
+            raise MemfitError(f"--memory-budget takes fractions from 0 to 1 separated by commas (e.g. 1,0.5,0), got {item!r}")
+        out.append(v)
+    return out

@@ -12,8 +12,10 @@ from typing import Any
 from rich.console import Console
 
 import memfit
-from memfit.cli.common import FAKE, on_device, require_device, workload, write_pictures
+from memfit.cli.common import FAKE, on_device, require_device, run_compiled, workload, write_pictures
 from memfit.cli.options import (
+    compile_args,
+    read_memory_budgets,
     budget_arg,
     device_arg,
     gpu_options,
@@ -21,6 +23,7 @@ from memfit.cli.options import (
     json_arg,
     picture_args,
     positive,
+    rank_budget,
     ranks_arg,
     read_budget,
     read_ranks,
@@ -76,13 +79,17 @@ def add_parser(sub: Any) -> None:
     )
     picture_args(p, "the step without and with the plan (as the run that verified the plan recorded it)")
     step_args(p)
+    compile_args(p)
     p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import progress_bar, render_plan
 
+    read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
     raw, label = read_budget(ns)
+    if ns.compile:
+        return run_compiled(ns, console, _compile_budget(raw))
     step = step_options(ns)
     if ns.world_size is not None or ns.min_world_size:
         memfit.parse_budget(raw)  # bad budgets fail before any work
@@ -197,12 +204,14 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
         sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
         ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
     work = workload(ns, per_rank=True)
-    if ns.device == "fake-cuda" and ns.budget is None and ns.world_size is not None:
-        # the budget is the GPU's memory: NCCL's buffers (outside the allocator) come off it too
-        from memfit.measure.distributed import nccl_outside, world_size_of
+    outside = None
+    if ns.world_size is not None:
+        raw, label = rank_budget(ns, work, raw, label)
+    elif ns.device == "fake-cuda" and ns.budget is None:
+        # the GPU's memory: NCCL's buffers come off it at each size tried (its communicators grow)
+        from memfit.measure.distributed import nccl_outside
 
-        nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
-        raw, label = raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
+        outside, label = (lambda n: nccl_outside(work.parallel, n).bytes), f"{label} - NCCL estimate at each size"
     if ns.min_world_size:
         with progress_bar(console, f"world sizes for {work.name}") as progress:
             found = min_world_size(
@@ -214,6 +223,7 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
                 ranks=ranks,
                 progress=progress,
                 fake=FAKE[ns.device],
+                outside=outside,
             )
         render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
         result: Any = found
@@ -258,3 +268,11 @@ def _saved_profile(path: str, device: str) -> memfit.Profile:
             f"--profile: {path} was measured on {prof.device}; plan it with the --device it was made on, not {device}"
         )
     return prof
+
+
+def _compile_budget(raw: Any) -> int:
+    """``plan --compile``'s budget: bytes (a fraction of the way between peaks is an eager plan's notion)."""
+    budget = memfit.parse_budget(raw)
+    if budget.bytes is None:
+        raise TargetError(f"--compile picks activation_memory_budget for a byte budget: give --budget in bytes (6GiB), not {raw}")
+    return budget.bytes

@@ -8,8 +8,10 @@ from typing import Any
 
 from rich.console import Console
 
-from memfit.cli.common import FAKE, profile_work, require_device, workload, write_pictures
+from memfit.cli.common import FAKE, profile_work, require_device, run_compiled, workload, write_pictures
 from memfit.cli.options import (
+    compile_args,
+    read_memory_budgets,
     device_arg,
     gpu_args,
     gpu_options,
@@ -48,12 +50,16 @@ def add_parser(sub: Any) -> None:
     ranks_arg(p, "with --world-size: the ranks to measure (default 0)")
     gpu_options(p)
     step_args(p)
+    compile_args(p)
     p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
     from memfit.report.console import render_profile
 
+    read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
+    if ns.compile:
+        return run_compiled(ns, console, None)
     if ns.world_size is not None:
         return _run_ranks(ns, console)
     if ns.ranks is not None:

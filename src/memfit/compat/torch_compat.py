@@ -530,3 +530,23 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
             fn()
 
     return _Handles([t.register_hook(hook) for t in tensors])
+
+
+def host_compile_system_info() -> None:
+    """Inductor's compile caches key on the machine's GPU (``CacheBase.get_system``, read once
+    and cached). With memfit's fake CUDA loaded, a CPU build of torch reports a device whose
+    properties lack what a ROCm or CUDA build's have, and every host compile fails on it. The
+    answer a CPU-only build gives (no GPU: an empty device record) is put in that cache first,
+    while the device's properties raise as they do without a GPU."""
+    from torch._inductor.codecache import CacheBase
+
+    real = torch.cuda.get_device_properties
+
+    def none(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no CUDA device for inductor's cache key (memfit: fake CUDA)")
+
+    torch.cuda.get_device_properties = none  # type: ignore[assignment]
+    try:
+        CacheBase.get_system()
+    finally:
+        torch.cuda.get_device_properties = real  # type: ignore[assignment]

@@ -40,15 +40,16 @@ from typing import Any
 
 import torch
 
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.levers.catalog.base import Reason, Why
 from memfit.levers.catalog.base import opt_in as opt_in_reason
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
-from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, world_size_of
+from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
-from memfit.measure.profile import Progress
+from memfit.measure.profile import Progress, allocator_settings_from_env
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
 from memfit.plan.result import Plan
@@ -58,6 +59,7 @@ from memfit.workload import Workload, batch_size_of, resize_batch, resize_target
 __all__ = ["fit_ranks", "max_batch_ranks", "RankRecipe", "RANK_LEVERS", "parse_rank_allow", "LINK_BYTES_PER_S"]
 
 OPT_IN_RANK_LEVERS = ("reduce_bf16",)
+EXACT_RANK_LEVERS = ("recompute", "reshard_after_forward", "expandable_segments")
 _TIE = 0.05
 
 LINK_BYTES_PER_S = {"cuda": 100e9, "cpu": 5e9}
@@ -92,6 +94,8 @@ class _Setting:
 
     keep: int | None = None
     reduce_bf16: bool = False
+    expandable: bool = False
+    """Judged under ``expandable_segments:True`` (fake CUDA): the same tensors, other segments."""
 
 
 def _fsdp_of(workload: Workload) -> FSDP2 | None:
@@ -163,9 +167,19 @@ class _RankSearch:
     """Exact per-rank peaks, plans and predicted times of FSDP2 settings, each made once."""
 
     def __init__(
-        self, workload: Workload, fsdp: FSDP2 | None, world_size: int, ranks: Sequence[int], budget: int, report: Progress
+        self,
+        workload: Workload,
+        fsdp: FSDP2 | None,
+        world_size: int,
+        ranks: Sequence[int],
+        budget: int,
+        report: Progress,
+        fake: bool | str = True,
     ) -> None:
         self.workload = workload
+        self.fake = fake
+        # on fake CUDA the budget bounds reserved peaks, judged under the process's allocator settings
+        self.settings = allocator_settings_from_env() if rank_device(fake) == "cuda" else None
         self.fsdp = fsdp
         self.n = world_size
         self.ranks = list(ranks)
@@ -189,7 +203,7 @@ class _RankSearch:
         (a family member the workload already uses is weighed once)."""
         if s.keep is None or self.fsdp is None:
             return s
-        own = _Setting(None, s.reduce_bf16)
+        own = _Setting(None, s.reduce_bf16, s.expandable)
         mine, theirs = self.fsdp_at(s), self.fsdp_at(own)
         assert mine is not None and theirs is not None
         same = _reshards(mine, len(self.blocks)) == _reshards(theirs, len(self.blocks))
@@ -203,6 +217,8 @@ class _RankSearch:
         words = ["as it is" if s.keep is None or self.fsdp is None else _describe_reshards(self.fsdp_at(s), len(self.blocks))]
         if s.reduce_bf16:
             words.append("reduce in bfloat16")
+        if s.expandable:
+            words.append("expandable segments")
         if plan is not None and plan.checkpointed:
             words.append(f"recompute ({len(plan.checkpointed)} modules)")
         return " + ".join(words)
@@ -215,25 +231,39 @@ class _RankSearch:
             used.add("reshard_after_forward")
         if s.reduce_bf16:
             used.add("reduce_bf16")
+        if s.expandable:
+            used.add("expandable_segments")
         return tuple(lever for lever in RANK_LEVERS if lever in used)
+
+    @property
+    def expandable_settings(self) -> AllocatorSettings:
+        assert self.settings is not None
+        return dataclasses.replace(self.settings, expandable_segments=True)
 
     def profiled(self, s: _Setting) -> RankProfiles:
         s = self.canon(s)
         if s not in self.profiles:
-            self.report(f"rank step: {self.label(s)}", 0, 0)
-            self.profiles[s] = profile_ranks(self.work(s), world_size=self.n, ranks=self.ranks)
+            if s.expandable:  # the same ranks' ledgers, replayed: no step runs
+                self.profiles[s] = self.profiled(dataclasses.replace(s, expandable=False)).under(self.expandable_settings)
+            else:
+                self.report(f"rank step: {self.label(s)}", 0, 0)
+                self.profiles[s] = profile_ranks(self.work(s), world_size=self.n, ranks=self.ranks, fake=self.fake)
         return self.profiles[s]
 
     def peak(self, s: _Setting) -> int:
-        return self.profiled(s).peak_bytes
+        """The peak the budget bounds: on fake CUDA each rank's reserved peak, else its tensor peak."""
+        return self.profiled(s).budget_peak_bytes
 
     def planned(self, s: _Setting) -> Plan | int:
         """A plan at the budget for setting ``s`` (verified on every rank), or the lowest peak recompute reaches."""
         s = self.canon(s)
         if s not in self.plans:
             self.report(f"recompute plan: {self.label(s)}", 0, 0)
+            settings = self.expandable_settings if s.expandable else None
             try:
-                self.plans[s] = plan_ranks(self.work(s), self.budget, world_size=self.n, ranks=self.ranks)
+                self.plans[s] = plan_ranks(
+                    self.work(s), self.budget, world_size=self.n, ranks=self.ranks, fake=self.fake, settings=settings
+                )
             except BudgetInfeasibleError as exc:
                 self.plans[s] = exc.min_peak_bytes
         return self.plans[s]
@@ -259,14 +289,14 @@ class _RankSearch:
         peak = max(plan.rank_peak_bytes.values()) if plan is not None and plan.rank_peak_bytes else self.peak(s)
         return _Candidate(s, plan, peak, self.seconds(s, plan), self.levers(s, plan))
 
-    def largest_within(self, reduce_bf16: bool, bound: int) -> int | None:
+    def largest_within(self, variant: _Setting, bound: int) -> int | None:
         """The largest family setting whose step peaks within ``bound`` without recompute
         (None: not even 0). Peaks grow with the setting, nearly by a block's parameters a
         block: a guess on the line through the two ends, galloped from to a bracket, then
         bisected; each probe an exact profile."""
 
         def peak(i: int) -> int:
-            return self.peak(_Setting(i, reduce_bf16))
+            return self.peak(dataclasses.replace(variant, keep=i))
 
         if peak(self.top) <= bound:
             return self.top
@@ -341,13 +371,19 @@ def fit_ranks(
     allow: str | Iterable[str] | None = None,
     exclude: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    fake: bool | str = True,
 ) -> RankRecipe:
     """The fastest (predicted) configuration of each rank of ``workload``'s distributed step
     whose peak fits ``budget`` bytes per rank: recompute, FSDP2's reshard_after_forward and,
     with ``allow="reduce_bf16"``, a bfloat16 reduce dtype (module docstring). ``exclude``:
-    exact levers the training script cannot use (``"recompute"``, ``"reshard_after_forward"``),
-    each with the reason ``left_out`` then gives. The workload's model, its parallelize and
-    the process group are left as they were.
+    exact levers the training script cannot use (``"recompute"``, ``"reshard_after_forward"``,
+    ``"expandable_segments"``), each with the reason ``left_out`` then gives. The workload's
+    model, its parallelize and the process group are left as they were.
+
+    ``fake``: ``True`` (or ``"cpu"``) runs each rank on fake CPU tensors; ``"cuda"`` on fake
+    CUDA, where the budget bounds each rank's reserved peak (the caching-allocator model, as
+    :func:`~memfit.plan.distributed.plan_ranks`) and ``expandable_segments`` is a lever too
+    (each rank's ledger replayed under it: the same tensors, other segments).
 
     The ``reshard_after_forward`` lever needs the workload's parallelize to be memfit's
     FSDP2 (:func:`memfit.measure.distributed.fsdp2`), whose arguments are data fit can vary;
@@ -364,20 +400,45 @@ def fit_ranks(
     ranks = list(dict.fromkeys(ranks))
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to fit, e.g. (0,)")
+    device = rank_device(fake)
     for r in ranks:
-        FakeGroup(n, r)  # a rank outside the world: refused before any work
-    fsdp = _fsdp_of(workload)
+        FakeGroup(n, r, device)  # a rank outside the world: refused before any work
+    report = progress or (lambda desc, done, total: None)
+    # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
+    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report, fake)
+    left_out, family = _left_out(workload, search, allowed, exclude)
+    weighing = _Weighing(search, family, recompute="recompute" not in left_out)
+    for reduce in [False] + ([True] if "reduce_bf16" in allowed else []):
+        bound = weighing.variant(_Setting(None, reduce))
+        if "expandable_segments" not in left_out and bound:
+            # the budget bound the variant: the same steps under other segments may keep more
+            weighing.variant(_Setting(None, reduce, expandable=True))
+    if not weighing.cands:
+        raise _infeasible(search, weighing, allowed, left_out)
+    best = _choose(weighing.unique())
+    for lever, why in _unused(best).items():
+        if lever not in best.levers and lever not in left_out:
+            left_out[lever] = why
+    recipe = _rank_recipe(search, weighing, best, left_out)
+    recipe.budget, recipe.fit_time_s = str(budget), time.perf_counter() - started
+    return recipe
+
+
+def _left_out(
+    workload: Workload, search: _RankSearch, allowed: set[str], exclude: Mapping[str, str] | None
+) -> tuple[dict[str, Reason], bool]:
+    """Why each per-rank lever is not weighed here (the caller's exclusions first), and whether
+    the reshard_after_forward family is searched (the workload's parallelize is memfit's FSDP2)."""
     assert workload.parallel is not None  # world_size_of refuses a workload without one
     scheme = workload.parallel.name
     left_out: dict[str, Reason] = {lever: Reason(Why.EXCLUDED, why) for lever, why in (exclude or {}).items()}
-    unknown = sorted(set(left_out) - {"recompute", "reshard_after_forward"})
+    unknown = sorted(set(left_out) - set(EXACT_RANK_LEVERS))
     if unknown:
         raise PlanError(
-            f"fit per rank can exclude the levers 'recompute' and 'reshard_after_forward', not {', '.join(map(repr, unknown))}"
+            f"fit per rank can exclude the levers {', '.join(map(repr, EXACT_RANK_LEVERS))}, not {', '.join(map(repr, unknown))}"
         )
-    if "reshard_after_forward" in left_out:
-        fsdp = None  # the workload's own settings only: no family to search
-    elif fsdp is None:
+    fsdp = search.fsdp
+    if "reshard_after_forward" not in left_out and fsdp is None:
         left_out["reshard_after_forward"] = Reason(
             Why.NOT_APPLICABLE,
             f"{scheme}: its parallelize is not memfit's FSDP2 (memfit.measure.distributed.fsdp2), whose fully_shard "
@@ -386,79 +447,102 @@ def fit_ranks(
     _check_allowed(workload, allowed)
     if "reduce_bf16" not in allowed and fsdp is not None:
         left_out["reduce_bf16"] = opt_in_reason("reduce_bf16", "")
-    report = progress or (lambda desc, done, total: None)
-    # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
-    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report)
-    family = fsdp is not None
-    recompute = "recompute" not in left_out
+    if "expandable_segments" not in left_out:
+        if search.settings is None:
+            left_out["expandable_segments"] = Reason(
+                Why.NOT_APPLICABLE, "a CUDA allocator setting: weighed on fake CUDA ranks (--device fake-cuda)"
+            )
+        elif search.settings.expandable_segments:
+            left_out["expandable_segments"] = Reason(Why.NOT_NEEDED, "on already in this process's allocator settings")
+    return left_out, fsdp is not None and "reshard_after_forward" not in left_out
 
-    cands: list[_Candidate] = []
-    lowest: tuple[int, str] | None = None
 
-    def weigh_plan(s: _Setting) -> bool:
-        nonlocal lowest
-        if not recompute:
+class _Weighing:
+    """The candidates that fit, and the lowest peak reached where none does, as each variant
+    (reduce dtype, allocator settings) of the step is weighed."""
+
+    def __init__(self, search: _RankSearch, family: bool, recompute: bool) -> None:
+        self.search, self.family, self.recompute = search, family, recompute
+        self.cands: list[_Candidate] = []
+        self.lowest: tuple[int, str] | None = None
+
+    def over(self, peak: int, label: str) -> None:
+        if self.lowest is None or peak < self.lowest[0]:
+            self.lowest = (peak, label)
+
+    def plan(self, s: _Setting) -> bool:
+        if not self.recompute:
             return False
-        got = search.planned(s)
+        got = self.search.planned(s)
         if isinstance(got, Plan):
-            cands.append(search.candidate(s, got))
+            self.cands.append(self.search.candidate(s, got))
             return True
-        if lowest is None or got < lowest[0]:
-            lowest = (got, search.label(s) + " + recompute")
+        self.over(got, self.search.label(s) + " + recompute")
         return False
 
-    base = _Setting()
-    for reduce in [False] + ([True] if "reduce_bf16" in allowed else []):
-        own = _Setting(None, reduce)
-        if search.peak(own) <= target:
-            cands.append(search.candidate(own))
-        elif lowest is None or search.peak(own) < lowest[0]:
-            lowest = (search.peak(own), search.label(own))
-        if not family:
-            if search.peak(own) > target:
-                weigh_plan(own)
-            continue
-        best = search.largest_within(reduce, target)
+    def variant(self, own: _Setting) -> bool:
+        """Weigh the workload's own setting of this variant and, for memfit's FSDP2, the family
+        (module docstring); True when the budget bound it (not every block kept without recompute)."""
+        search = self.search
+        at = lambda keep: dataclasses.replace(own, keep=keep)  # noqa: E731
+        if search.peak(own) <= search.budget:
+            self.cands.append(search.candidate(own))
+        else:
+            self.over(search.peak(own), search.label(own))
+        if not self.family:
+            if search.peak(own) > search.budget:
+                self.plan(own)
+            return search.peak(own) > search.budget
+        best = search.largest_within(own, search.budget)
         if best is not None:
-            cands.append(search.candidate(_Setting(best, reduce)))
+            self.cands.append(search.candidate(at(best)))
         else:
             # Over the budget as it is: recompute at the most kept that costs no more peak than
             # the workload's own setting (the root, the last block: backward all-gathers them
             # at once anyway); failing that at its own, failing that at the lowest.
-            free = search.largest_within(reduce, search.peak(own))
-            if free is None or not weigh_plan(_Setting(free, reduce)):
-                if not weigh_plan(own) and search.peak(_Setting(0, reduce)) < search.peak(own):
-                    weigh_plan(_Setting(0, reduce))
+            free = search.largest_within(own, search.peak(own))
+            if free is None or not self.plan(at(free)):
+                if not self.plan(own) and search.peak(at(0)) < search.peak(own):
+                    self.plan(at(0))
+            self.over(search.peak(at(0)), search.label(at(0)))
         if best != search.top:
             # Recompute that makes room for every block's parameters, against the all-gathers saved.
-            weigh_plan(_Setting(search.top, reduce))
-        if best is None and lowest is not None and search.peak(_Setting(0, reduce)) < lowest[0]:
-            lowest = (search.peak(_Setting(0, reduce)), search.label(_Setting(0, reduce)))
-    if not cands:
-        assert lowest is not None
-        opt_in = [lever for lever in OPT_IN_RANK_LEVERS if lever not in allowed and lever in left_out]
-        raise BudgetInfeasibleError(
-            f"budget {format_bytes(target)} per rank is below the lowest peak memfit reaches at {n} ranks with the levers "
-            f"allowed: {format_bytes(lowest[0])} ({lowest[0]} bytes) with {lowest[1]}; as it is rank "
-            f"{search.profiled(base).worst_rank} peaks at {format_bytes(search.peak(base))}; more ranks shard more"
-            + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
-            min_peak_bytes=lowest[0],
-            budget_bytes=target,
-        )
-    unique: dict[tuple[_Setting, bool], _Candidate] = {}
-    for c in cands:  # a setting reached twice (the workload's own is a family member) counts once
-        unique.setdefault((c.setting, c.plan is not None), c)
-    cands = list(unique.values())
-    best = _choose(cands)
-    why_not = _unused(best)
-    for lever, why in why_not.items():
-        if lever not in best.levers and lever not in left_out:
-            left_out[lever] = why
+            self.plan(at(search.top))
+        return best != search.top
+
+    def unique(self) -> list[_Candidate]:
+        """A setting reached twice (the workload's own is a family member) counts once."""
+        out: dict[tuple[_Setting, bool], _Candidate] = {}
+        for c in self.cands:
+            out.setdefault((c.setting, c.plan is not None), c)
+        return list(out.values())
+
+
+def _infeasible(
+    search: _RankSearch, weighing: _Weighing, allowed: set[str], left_out: dict[str, Reason]
+) -> BudgetInfeasibleError:
+    assert weighing.lowest is not None
+    lowest, base = weighing.lowest, _Setting()
+    opt_in = [lever for lever in OPT_IN_RANK_LEVERS if lever not in allowed and lever in left_out]
+    return BudgetInfeasibleError(
+        f"budget {format_bytes(search.budget)} per rank is below the lowest peak memfit reaches at {search.n} ranks with the "
+        f"levers allowed: {format_bytes(lowest[0])} ({lowest[0]} bytes) with {lowest[1]}; as it is rank "
+        f"{search.profiled(base).worst_rank} peaks at {format_bytes(search.peak(base))}; more ranks shard more"
+        + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
+        min_peak_bytes=lowest[0],
+        budget_bytes=search.budget,
+    )
+
+
+def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, left_out: dict[str, Reason]) -> RankRecipe:
+    """The RankRecipe of the chosen candidate: its peaks per rank, the step as it is beside,
+    every setting weighed as a what-if row."""
     if best.plan is not None and best.plan.rank_peak_bytes:
         rank_peaks = dict(best.plan.rank_peak_bytes)
     else:
-        rank_peaks = {r: p.peak_bytes for r, p in search.profiled(best.setting).profiles.items()}
+        rank_peaks = {r: p.budget_peak_bytes for r, p in search.profiled(best.setting).profiles.items()}
     chosen_fsdp = search.fsdp_at(best.setting)
+    base = _Setting()
     as_is = search.profiled(base)
     device = as_is.profiles[as_is.worst_rank].device
     notes = [
@@ -466,13 +550,19 @@ def fit_ranks(
         f"rates for {device}, collectives at a nominal {LINK_BYTES_PER_S['cuda' if 'cuda' in device else 'cpu'] / 1e9:g} "
         "GB/s, not overlapped) and chose the recipe: time it on the cluster",
     ]
+    settings = search.expandable_settings if best.setting.expandable else search.settings
+    if settings is not None:
+        notes.append(
+            "fake CUDA: each rank's peak is its reserved memory (memfit's caching-allocator model under "
+            f"PYTORCH_CUDA_ALLOC_CONF={settings.describe() or '(unset)'}); NCCL's buffers and the CUDA context are not in it"
+        )
+    fsdp = search.fsdp
     if fsdp is not None and search.blocks and fsdp.reshard_after_forward is False:
         notes.append("the workload keeps every block unsharded already; reshard_after_forward=True frees them as a lever")
-    what_if = _what_if(search, cands, best)
     return RankRecipe(
-        budget_bytes=target,
-        world_size=n,
-        parallel=scheme,
+        budget_bytes=search.budget,
+        world_size=search.n,
+        parallel=search.workload.parallel.name if search.workload.parallel is not None else search.workload.name,
         levers=best.levers,
         fsdp=_fsdp_args(chosen_fsdp, search.blocks) if chosen_fsdp is not None else None,
         plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
@@ -483,15 +573,24 @@ def fit_ranks(
         base_step_time_s=search.seconds(base, None),
         all_gathers=search.all_gathers(best.setting),
         base_all_gathers=search.all_gathers(base),
-        what_if=what_if,
+        what_if=_what_if(search, weighing.unique(), best),
         left_out={lever: left_out[lever] for lever in RANK_LEVERS if lever in left_out and lever not in best.levers},
         notes=notes,
-        budget=str(budget),
         device=device,
-        batch_size=batch_size_of(*split_inputs(workload.inputs)),
-        fit_time_s=time.perf_counter() - started,
+        batch_size=batch_size_of(*split_inputs(search.workload.inputs)),
         search={"profiles": len(search.profiles), "plans": len(search.plans)},
+        allocated_peak_bytes=_allocated(search, best),
+        allocator_conf=settings.describe() if settings is not None else None,
     )
+
+
+def _allocated(search: _RankSearch, best: _Candidate) -> int | None:
+    """On fake CUDA, the chosen configuration's allocated peak beside its reserved one."""
+    if search.settings is None:
+        return None
+    if best.plan is not None and best.plan.allocated_peak_bytes is not None:
+        return best.plan.allocated_peak_bytes
+    return max(p.peak_bytes for p in search.profiled(best.setting).profiles.values())
 
 
 def _choose(cands: list[_Candidate]) -> _Candidate:
@@ -521,8 +620,9 @@ def _what_if(search: _RankSearch, cands: list[_Candidate], best: _Candidate) -> 
     shown = {(c.setting, c.plan is not None) for c in cands}
     over = []
     for s, prof in search.profiles.items():
-        if (s, False) not in shown and prof.peak_bytes > search.budget:
-            over.append(WhatIf(search.label(s), search.levers(s, None), prof.peak_bytes, search.seconds(s, None), False))
+        peak = prof.budget_peak_bytes  # on fake CUDA the reserved peak the budget bounds
+        if (s, False) not in shown and peak > search.budget:
+            over.append(WhatIf(search.label(s), search.levers(s, None), peak, search.seconds(s, None), False))
     for s, got in search.plans.items():
         if isinstance(got, int):
             note = f"lowest reachable with recompute {format_bytes(got)}"
@@ -554,6 +654,7 @@ def max_batch_ranks(
     recompute: bool = True,
     recipe: bool = True,
     progress: Progress | None = None,
+    fake: bool | str = True,
 ) -> MaxBatch:
     """The largest per-rank batch (a multiple of ``multiple_of``) whose distributed step
     peaks within ``budget`` bytes on each of ``ranks``: for each lever set (as it is;
@@ -562,7 +663,8 @@ def max_batch_ranks(
     reachable peak), the search of :func:`memfit.max_batch` on exact fake-group peaks.
     Then (``recipe``) :func:`fit_ranks` at that batch: the fastest recipe there.
     ``recompute=False`` leaves the recompute limits out (each batch tried is then one
-    profile, not a plan: minutes less on an 8B model)."""
+    profile, not a plan: minutes less on an 8B model). ``fake="cuda"``: each rank on fake CUDA,
+    the budget bounding its reserved peak (as :func:`fit_ranks`)."""
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)
@@ -570,8 +672,9 @@ def max_batch_ranks(
         raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
     n = world_size_of(workload, world_size)
     ranks = list(dict.fromkeys(ranks)) or [0]
+    device = rank_device(fake)
     for r in ranks:
-        FakeGroup(n, r)
+        FakeGroup(n, r, device)
     example = batch_size_of(*split_inputs(workload.inputs))
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
@@ -590,14 +693,14 @@ def max_batch_ranks(
     def plain(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"rank step at batch {b}", 0, 0)
-            return profile_ranks(_at_batch(work, b), world_size=n, ranks=ranks).peak_bytes
+            return profile_ranks(_at_batch(work, b), world_size=n, ranks=ranks, fake=fake).budget_peak_bytes
 
         return peak
 
     def recomputed(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"lowest recompute peak at batch {b}", 0, 0)
-            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1]).min_peak_bytes
+            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1], fake=fake).min_peak_bytes
 
         return peak
 
@@ -609,32 +712,20 @@ def max_batch_ranks(
     batch = largest_of(limits, target, multiple_of, n)
     found = None
     if recipe:
-        # The fastest recipe there. The recompute limits are the planned rank's lowest peaks;
-        # a plan verified on every rank may need a step down.
-        for _ in range(3):
-            report(f"fastest recipe at batch {batch}", 0, 0)
-            try:
-                found = fit_ranks(
-                    _at_batch(workload, batch),
-                    target,
-                    world_size=n,
-                    ranks=ranks,
-                    allow=allowed,
-                    exclude=None if recompute else {"recompute": "left out of the search (recompute=False)"},
-                    progress=progress,
-                )
-                break
-            except (BudgetInfeasibleError, PlanError):
-                if batch <= multiple_of:
-                    raise
-                batch -= multiple_of
-        else:  # never a batch without the recipe that was asked for (max_batch refuses alike)
-            raise BudgetInfeasibleError(
-                f"no per-rank recipe fits batch {batch + multiple_of} or the two below it when verified on every rank, "
-                "though the lowest peaks said so",
-                min_peak_bytes=target + 1,
-                budget_bytes=target,
-            )
+        batch, found = _recipe_at(
+            workload,
+            batch,
+            target,
+            multiple_of,
+            fit=dict(
+                world_size=n,
+                ranks=ranks,
+                allow=allowed,
+                progress=progress,
+                fake=fake,
+                exclude=None if recompute else {"recompute": "left out of the search (recompute=False)"},
+            ),
+        )
         found.budget = str(budget)
     return MaxBatch(
         budget_bytes=target,
@@ -645,6 +736,27 @@ def max_batch_ranks(
         search_time_s=time.perf_counter() - started,
         multiple_of=multiple_of,
         model_type=type(workload.model).__name__,
-        device="fake:cpu",
+        device=f"fake:{device}",
         world_size=n,
+    )
+
+
+def _recipe_at(workload: Workload, batch: int, target: int, multiple_of: int, fit: dict[str, Any]) -> tuple[int, RankRecipe]:
+    """The fastest recipe at ``batch`` (:func:`fit_ranks` with ``fit``'s keywords). The recompute
+    limits are the planned rank's lowest peaks; a plan verified on every rank may need a step down."""
+    for _ in range(3):
+        if fit["progress"] is not None:
+            fit["progress"](f"fastest recipe at batch {batch}", 0, 0)
+        try:
+            return batch, fit_ranks(_at_batch(workload, batch), target, **fit)
+        except (BudgetInfeasibleError, PlanError):
+            if batch <= multiple_of:
+                raise
+            batch -= multiple_of
+    # never a batch without the recipe that was asked for (max_batch refuses alike)
+    raise BudgetInfeasibleError(
+        f"no per-rank recipe fits batch {batch + multiple_of} or the two below it when verified on every rank, "
+        "though the lowest peaks said so",
+        min_peak_bytes=target + 1,
+        budget_bytes=target,
     )

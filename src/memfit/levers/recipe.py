@@ -366,6 +366,8 @@ RANK_LEVERS: dict[str, str] = {
     "parameters stay from forward to backward, which then all-gathers them no more (the same numerics)",
     "reduce_bf16": "FSDP2 MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): gradients reduce-scattered in bfloat16 "
     "(changes the numerics: opt in)",
+    "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in each rank's environment: the caching "
+    "allocator grows segments in place instead of leaving gaps between them (the same tensors; CUDA only)",
 }
 """The levers a per-rank fit weighs, with what each does."""
 
@@ -408,6 +410,9 @@ class RankDecision:
     """As :attr:`Decision.left_out`."""
     budget: str = ""
     """The budget as given."""
+    allocator_conf: str | None = None
+    """Fake CUDA: the caching-allocator settings the reserved peaks are judged under (with the
+    ``expandable_segments`` lever, the process's plus it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})  # as Decision's
@@ -430,6 +435,8 @@ class RankPrediction:
     base_all_gathers: int
     what_if: list[WhatIf] = field(default_factory=list)
     times_predicted: bool = True
+    allocated_peak_bytes: int | None = None
+    """Fake CUDA: the highest rank's allocated peak beside the reserved peaks the budget bounds."""
 
 
 @dataclass(frozen=True)
@@ -463,7 +470,7 @@ class RankRecipe(Sectioned):
         "budget_bytes", "world_size", "parallel", "levers", "fsdp", "plan", "predicted_peak_bytes",
         "rank_peak_bytes", "predicted_step_time_s", "base_peak_bytes", "base_step_time_s", "all_gathers",
         "base_all_gathers", "what_if", "left_out", "notes", "budget", "device", "batch_size", "fit_time_s",
-        "times_predicted", "search",
+        "times_predicted", "search", "allocated_peak_bytes", "allocator_conf",
     )  # fmt: skip
 
     def summary(self) -> str:
@@ -472,6 +479,8 @@ class RankRecipe(Sectioned):
             words.append(describe_reshards(self.fsdp["root_reshard_after_forward"], self.fsdp["block_reshard_after_forward"]))
         if "reduce_bf16" in self.levers:
             words.append("reduce in bfloat16")
+        if "expandable_segments" in self.levers:
+            words.append("expandable segments")
         if "recompute" in self.levers and self.plan is not None:
             n = len(self.plan.checkpointed)
             words.append(f"recompute ({n} module{'s' if n != 1 else ''})")
@@ -488,6 +497,10 @@ class RankRecipe(Sectioned):
         ]
         if not self.levers:
             return lines[0] + "\n# the step fits as it is on every rank: keep your parallelize and training loop\n"
+        if "expandable_segments" in self.levers:
+            lines.append(
+                f"# launch each rank with PYTORCH_CUDA_ALLOC_CONF={self.allocator_conf} (set before CUDA starts, e.g. in torchrun's environment)"
+            )
         if self.plan is not None and self.plan.checkpointed:
             n = len(self.plan.checkpointed)
             lines += [

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.compat import torch_compat
 from memfit.cuda import gpu as gpus
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed
 from memfit.measure.inputs import map_shared
@@ -138,6 +139,17 @@ class RankProfiles:
         """Highest minus lowest per-rank peak among the measured ranks."""
         peaks = [p.peak_bytes for p in self.profiles.values()]
         return max(peaks) - min(peaks)
+
+    def under(self, settings: AllocatorSettings) -> RankProfiles:
+        """The same ranks judged under other caching-allocator settings (fake CUDA): each
+        rank's ledger replayed through the allocator model with ``settings``, as a process
+        started with them runs the same tensors (``expandable_segments`` changes segments,
+        not what is allocated)."""
+        judged = {
+            r: dataclasses.replace(p, cuda_memory=model_cuda_memory(p.ledger, settings)) if p.cuda_memory is not None else p
+            for r, p in self.profiles.items()
+        }
+        return dataclasses.replace(self, profiles=judged)
 
     def to_dict(self, *, ledger: bool = True) -> dict[str, Any]:
         out = {

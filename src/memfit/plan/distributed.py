@@ -20,23 +20,24 @@ Policy only: the process group is what :mod:`memfit.measure.distributed` is give
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
     profile_rank,
-    rank_device,
     profile_ranks,
+    rank_device,
     rank_state,
     with_recompute,
     world_size_of,
 )
-from memfit.measure.profile import Profile, Progress
+from memfit.measure.profile import Profile, Progress, model_cuda_memory
 from memfit.measure.verify import Run, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
@@ -59,11 +60,11 @@ def plan_ranks(
     unplanned: RankProfiles | None = None,
     fake: bool | str = True,
     afresh: bool = False,
+    settings: AllocatorSettings | None = None,
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
-    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned
-    peak (profiled first when more than one is asked for).
+    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned peak.
 
     Returns a :class:`Plan` whose :attr:`~Plan.rank_peak_bytes` holds each asked-for rank's
     verified peak: that rank profiled again on the fake group, the plan applied to the model
@@ -71,14 +72,14 @@ def plan_ranks(
     ``fully_shard`` (or after: the same forwards) or before wrapping in DDP (a DDP-wrapped
     model takes it too: :func:`memfit.apply` unwraps). Nothing of the workload is changed.
 
-    ``unplanned``: :func:`~memfit.measure.distributed.profile_ranks` of this workload at this
-    world size, holding ``ranks`` (made by the caller already): the planned rank's recorded
-    step is taken from it instead of being recorded again (the same ledger: tested).
+    ``unplanned``: :func:`~memfit.measure.distributed.profile_ranks` of this workload at this world
+    size, holding ``ranks``: the planned rank's recorded step is taken from it (the same ledger: tested).
 
     ``fake="cuda"``: each rank on fake CUDA (as :func:`~memfit.measure.distributed.profile_ranks`);
     the budget then bounds each rank's reserved peak (the caching-allocator model replaying
     every verified run, as :func:`memfit.plan` does on CUDA), and :attr:`~Plan.rank_peak_bytes`
-    holds reserved peaks. ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`)."""
+    holds reserved peaks, judged under the allocator ``settings`` (default the process's).
+    ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`)."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -104,12 +105,14 @@ def plan_ranks(
         closing.callback(verifier.close)
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
+        _resharded(verifier.model)
         excluded.update(stateful)
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
         if unplanned is not None:
             prof = unplanned.profiles[planned_rank]
         else:
             prof = record_rank_on(verifier, workload)
+        prof = _judged(prof, settings)
         # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
@@ -118,7 +121,7 @@ def plan_ranks(
     # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte).
     done = {} if afresh else {planned_rank: _run_peaks(found.run, prof)}
     groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
-    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done)
+    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings)
     plan.world_size = n
     plan.rank_peak_bytes = {r: peaks[r] for r in ranks}
     plan.predicted_peak_bytes = max(peaks.values())
@@ -126,6 +129,37 @@ def plan_ranks(
         plan.allocated_peak_bytes = max(allocated.values())
     plan.planning_time_s = time.perf_counter() - started
     return plan
+
+
+def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
+    """The ranks to measure at each world size: ``"all"``, or integers (negative ones count
+    from the last); checked once, before any work."""
+    if ranks == "all":
+        return lambda n: list(range(n))
+    listed = list(ranks)
+    bad = [r for r in listed if isinstance(r, bool) or not isinstance(r, int)]
+    if bad or not listed:
+        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
+    return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+
+
+def _judged(prof: Profile, settings: AllocatorSettings | None) -> Profile:
+    """``prof`` with its allocator figures under ``settings`` (fake CUDA; None: as measured)."""
+    if settings is None or prof.cuda_memory is None:
+        return prof
+    return replace(prof, cuda_memory=model_cuda_memory(prof.ledger, settings))
+
+
+def _resharded(model: Any) -> None:
+    """FSDP2 modules resharded after the stateful check's second forward, which ran no
+    backward: a module kept unsharded after forward (``reshard_after_forward=False``) would
+    start the next step unsharded, all-gathering nothing, which no training step does (each
+    backward reshards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _run_peaks(run: Run, prof: Profile) -> tuple[int, int]:
@@ -142,6 +176,7 @@ def _verified(
     planned_rank: int,
     report: Progress,
     done: dict[int, tuple[int, int]] | None = None,
+    settings: AllocatorSettings | None = None,
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Every rank of ``groups`` profiled afresh with the plan applied before parallelizing, as
     it trains, beside the ranks ``done`` already measured it: each rank's budget peak (fake CUDA:
@@ -154,7 +189,7 @@ def _verified(
     for i, group in enumerate(groups):
         r = group.rank
         report(f"rank {r} of {group.world_size}: verifying the plan", i, len(groups))
-        checked = profile_rank(planned(workload, plan), group)
+        checked = _judged(profile_rank(planned(workload, plan), group), settings)  # as the planned rank was
         peaks[r], allocated[r] = checked.budget_peak_bytes, checked.peak_bytes
     over = {r: b for r, b in peaks.items() if b > plan.budget_bytes}
     if over:
@@ -181,7 +216,8 @@ class WorldSizeFit:
     with_recompute: int | None
     """Smallest world size tried at which memfit's plan fits; None: none."""
     rows: list[dict[str, Any]] = field(default_factory=list)
-    """Per world size tried: ``world_size``; ``ranks``: the ranks profiled (one per distinct
+    """Per world size tried: ``world_size``; ``budget_bytes`` (the budget there: less what a
+    rank holds outside the allocator at that size, where that was given); ``ranks``: the ranks profiled (one per distinct
     parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's;
     each profiled rank's in ``rank_none_peak_bytes``),
     ``min_peak_bytes`` (lowest reachable with recompute), ``plan_peak_bytes``: None where not
@@ -252,6 +288,7 @@ def min_world_size(
     ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
     fake: bool | str = True,
+    outside: Callable[[int], int] | None = None,
 ) -> WorldSizeFit:
     """The smallest world size at which every one of ``ranks`` of the step peaks within
     ``budget`` bytes per rank: without recompute (the unplanned profile) and with memfit's plan
@@ -273,27 +310,26 @@ def min_world_size(
     the budget skip that size's profile and plan; the unplanned profile's start (those plus
     the optimizer state, which no recompute changes) over the budget skips its plan. The
     plan reuses the unplanned profile of the rank it is made for. ``fake="cuda"``: on fake CUDA,
-    every peak judged the budget's way there (reserved; :func:`plan_ranks`)."""
+    every peak judged the budget's way there (reserved; :func:`plan_ranks`). ``outside(n)``: bytes a
+    rank holds outside the allocator at world size ``n`` (NCCL's buffers, whose communicators
+    grow with it), taken off the budget at that size (each row's ``budget_bytes``)."""
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
     sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
-    every = ranks == "all"
-    ranks = [] if every else list(ranks)
-    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
-    if bad or not (ranks or every):
-        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
+    asked_at = _asked_ranks(ranks)
     report = progress or (lambda desc, done, total: None)
     out = WorldSizeFit(spec.bytes, None, None)
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
-        asked = list(range(n)) if every else list(dict.fromkeys(r % n for r in ranks if -n <= r < n)) or [0]
+        asked = asked_at(n)
         states = {r: rank_state(workload, FakeGroup(n, r, rank_device(fake))) for r in asked}
-        row: dict[str, Any] = {"world_size": n, "ranks": [], "worst_rank": None, "none_peak_bytes": None}
-        row.update(min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
+        budget_n = spec.bytes - (outside(n) if outside is not None else 0)
+        row: dict[str, Any] = {"world_size": n, "budget_bytes": budget_n, "ranks": [], "worst_rank": None}
+        row.update(none_peak_bytes=None, min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
         resident = max(st.resident_bytes for st in states.values())
-        if resident > spec.bytes:
+        if resident > budget_n:
             row.update(lower_bound_bytes=resident, skipped="profile")
             continue
         layouts: dict[tuple, int] = {}
@@ -303,7 +339,7 @@ def min_world_size(
         none = measured.budget_peak_bytes
         row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
         row["rank_none_peak_bytes"] = {r: p.budget_peak_bytes for r, p in measured.profiles.items()}
-        if none <= spec.bytes:
+        if none <= budget_n:
             out.without_recompute = n
             if out.with_recompute is None:
                 out.with_recompute = n
@@ -311,11 +347,11 @@ def min_world_size(
         if out.with_recompute is not None:
             continue
         start = max(p.ledger.start_bytes for p in measured.profiles.values())
-        if start > spec.bytes:
+        if start > budget_n:
             row.update(lower_bound_bytes=start, skipped="plan")
             continue
         try:
-            p = plan_ranks(workload, spec.bytes, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
+            p = plan_ranks(workload, budget_n, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
         except BudgetInfeasibleError as exc:
             row["min_peak_bytes"] = exc.min_peak_bytes
             continue

@@ -30,10 +30,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from memfit.compat import torch_compat
 from memfit.errors import PlanError
-from memfit.recompute import cache
+from memfit.recompute import cache, remat
 from memfit.recompute.stateful import call_state, changed
 
-__all__ = ["apply_choices", "remove", "unwrap", "applied_choices", "last_recompute", "CHECKPOINTED", "RECOMPUTE_WATCHERS"]
+__all__ = [
+    "apply_choices",
+    "remove",
+    "unwrap",
+    "applied_choices",
+    "mechanisms",
+    "last_recompute",
+    "CHECKPOINTED",
+    "RECOMPUTE_WATCHERS",
+]
 
 CHECKPOINTED = "_memfit_applied"
 """Key in a model's ``__dict__`` under which :func:`apply_choices` lists the modules it runs
@@ -151,8 +160,12 @@ class _StateGuard:
                 )
 
 
-def _policy(save_ops: frozenset[str]) -> Callable[..., CheckpointPolicy]:
+def _policy(save_ops: frozenset[str], watch: list[Any] | None = None) -> Callable[..., CheckpointPolicy]:
+    """``watch[0]``, while it holds a :class:`~memfit.recompute.remat.Probe`, is told each op."""
+
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if watch and watch[0] is not None:
+            watch[0].note(ctx, op)
         packet = getattr(op, "overloadpacket", op)
         if getattr(packet, "__name__", None) in save_ops:
             return CheckpointPolicy.MUST_SAVE
@@ -186,14 +199,24 @@ class _CheckpointedForward:
     A callable object rather than a closure: ``copy.deepcopy(model)`` (an EMA copy, a
     fake-tensor copy) then gets a forward bound to the copied module, not the original."""
 
-    def __init__(self, module: nn.Module, name: str, original: Any, mode: str, save_ops: tuple[str, ...]) -> None:
+    def __init__(
+        self, module: nn.Module, name: str, original: Any, mode: str, save_ops: tuple[str, ...], mechanism: str = "sac"
+    ) -> None:
         self.module = module
         self.name = name
         self.original = original  # the instance-level forward it replaced, or None
         self.choice = (mode, save_ops)
         self.guard = _BufferGuard(module)
-        self.policy = _policy(frozenset(save_ops)) if mode == "selective" else None
+        self.watch: list[Any] = [None]
+        self.policy = _policy(frozenset(save_ops), self.watch) if mode == "selective" else None
         self.state_checks = 0  # recomputes whose Python state _StateGuard compared
+        # How the choice is applied: "full" checkpoints and "sac" run torch.utils.checkpoint;
+        # "pending" probes the first step under the policy, then becomes "remat" or "sac".
+        self.mechanism = "full" if mode == "full" else ("sac" if mechanism == "sac" else "pending")
+        self.requested = mechanism
+        self.why = "" if mode == "full" or mechanism != "sac" else "mechanism 'sac' asked for"
+        self.pending: Any = None  # the probe's verdict, checked at the next call
+        self.regions: dict[str, Any] = {}  # submodule -> the forward a RegionForward replaced
 
     def _inner(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -203,6 +226,9 @@ class _CheckpointedForward:
         # code that reads the forward's parameters (transformers' Trainer keeps only the
         # dataset columns the model's forward takes) sees the module's own
         return inspect.signature(self._inner())
+
+    def state_guard(self, args: tuple, kwargs: dict) -> _StateGuard:
+        return _StateGuard(self, args, kwargs)
 
     def _context_fn(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         state = _StateGuard(self, args, kwargs)
@@ -227,8 +253,13 @@ class _CheckpointedForward:
             sac = functools.partial(create_selective_checkpoint_contexts, self.policy)
             return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, context_fn=sac)
         before = _input_versions(args, kwargs)
-        contexts = functools.partial(self._context_fn, args, kwargs)
-        out = checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+        if self.mechanism == "pending":
+            self._decide(args, kwargs)
+        if self.mechanism == "remat":
+            out = remat.run(self, inner, args, kwargs)
+        else:
+            contexts = functools.partial(self._context_fn, args, kwargs)
+            out = self._probed(inner, args, kwargs, contexts)
         changed = next((where for where, t, version in before if t._version != version), None)
         if changed is not None:
             # The recompute runs the forward again on these same tensors, now changed: torch
@@ -242,6 +273,62 @@ class _CheckpointedForward:
             )
         return out
 
+    def _probed(self, inner: Callable[..., Any], args: tuple, kwargs: dict, contexts: Any) -> Any:
+        """The policy's checkpoint; while the mechanism is pending, under a probe."""
+        if self.mechanism != "pending" or self.pending is not None or remat.fake_or_meta(args, kwargs):
+            return checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+        probe = remat.Probe(self.module, frozenset(self.choice[1]))
+        self.watch[0] = probe
+        try:
+            out = checkpoint(_call, inner, kwargs, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+        finally:
+            self.watch[0] = None
+            probe.close()
+        self.pending = remat.Verdict(probe, out)
+        return out
+
+    def _decide(self, args: tuple, kwargs: dict) -> None:
+        """At the call after the probed one: torch_remat if the probe allows it, else the policy."""
+        if self.pending is None:
+            return
+        regions, why = self.pending.regions()
+        self.pending = None
+        if not regions:
+            if self.requested == "remat":
+                raise PlanError(
+                    f"module {self.name!r} cannot be recomputed through torch_remat: {why}; use mechanism 'auto' or 'sac'"
+                )
+            self.mechanism, self.why = "sac", why
+            return
+        for sub in regions:
+            mod = self.module.get_submodule(sub)
+            # None, not the sentinel, for "no instance forward": copy.deepcopy copies an object()
+            own = mod.__dict__.get("forward")
+            self.regions[sub] = own
+            mod.forward = remat.RegionForward(mod, sub, own)
+        self.mechanism, self.why = "remat", f"saves the calls of {', '.join(regions)}"
+
+    def uninstall(self) -> None:
+        """Put back the forwards of the submodules saved through torch_remat."""
+        for sub, own in self.regions.items():
+            mod = self.module.get_submodule(sub)
+            if own is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = own
+        self.regions.clear()
+
+
+def mechanisms(model: nn.Module) -> dict[str, tuple[str, str]] | None:
+    """``{module: (mechanism, why)}`` for the plan applied to ``model`` (None if none is):
+    ``"full"`` (torch.utils.checkpoint), ``"sac"`` (a selective-checkpoint policy),
+    ``"remat"`` (torch_remat) or ``"pending"`` (the first step, under the policy, decides)."""
+    applied = unwrap(model).__dict__.get(_APPLIED)
+    if applied is None:
+        return None
+    inner = unwrap(model)
+    return {name: (inner.get_submodule(name).forward.mechanism, inner.get_submodule(name).forward.why) for name in applied}
+
 
 def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] | None:
     """``{module: (mode, save_ops)}`` applied to ``model``, or None if nothing is."""
@@ -252,11 +339,19 @@ def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] 
 
 
 def apply_choices(
-    model: nn.Module, choices: dict[str, tuple[str, tuple[str, ...]]], cache_off: tuple[str, ...] | list[str] = ()
+    model: nn.Module,
+    choices: dict[str, tuple[str, tuple[str, ...]]],
+    cache_off: tuple[str, ...] | list[str] = (),
+    mechanism: str | None = None,
 ) -> nn.Module:
     """Recompute ``choices`` (``{module name: (mode, save_ops)}``) in ``model``, in place,
     with transformers' KV cache off in training in the modules ``cache_off`` names
-    (:mod:`memfit.recompute.cache`)."""
+    (:mod:`memfit.recompute.cache`). ``mechanism`` says how selective choices run
+    (:data:`memfit.recompute.remat.MECHANISMS`; ``"auto"`` uses torch_remat where it can;
+    None: ``MEMFIT_RECOMPUTE``, else ``"auto"``)."""
+    mechanism = remat.resolve(mechanism)
+    if mechanism == "auto" and not remat.available():
+        mechanism = "sac"
     if model.__dict__.get(_APPLIED) is not None:
         raise PlanError("a plan is already applied to this model; call memfit.remove(model) before applying another")
     modules = dict(model.named_modules())
@@ -269,6 +364,15 @@ def apply_choices(
     for name, (mode, _) in choices.items():
         if mode not in ("full", "selective"):
             raise PlanError(f"unknown recompute mode {mode!r} for {name!r}; expected 'full' or 'selective'")
+    for name, (mode, _) in choices.items():
+        if (
+            mechanism == "remat"
+            and mode == "selective"
+            and any(o != name and (_within(o, name) or _within(name, o)) for o in choices)
+        ):
+            raise PlanError(
+                f"module {name!r} cannot be recomputed through torch_remat: another chosen module is nested in it or around it; use mechanism 'auto' or 'sac'"
+            )
     # The switch first: a checkpoint on the same module then replays the switched forward.
     switched = cache.install(model, cache_off)
     originals: dict[str, Any] = {}
@@ -277,11 +381,20 @@ def apply_choices(
         original = mod.__dict__.get("forward", _NO_INSTANCE_FORWARD)
         originals[name] = original
         own = None if original is _NO_INSTANCE_FORWARD else original
-        mod.forward = _CheckpointedForward(mod, name, own, mode, tuple(save_ops))
+        # torch_remat refuses a checkpoint inside another: a choice nested in or around
+        # another stays on the policy.
+        nested = any(o != name and (_within(o, name) or _within(name, o)) for o in choices)
+        mod.forward = _CheckpointedForward(mod, name, own, mode, tuple(save_ops), "sac" if nested else mechanism)
+        if nested and mode == "selective" and mechanism != "sac":
+            mod.forward.why = "another chosen module is nested in it or around it (torch_remat nests no checkpoints)"
     model.__dict__[_APPLIED] = originals
     if switched:
         model.__dict__[cache.CACHE_OFF] = switched
     return model
+
+
+def _within(inner: str, outer: str) -> bool:
+    return outer == "" or inner.startswith(outer + ".")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -312,6 +425,7 @@ def remove(model: nn.Module) -> nn.Module:
         raise PlanError("no memfit plan is applied to this model, so there is nothing to remove")
     for name, original in originals.items():
         mod = inner.get_submodule(name)
+        mod.forward.uninstall()
         if original is _NO_INSTANCE_FORWARD:
             mod.__dict__.pop("forward", None)
         else:

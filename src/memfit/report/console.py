@@ -8,6 +8,7 @@ Each result type has its renderer in a module of its own (``profiles``, ``plans`
 from __future__ import annotations
 
 from memfit.report.bench import render_bench
+from memfit.report.compiled import render_compiled
 from memfit.report.layout import shorten_name
 from memfit.report.plans import describe_ops, render_before_after, render_left_out, render_plan, render_untimed
 from memfit.report.profiles import (
@@ -31,6 +32,7 @@ from memfit.report.zoo import render_zoo
 
 __all__ = [
     "render_profile",
+    "render_compiled",
     "render_ranks",
     "render_device_fit",
     "render_cuda_memory",

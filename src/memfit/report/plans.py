@@ -207,6 +207,12 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
         table.add_column("keeps outputs of")
         add_rows(console, table, rows)
         console.print(table)
+        if any(c.mode == "selective" for c in plan.checkpointed.values()):
+            console.print(
+                "selective rows run through torch_remat where it is installed and the kept ops run in submodules "
+                "(no dispatch mode: less CPU per op), else through a selective-checkpoint policy; "
+                "memfit.apply(model, plan, mechanism=) forces either"
+            )
     render_left_out(plan.excluded, console)
     console.print(f"planned in {plan.planning_time_s:.1f} s")
 

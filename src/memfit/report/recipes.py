@@ -191,9 +191,12 @@ def render_rank_fit(recipe: RankRecipe, console: Console, *, title: str, path: s
     if recipe.plan is not None:
         render_left_out(recipe.plan.excluded, console, what="recompute")
     ranks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(recipe.rank_peak_bytes.items()))
+    reserved = "reserved " if recipe.allocated_peak_bytes is not None else ""
+    allocated = f", allocating {format_bytes(recipe.allocated_peak_bytes)}" if recipe.allocated_peak_bytes is not None else ""
     console.print(
-        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted peak [bold]{format_bytes(recipe.predicted_peak_bytes)}[/] "
-        f"per rank ({ranks}); {recipe.all_gathers} all-gathers per step; step {recipe.predicted_step_time_s:.4f} s "
+        f"chosen: [bold]{escape(recipe.summary())}[/]: predicted {reserved}peak "
+        f"[bold]{format_bytes(recipe.predicted_peak_bytes)}[/] per rank ({ranks}{allocated}); "
+        f"{recipe.all_gathers} all-gathers per step; step {recipe.predicted_step_time_s:.4f} s "
         "predicted by the cost model (not measured)",
         highlight=False,
     )
@@ -231,8 +234,10 @@ def render_world_size_fit(found: WorldSizeFit, console: Console, *, title: str) 
     """How many ranks: per world size tried, the worst rank's peak without and with recompute
     (a size a lower bound ruled out shows the bound)."""
     table = Table(title=f"How many ranks: {title}", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("world size", "worst rank", "peak, no recompute", "lowest with recompute", "memfit's plan"):
+    varies = any(row.get("budget_bytes", found.budget_bytes) != found.budget_bytes for row in found.rows)
+    for col in ("world size", "worst rank", *(("budget",) if varies else ()), "peak, no recompute", "lowest with recompute"):
         table.add_column(col, justify="right")
+    table.add_column("memfit's plan", justify="right")
     for row in found.rows:
         cells = [
             "" if c is None else format_bytes(c) for c in (row["none_peak_bytes"], row["min_peak_bytes"], row["plan_peak_bytes"])
@@ -245,10 +250,12 @@ def render_world_size_fit(found: WorldSizeFit, console: Console, *, title: str) 
         worst = row.get("worst_rank")
         ranks = row.get("ranks") or []
         shown = "" if worst is None else str(worst) if len(ranks) < 2 else f"{worst} (of {', '.join(map(str, ranks))})"
-        table.add_row(str(row["world_size"]), shown, *cells)
+        budget = (format_bytes(row.get("budget_bytes", found.budget_bytes)),) if varies else ()
+        table.add_row(str(row["world_size"]), shown, *budget, *cells)
     console.print(table)
+    per = "per rank (less NCCL's estimate at each size)" if varies else "per rank"
     for what, n in (("without recompute", found.without_recompute), ("with memfit's plan", found.with_recompute)):
         answer = f"[bold]{n}[/] ranks" if n is not None else f"no world size tried (up to {found.rows[-1]['world_size']})"
-        console.print(f"fits {format_bytes(found.budget_bytes)} per rank {what}: {answer}")
+        console.print(f"fits {format_bytes(found.budget_bytes)} {per} {what}: {answer}")
     if found.plan is not None and found.plan.checkpointed:
         console.print(f"the plan at {found.with_recompute} ranks recomputes {len(found.plan.checkpointed)} modules (--json: all)")

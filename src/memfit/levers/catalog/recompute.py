@@ -16,7 +16,11 @@ def _lines(recipe):
     if not n:
         return Lines()
     off = " with use_cache=False while training" if recipe.plan.use_cache_off else ""
-    return Lines(applied=(f"recompute {n} module{'s' if n != 1 else ''}{off} (memfit.remove(model) undoes it)",))
+    applied = [f"recompute {n} module{'s' if n != 1 else ''}{off} (memfit.remove(model) undoes it)"]
+    if any(getattr(c, "mode", None) == "selective" for c in recipe.plan.checkpointed.values()):
+        # how those run is decided on the user's machine (is torch_remat installed?), so say where to look
+        applied.append("selective ones through torch_remat where installed, else a checkpoint policy: memfit.mechanisms(model)")
+    return Lines(applied=tuple(applied))
 
 
 LEVER = Lever(

@@ -1,0 +1,424 @@
+"""The memory of a ``torch.compile``d training step: measured as the compiled step runs.
+
+What a compiled step allocates is decided in three places, none of which memfit's recorder
+(a dispatch mode) can watch without changing it: dynamo's graphs (a mode active while a
+compiled function runs is a reason to recompile or graph-break), AOTAutograd's min-cut
+partitioner (which tensors the forward graph returns for backward; ``torch._functorch.config.
+activation_memory_budget`` trades them for recompute) and inductor's generated wrapper (fused
+kernels, ``empty_strided`` buffers it reuses and ``del``s). So memfit runs the compiled step
+itself, on real tensors, and reads every allocation and free of c10's CPU allocator from
+torch's profiler (``profile_memory=True``: the allocator reports each one, with its size and
+address, whoever calls it; inductor's ``empty_strided_cpu`` included). The profiler adds no
+mode and no guard: the recorded step runs the graphs the warm-up compiled, which this module
+checks (a compile during the recorded step is a fallback, labelled).
+
+The figure is the allocator's live bytes: their peak over the step's start is the step's peak,
+as memfit's eager profile reports it. On fake CUDA, the same allocation sequence is replayed
+through the caching allocator model (:mod:`memfit.cuda.allocator`), which adds CUDA's rounding
+and segments; what it cannot add is what depends on the backend (see ``docs/benchmarks/compile.md``):
+inductor's CPU (C++/OpenMP) code fuses differently from its Triton code, and CUDA picks other
+attention kernels.
+
+Where the compiled step cannot be run (fake tensors on the host: generated kernels need real
+memory), :func:`profile_compiled_step` falls back to the eager profile, labelled as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from memfit.compat import torch_compat
+from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
+from memfit.errors import BudgetError, MemfitError
+from memfit.measure.checked import Step, checked_step
+from memfit.measure.ledger import Phase
+from memfit.measure.sandbox import real_sandbox
+from memfit.measure.step import StepOptions
+from memfit.units import parse_bytes
+
+__all__ = [
+    "CompiledProfile",
+    "profile_compiled",
+    "profile_compiled_step",
+    "budget_sweep",
+    "fit_memory_budget",
+    "fit_memory_budget_step",
+    "BACKENDS",
+    "DEFAULT_SWEEP",
+]
+
+BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+"""Backends whose step memfit measures: inductor (fusion, buffer reuse), and the two AOTAutograd
+backends without code generation (the same partitioner; ``aot_eager`` with its default one)."""
+
+DEFAULT_SWEEP = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+"""``activation_memory_budget`` values :func:`fit_memory_budget` tries, most saved first."""
+
+
+@dataclass(frozen=True)
+class CompiledProfile:
+    """One compiled training step's memory (or the eager step's, when :attr:`fallback` says why)."""
+
+    backend: str
+    memory_budget: float
+    """``torch._functorch.config.activation_memory_budget`` the step was compiled with (1.0: torch's min-cut)."""
+    start_bytes: int
+    """Alive when the step starts: parameters, buffers, optimizer state, inputs and targets."""
+    step_peak_bytes: int
+    """Peak over the start: what the step's own allocations add at their highest."""
+    saved_bytes: int
+    """Alive when the forward and the loss are done, over the start: what the compiled forward
+    left for backward (saved tensors), with the output and the loss."""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    """Each phase's peak over the start (``forward``, ``backward``, ``optimizer``)."""
+    graphs: int = 0
+    """Graphs dynamo compiled for the step (1 without graph breaks)."""
+    graph_breaks: int = 0
+    compile_cpu_s: float = 0.0
+    """CPU seconds (this process, user+system) of the warm-up step, which compiles."""
+    fallback: str | None = None
+    """Why these are the eager step's figures; None for a compiled step's."""
+    allocated_peak_bytes: int | None = None
+    """On fake CUDA: the caching allocator model's allocated peak (start included)."""
+    reserved_peak_bytes: int | None = None
+    """On fake CUDA: the model's reserved peak."""
+    events: tuple[tuple[int, int], ...] = ()
+    """The step's allocations and frees in order: (key, +bytes) and (key, -bytes)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.start_bytes + self.step_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON: the fields without the event list, with the label and peak."""
+        out = {k: v for k, v in asdict(self).items() if k != "events"}
+        return {**out, "peak_bytes": self.peak_bytes, "label": self.label}
+
+    @property
+    def label(self) -> str:
+        """What the figures are, in a few words (for a report's heading)."""
+        if self.fallback:
+            return f"eager step (not compiled: {self.fallback})"
+        return f"compiled step ({self.backend}, activation_memory_budget={self.memory_budget:g})"
+
+
+def _fresh_backend(name: str) -> Callable[..., Any]:
+    """A backend object no compiled code has seen: dynamo guards each cached graph on its
+    backend, so memfit's compiles neither reuse the user's graphs (compiled with another memory
+    budget, say) nor are reused by the user's later ``torch.compile``."""
+    if name not in BACKENDS:
+        raise MemfitError(f"backend {name!r} is not one memfit measures: use one of {', '.join(BACKENDS)}")
+    if name == "inductor":
+        inner: Any = torch._TorchCompileInductorWrapper(None, None, None)
+    else:
+        inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        return inner(gm, example_inputs)
+
+    return backend
+
+
+@contextlib.contextmanager
+def _configured(memory_budget: float, fake_cuda: bool) -> Iterator[None]:
+    """torch's configs as a compile at ``memory_budget`` needs them, restored on the way out
+    (``config.patch`` puts back exactly what was there). The recompile limit is raised: each
+    budget memfit tries is a compile of the same code. With fake CUDA loaded, torch believes a
+    GPU is there, and the compile caches' keys read properties of it that the fake one lacks:
+    the caches are off (the code generated is the same, compiled afresh)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    limits = {k: 10**6 for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, k)}
+    caches = {"fx_graph_cache": False, "fx_graph_remote_cache": False} if fake_cuda else {}
+    autograd_cache = {"enable_autograd_cache": False} if fake_cuda else {}
+    with (
+        functorch_config.patch(activation_memory_budget=memory_budget, **autograd_cache),
+        dynamo_config.patch(**limits),
+        inductor_config.patch(**caches),
+    ):
+        yield
+
+
+def _storages(values: Any) -> dict[int, int]:
+    """Distinct storages among the tensors in ``values`` (nested containers): address -> bytes."""
+    out: dict[int, int] = {}
+    for t in torch.utils._pytree.tree_leaves(values):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            out.setdefault(s.data_ptr(), s.nbytes())
+    return out
+
+
+def _start_storages(box: Any) -> dict[int, int]:
+    state = [list(s.values()) for s in box.optimizer.state.values()]
+    grads = [p.grad for p in box.model.parameters() if p.grad is not None]
+    return _storages([list(box.model.parameters()), list(box.model.buffers()), grads, state, box.args, box.kwargs, box.targets])
+
+
+def _allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """(time ns, address, +/- bytes) of every CPU allocator event the profiler saw, in order."""
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            if f.device.type == "cpu":
+                out.append((node.start_time_ns, f.ptr, f.alloc_size))
+        stack.extend(node.children)
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def _phase_marks(prof: Any) -> list[tuple[int, str]]:
+    """(start ns, phase) of the markers :func:`_recorded_step` opened."""
+    marks = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.name.startswith("memfit::phase::"):
+            marks.append((node.start_time_ns, node.name.rsplit("::", 1)[1]))
+        stack.extend(node.children)
+    return sorted(marks)
+
+
+@dataclass
+class _Recorded:
+    events: list[tuple[int, int, int]]
+    marks: list[tuple[int, str]]
+
+
+def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
+    """One step under torch's profiler with memory on; a marker at each phase's start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    open_marks: list[Any] = []
+
+    def on_phase(phase: Phase) -> None:
+        while open_marks:
+            torch.ops.profiler._record_function_exit._RecordFunction(open_marks.pop())
+        open_marks.append(torch.ops.profiler._record_function_enter_new(f"memfit::phase::{phase.value}", None))
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        box.step(loss_fn, on_phase)
+        while open_marks:
+            torch.ops.profiler._record_function_exit._RecordFunction(open_marks.pop())
+    return _Recorded(_allocations(prof), _phase_marks(prof))
+
+
+def _timeline(rec: _Recorded) -> tuple[int, int, dict[str, int]]:
+    """Step peak over the start, bytes alive over the start when backward begins, and each phase's peak."""
+    live = peak = 0
+    saved = None
+    phases: dict[str, int] = {}
+    marks = list(rec.marks)
+    phase = "forward"
+    for t, _, nbytes in rec.events:
+        while marks and marks[0][0] <= t:
+            phase = marks.pop(0)[1]
+            if phase == Phase.BACKWARD.value and saved is None:
+                saved = live
+        live += nbytes
+        peak = max(peak, live)
+        phases[phase] = max(phases.get(phase, 0), live)
+    return peak, live if saved is None else saved, phases
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def _cublas_workspaces() -> dict[int, int]:
+    """The cuBLAS workspaces a CUDA step holds from its first matmul on (the host's step has
+    none): one for the forward's thread and one for autograd's CUDA thread, as memfit's eager
+    recorder counts them, at the size the simulated GPU's capability gives. Keyed by addresses
+    no host allocation has (negative). Assumed: the step runs a matmul forward and backward."""
+    from memfit.cuda.gpu import cublas_workspace_bytes
+
+    size = cublas_workspace_bytes(tuple(torch.cuda.get_device_capability()))  # type: ignore[arg-type]
+    return {-1: size, -2: size}
+
+
+def _cuda_replay(start: dict[int, int], events: list[tuple[int, int, int]], settings: AllocatorSettings) -> tuple[int, int, list]:
+    """The step's allocations through the caching allocator model: the start storages first,
+    then each allocation and free in order (a free's address names the newest allocation there)."""
+    seq: list[Alloc | Free] = []
+    at: dict[int, int] = {}
+    for n, (ptr, nbytes) in enumerate(start.items()):
+        seq.append(Alloc(n, nbytes, 0))
+        at[ptr] = n
+    ids = len(seq)
+    keyed: list[tuple[int, int]] = []
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            at[ptr] = ids
+            seq.append(Alloc(ids, nbytes, 0))
+            keyed.append((ids, nbytes))
+            ids += 1
+        elif ptr in at:  # a free of something allocated before the profiler started is not the step's
+            seq.append(Free(at.pop(ptr)))
+            keyed.append((seq[-1].id, nbytes))
+    stats = replay(seq, settings)
+    return stats.allocated_peak_bytes, stats.reserved_peak_bytes, keyed
+
+
+def profile_compiled_step(
+    step: Step,
+    *,
+    backend: str = "inductor",
+    memory_budget: float | None = None,
+    allocator: AllocatorSettings | None = None,
+) -> CompiledProfile:
+    """The memory of ``step`` with its model under ``torch.compile(backend=...)``, compiled at
+    ``memory_budget`` (``activation_memory_budget``; None: the value torch's config holds).
+
+    The step runs on the user's own model and optimizer, restored afterwards (the sandbox of a
+    real profile), and on real tensors: a fake-CUDA step is run on the host at its full size,
+    then replayed through the caching allocator model (``allocator`` settings). A step on fake
+    host tensors cannot run compiled kernels: its eager profile, labelled, is returned."""
+    import torch._functorch.config as functorch_config
+
+    budget = float(functorch_config.activation_memory_budget if memory_budget is None else memory_budget)
+    if not 0.0 <= budget <= 1.0:
+        raise BudgetError(f"activation_memory_budget {budget!r} is out of range: use a fraction from 0 to 1")
+    compile_fn = _fresh_backend(backend)
+    if step.fake and not step.fake_cuda:
+        return _eager_fallback(step, backend, budget, "fake host tensors cannot run compiled kernels")
+    if step.fake_cuda:
+        torch_compat.host_compile_system_info()
+    host = step.on(False) if step.fake_cuda else step
+    if step.fake_cuda and step.options.foreach is None:
+        # CUDA's optimizers default to foreach (one kernel over every tensor, with temporaries
+        # over all of them); the host's to a loop per tensor
+        host = host.on(False, replace(step.options, foreach=True))
+    with real_sandbox(host.model, host.args, host.kwargs, host.optimizer, step=host.options, targets=host.targets) as box:
+        compiled = torch.compile(box.model, backend=compile_fn)
+        run = replace(box, model=compiled)
+        graphs0, breaks0 = _dynamo_counts()
+        with _configured(budget, step.fake_cuda):
+            t0 = time.process_time()
+            run.step(step.loss_fn)  # warm-up: compiles, and creates the optimizer state
+            compile_s = time.process_time() - t0
+            graphs1, breaks1 = _dynamo_counts()
+            start = _start_storages(run)
+            rec = _recorded_step(run, step.loss_fn)
+        if _dynamo_counts()[0] != graphs1:
+            return _eager_fallback(step, backend, budget, "the recorded step compiled again (dynamic shapes or a guard that failed)")
+    peak, saved, phases = _timeline(rec)
+    out = CompiledProfile(
+        backend=backend,
+        memory_budget=budget,
+        start_bytes=sum(start.values()),
+        step_peak_bytes=peak,
+        saved_bytes=saved,
+        phase_peaks=phases,
+        graphs=graphs1 - graphs0,
+        graph_breaks=breaks1 - breaks0,
+        compile_cpu_s=compile_s,
+    )
+    if step.fake_cuda:
+        allocated, reserved, keyed = _cuda_replay({**start, **_cublas_workspaces()}, rec.events, allocator or AllocatorSettings())
+        out = replace(out, allocated_peak_bytes=allocated, reserved_peak_bytes=reserved, events=tuple(keyed))
+    return out
+
+
+def _eager_fallback(step: Step, backend: str, budget: float, why: str) -> CompiledProfile:
+    from memfit.measure.profile import profile_step
+
+    prof = profile_step(step)
+    ledger = prof.ledger
+    cm = prof.cuda_memory
+    return CompiledProfile(
+        backend=backend,
+        memory_budget=budget,
+        start_bytes=ledger.start_bytes,
+        step_peak_bytes=prof.step_peak_bytes,
+        saved_bytes=0,
+        fallback=why,
+        allocated_peak_bytes=cm.allocated_peak_bytes if cm else None,
+        reserved_peak_bytes=cm.reserved_peak_bytes if cm else None,
+    )
+
+
+def budget_sweep(step: Step, values: Sequence[float] = DEFAULT_SWEEP, *, backend: str = "inductor") -> list[CompiledProfile]:
+    """The compiled step at each ``activation_memory_budget`` in ``values`` (one compile each)."""
+    return [profile_compiled_step(step, backend=backend, memory_budget=v) for v in values]
+
+
+def fit_memory_budget_step(
+    step: Step, byte_budget: int, values: Sequence[float] = DEFAULT_SWEEP, *, backend: str = "inductor"
+) -> tuple[CompiledProfile | None, list[CompiledProfile]]:
+    """The largest ``activation_memory_budget`` among ``values`` (the least recompute) whose
+    compiled step's peak (allocated on fake CUDA, else the step's peak with its start) is within
+    ``byte_budget``, and every value's profile. Each value is measured: the peak is not monotonic
+    in the budget (pytorch#197838), so none is skipped by bisection."""
+    for v in values:
+        if not 0.0 <= v <= 1.0:
+            raise BudgetError(f"activation_memory_budget {v!r} is out of range: use fractions from 0 to 1")
+    tried = budget_sweep(step, sorted(set(values), reverse=True), backend=backend)
+    fits = [p for p in tried if _peak(p) <= byte_budget and not p.fallback]
+    return (fits[0] if fits else None), tried
+
+
+def _peak(p: CompiledProfile) -> int:
+    return p.allocated_peak_bytes if p.allocated_peak_bytes is not None else p.peak_bytes
+
+
+def profile_compiled(
+    model: torch.nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    targets: Any = None,
+    fake: bool | str = False,
+    step: StepOptions | None = None,
+    backend: str = "inductor",
+    memory_budget: float | None = None,
+) -> CompiledProfile:
+    """The memory of one training step of ``torch.compile(model, backend=backend)`` compiled
+    with ``torch._functorch.config.activation_memory_budget = memory_budget`` (None: as torch's
+    config holds it). The step's parts as :func:`memfit.profile` takes them; ``fake="cuda"``
+    runs the compiled step on the host at full size and replays its allocations through the
+    caching allocator model. The model, optimizer, RNG and torch's configs are left as they were."""
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, options=step, targets=targets)
+    return profile_compiled_step(the, backend=backend, memory_budget=memory_budget, allocator=_settings(the))
+
+
+def fit_memory_budget(
+    model: torch.nn.Module,
+    inputs: Any,
+    budget: int | str,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    targets: Any = None,
+    fake: bool | str = False,
+    values: Sequence[float] = DEFAULT_SWEEP,
+    backend: str = "inductor",
+) -> tuple[CompiledProfile | None, list[CompiledProfile]]:
+    """The ``activation_memory_budget`` (the largest of ``values``) whose compiled step fits
+    ``budget`` bytes (``"6GiB"``), and every value's profile; None when none fits."""
+    limit = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, targets=targets)
+    return fit_memory_budget_step(the, limit, values, backend=backend)
+
+
+def _settings(step: Step) -> AllocatorSettings | None:
+    if not step.fake_cuda:
+        return None
+    from memfit.measure.profile import allocator_settings_from_env
+
+    return allocator_settings_from_env()
