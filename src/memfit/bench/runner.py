@@ -15,7 +15,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,72 +81,17 @@ def run_bench(
     t0 = time.perf_counter()
     prof = memfit.profile(model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, targets=targets)
     profile_s = time.perf_counter() - t0  # every plan is charged the profile it starts from
-
-    configs: list[tuple[str, float | int | None, str, str]] = []  # (method, budget, label, child method)
-    if scenario is not None:
-        _, recipe, label = SCENARIOS[scenario]
-        same = _recipe_peak(target, recipe, batch_size, sizes, work)
-        configs += [("none", None, describe("none"), "none"), ("recipe", None, f"recipe: {label}", recipe)]
-        configs += [("memfit", same, f"memfit at {memfit.format_bytes(same)}", "")]
-    else:
-        for m in BASELINES:
-            if applicable(m, model) is None:
-                configs.append((m, None, describe(m), m))
-        if compile:
-            configs += [("compile", b, f"torch.compile {b:g}", f"compile:{b}") for b in budgets]
-        configs += [("memfit", b, f"memfit {b:.0%}", "") for b in budgets]
-        if compile:
-            configs += [("memfit+compile", b, f"memfit {b:.0%} + compile", "") for b in budgets]
-
-    rows: list[Row] = []
     common = dict(batch_size=batch_size, sizes=sizes, device=device)
-    base_flops: int | None = None
-    plans: dict[Any, Path] = {}  # budget -> the memfit row's plan, which memfit+compile rows reuse
+    if scenario is not None:
+        configs = _scenario_configs(target, scenario, batch_size, sizes, work)
+    else:
+        configs = _configs(budgets, model, compile)
+    bench = _Bench(target, work, model, inputs, targets, optimizer, prof, profile_s, common, steps)
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (method, budget, label, child_method) in enumerate(configs):
             report(label, i, len(configs))
-            row = Row(method, budget, label)
-            if method == "memfit+compile":
-                if budget not in plans:
-                    row.error = "no memfit plan at this budget"
-                    rows.append(row)
-                    continue
-                child_method = f"plan+compile:{plans[budget]}"
-            if method == "memfit":
-                t0 = time.perf_counter()
-                try:
-                    plan = memfit.plan(
-                        model, inputs, budget, loss_fn=work.loss_fn, optimizer=optimizer, profile=prof, targets=targets
-                    )
-                except memfit.MemfitError as exc:
-                    row.error = str(exc)
-                    rows.append(row)
-                    continue
-                row.plan_time_s = profile_s + time.perf_counter() - t0
-                # measured below as max_memory_allocated on CUDA: the plan's allocated peak, not
-                # the reserved one its budget bounds there
-                row.predicted_peak_bytes = (
-                    plan.allocated_peak_bytes if plan.allocated_peak_bytes is not None else plan.predicted_peak_bytes
-                )
-                path = Path(tmp) / f"plan-{i}.json"
-                path.write_text(plan.to_json())
-                plans[budget] = path
-                child_method = f"plan:{path}"
-            mem = run_child(target, method=child_method, measure="memory", **common)
-            if "error" in mem:
-                row.error = mem["error"]
-                rows.append(row)
-                continue
-            row.measured_peak_bytes = prof.start_bytes + mem["step_peak_bytes"]
-            counted = "compile" not in method  # compiled kernels run below FlopCounterMode's dispatch
-            timing = run_child(target, method=child_method, measure="time+flops" if counted else "time", steps=steps, **common)
-            row.step_time_s, row.error, flops = timing.get("step_time_s"), timing.get("error"), timing.get("step_flops")
-            if counted:
-                if method == "none":
-                    base_flops = flops
-                if flops is not None and base_flops is not None:
-                    row.recompute_flops = flops - base_flops
-            rows.append(row)
+            rows.append(bench.row(Row(method, budget, label), child_method, Path(tmp) / f"plan-{i}.json"))
     report("done", len(configs), len(configs))
     context = {
         "format": BENCH_FORMAT,
@@ -158,6 +103,107 @@ def run_bench(
         "meta": work.meta,
     }
     return rows, context
+
+
+_Config = tuple[str, "float | int | None", str, str]
+"""(method, budget, label, the child's method)."""
+
+
+def _configs(budgets: list[float], model: Any, compile: bool) -> list[_Config]:
+    """The baselines that apply to ``model``, then torch.compile, memfit and memfit+compile at each budget."""
+    configs: list[_Config] = [(m, None, describe(m), m) for m in BASELINES if applicable(m, model) is None]
+    if compile:
+        configs += [("compile", b, f"torch.compile {b:g}", f"compile:{b}") for b in budgets]
+    configs += [("memfit", b, f"memfit {b:.0%}", "") for b in budgets]
+    if compile:
+        configs += [("memfit+compile", b, f"memfit {b:.0%} + compile", "") for b in budgets]
+    return configs
+
+
+def _scenario_configs(
+    target: str, scenario: str, batch_size: int | None, sizes: Mapping[str, Any] | None, work: Any
+) -> list[_Config]:
+    """No checkpointing, the scenario's hand-picked recipe, and memfit at that recipe's exact peak."""
+    _, recipe, label = SCENARIOS[scenario]
+    same = _recipe_peak(target, recipe, batch_size, sizes, work)
+    return [
+        ("none", None, describe("none"), "none"),
+        ("recipe", None, f"recipe: {label}", recipe),
+        ("memfit", same, f"memfit at {memfit.format_bytes(same)}", ""),
+    ]
+
+
+@dataclass
+class _Bench:
+    """What every row of one bench shares: the step, its real profile, and what earlier rows
+    left for later ones (the memfit plan per budget, the FLOPs of the step as it is)."""
+
+    target: str
+    work: Any
+    model: Any
+    inputs: Any
+    targets: Any
+    optimizer: Any
+    prof: Any
+    profile_s: float
+    common: dict[str, Any]
+    steps: int
+    plans: dict[Any, Path] = field(default_factory=dict)
+    """budget -> the memfit row's plan, which memfit+compile rows reuse."""
+    base_flops: int | None = None
+
+    def row(self, row: Row, child_method: str, plan_path: Path) -> Row:
+        """``row`` measured in fresh processes (planned first for a memfit row); an error stops it where it happened."""
+        if row.method == "memfit+compile":
+            if row.budget not in self.plans:
+                row.error = "no memfit plan at this budget"
+                return row
+            child_method = f"plan+compile:{self.plans[row.budget]}"
+        if row.method == "memfit":
+            if not self.plan(row, plan_path):
+                return row
+            child_method = f"plan:{plan_path}"
+        mem = run_child(self.target, method=child_method, measure="memory", **self.common)
+        if "error" in mem:
+            row.error = mem["error"]
+            return row
+        row.measured_peak_bytes = self.prof.start_bytes + mem["step_peak_bytes"]
+        counted = "compile" not in row.method  # compiled kernels run below FlopCounterMode's dispatch
+        measure = "time+flops" if counted else "time"
+        timing = run_child(self.target, method=child_method, measure=measure, steps=self.steps, **self.common)
+        row.step_time_s, row.error, flops = timing.get("step_time_s"), timing.get("error"), timing.get("step_flops")
+        if counted:
+            if row.method == "none":
+                self.base_flops = flops
+            if flops is not None and self.base_flops is not None:
+                row.recompute_flops = flops - self.base_flops
+        return row
+
+    def plan(self, row: Row, path: Path) -> bool:
+        """memfit's plan at the row's budget, written to ``path`` for the children; False (the row's error set) when none."""
+        t0 = time.perf_counter()
+        try:
+            plan = memfit.plan(
+                self.model,
+                self.inputs,
+                row.budget,
+                loss_fn=self.work.loss_fn,
+                optimizer=self.optimizer,
+                profile=self.prof,
+                targets=self.targets,
+            )
+        except memfit.MemfitError as exc:
+            row.error = str(exc)
+            return False
+        row.plan_time_s = self.profile_s + time.perf_counter() - t0
+        # measured as max_memory_allocated on CUDA: the plan's allocated peak, not the
+        # reserved one its budget bounds there
+        row.predicted_peak_bytes = (
+            plan.allocated_peak_bytes if plan.allocated_peak_bytes is not None else plan.predicted_peak_bytes
+        )
+        path.write_text(plan.to_json())
+        self.plans[row.budget] = path
+        return True
 
 
 def _recipe_peak(target: str, recipe: str, batch_size: int | None, sizes: Mapping[str, Any] | None, work: Any) -> int:

@@ -465,36 +465,12 @@ def replay_trace(
     settings = settings or recorded
     trace = _trace(snap, device)
     start = _start_state(snap, device, trace)
-    pending: list[tuple[int, int, int]] = []  # (size, stream, addr) of recorded cudaMallocs not yet used
-    fresh = [1 << 56]
-    held = {a: seg.size for a, seg in start.segments.items() if not seg.expandable}  # a recorded address must not overlap these
-    seen = [0]
-    bases = {(r.stream, r.small): r.lo for r in start.regions if not r.mapped}  # expandable segments made during the trace
-
-    def address(size: int, stream: int, expandable: bool, small: bool) -> int:
-        if expandable:
-            base = bases.pop((stream, small), None) if recorded.expandable_segments else None
-            if base is not None:
-                return base
-        for ev in alloc.segments[seen[0] :]:
-            if ev.action == "segment_alloc":
-                held[ev.ptr] = ev.size
-            elif ev.action == "segment_free":
-                held.pop(ev.ptr, None)
-        seen[0] = len(alloc.segments)
-        for k, (s, st, a) in enumerate(pending):
-            if s == size and st == stream and not expandable:
-                if any(a < p + n and p < a + size for p, n in held.items()):
-                    continue  # the model still holds that range: the driver could not have returned it
-                del pending[k]
-                return a
-        fresh[0] += -(-size // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
-        return fresh[0]
-
-    alloc = model(settings, segment_address=address, capacity=capacity)
+    address = _Addresses(start, recorded)
+    alloc = address.alloc = model(settings, segment_address=address, capacity=capacity)
     live = _install(alloc, start, recorded, empty_regions=False)
     allocs = same = seg_total = seg_matched = seg_extra = empties = 0
     real_sizes: list[int] = []
+    pending = address.pending
     prev = None
     for e in trace:
         act = e.get("action")
@@ -531,6 +507,44 @@ def replay_trace(
                 alloc.free(b)
         prev = act
     return TraceReplay(settings, alloc.stats(), allocs, same, seg_total, seg_matched, seg_extra, empties)
+
+
+class _Addresses:
+    """Where :func:`replay_trace`'s model puts a new segment: the address of a recorded
+    ``cudaMalloc`` of the same size made for the same request (:attr:`pending`), where it does
+    not overlap a segment the model still holds; an expandable segment at its recorded base;
+    else a fresh address far above the recorded ones."""
+
+    def __init__(self, start: _Start, recorded: AllocatorSettings) -> None:
+        self.recorded = recorded
+        self.pending: list[tuple[int, int, int]] = []  # (size, stream, addr) of recorded cudaMallocs not yet used
+        self.fresh = 1 << 56
+        # a recorded address must not overlap these
+        self.held = {a: seg.size for a, seg in start.segments.items() if not seg.expandable}
+        self.seen = 0  # segment events of the model already read into held
+        # expandable segments made during the trace
+        self.bases = {(r.stream, r.small): r.lo for r in start.regions if not r.mapped}
+        self.alloc: CachingAllocator  # the model, set once it is made (it takes this as its segment_address)
+
+    def __call__(self, size: int, stream: int, expandable: bool, small: bool) -> int:
+        if expandable:
+            base = self.bases.pop((stream, small), None) if self.recorded.expandable_segments else None
+            if base is not None:
+                return base
+        for ev in self.alloc.segments[self.seen :]:
+            if ev.action == "segment_alloc":
+                self.held[ev.ptr] = ev.size
+            elif ev.action == "segment_free":
+                self.held.pop(ev.ptr, None)
+        self.seen = len(self.alloc.segments)
+        for k, (s, st, a) in enumerate(self.pending):
+            if s == size and st == stream and not expandable:
+                if any(a < p + n and p < a + size for p, n in self.held.items()):
+                    continue  # the model still holds that range: the driver could not have returned it
+                del self.pending[k]
+                return a
+        self.fresh += -(-size // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
+        return self.fresh
 
 
 def _common(a: list[int], b: list[int]) -> int:

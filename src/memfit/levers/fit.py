@@ -67,7 +67,7 @@ from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanError, WorkloadError
 from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
-from memfit.levers.recipe import LEVERS, Recipe, WhatIf, describe
+from memfit.levers.recipe import LEVERS, Decision, Measurement, Prediction, Provenance, Recipe, WhatIf, describe
 from memfit.levers.ties import TIE, simplest_of_fastest
 from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
@@ -841,21 +841,37 @@ def _recipe(
     if s.fake_cuda:
         base_time = search.predict(base)[0]  # predicted, as every time of this recipe (times_predicted)
     settings = search.expandable_settings if best.combo.expandable else search.settings
-    return Recipe(
+    decision = Decision(
         budget_bytes=target,
         levers=best.levers,
         step=search.options(best.combo),
         plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
-        predicted_peak_bytes=best.peak_bytes,
-        allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
-        predicted_step_time_s=best.time_s,
-        measured_peak_bytes=best.measured.peak_bytes if best.measured is not None else None,
-        measured_step_time_s=measured_time,
-        base_peak_bytes=search.peaks[base],
-        base_step_time_s=base_time,
-        what_if=what_if,
         left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
         precision=best.combo.precision,
+        budget=str(budget),
+        allocator_conf=settings.describe() if settings is not None else "",
+    )
+    prediction = Prediction(
+        predicted_peak_bytes=best.peak_bytes,
+        predicted_step_time_s=best.time_s,
+        base_peak_bytes=search.peaks[base],
+        allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
+        what_if=what_if,
+    )
+    measurement = Measurement(
+        measured_peak_bytes=best.measured.peak_bytes if best.measured is not None else None,
+        measured_step_time_s=measured_time,
+        base_step_time_s=base_time,
+        times_predicted=s.fake_cuda,
+        host_speed=host_speed,
+    )
+    return Recipe(decision, prediction, measurement, _provenance(search, queue, combos, notes, started))
+
+
+def _provenance(search: _Search, queue: _Queue, combos: list[Combo], notes: list[str], started: float) -> Provenance:
+    """What the recipe was fit for (the step's model, inputs, loss, optimizer, device) and how much the search ran."""
+    s = search.situation
+    return Provenance(
         batch_size=batch_size_of(s.args, s.kwargs),
         inputs_kind="tensor" if isinstance(search.inputs, torch.Tensor) else ("kwargs" if s.kwargs else "args"),
         default_loss=s.loss_fn is None,
@@ -864,17 +880,13 @@ def _recipe(
         fingerprint=fingerprint(s.model),
         optimizer_type=type(s.optimizer).__name__,
         device="fake:cuda:0" if s.fake_cuda else str(s.device),
-        budget=str(budget),
         fit_time_s=time.perf_counter() - started,
-        allocator_conf=settings.describe() if settings is not None else "",
-        times_predicted=s.fake_cuda,
-        host_speed=host_speed,
         notes=notes,
         search={
             "combinations": len(combos),
             "weighed": len(search.peaks),
             "planned": len(search.plans),
-            "timed": sum(1 for c in cands if c.measured is not None),
+            "timed": sum(1 for c in queue.cands if c.measured is not None),
             "probes": search.times.probes,
             "fake_profiles": search.fake_profiles,
         },

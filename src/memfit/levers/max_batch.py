@@ -23,6 +23,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,7 @@ from memfit.compat import optim8bit
 from memfit.errors import BudgetInfeasibleError, WorkloadError
 from memfit.levers.fit import fit, fit_budget, parse_allow
 from memfit.levers.recipe import Recipe
-from memfit.measure.checked import checked_step
+from memfit.measure.checked import Step, checked_step
 from memfit.measure.profile import Progress, fake_peaks
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
@@ -259,6 +260,58 @@ def max_batch(
     cuda = the.cuda
     on = "cuda" if fake_cuda else True
 
+    variants = _variants(model, optimizer, allowed, cuda=cuda, fake_cuda=fake_cuda)
+    limits = _limits(the, variants, inputs, targets, target, multiple_of, report, loss_fn=loss_fn, on=on)
+    batch = largest_of(limits, target, multiple_of)
+
+    def answer(batch: int, recipe: Recipe | None, device: str) -> MaxBatch:
+        return MaxBatch(
+            budget_bytes=target,
+            batch_size=batch,
+            example_batch=example,
+            limits=limits,
+            recipe=recipe,
+            search_time_s=time.perf_counter() - started,
+            multiple_of=multiple_of,
+            model_type=type(model).__name__,
+            device=device,
+        )
+
+    if fake_cuda:
+        return answer(batch, None, "fake:cuda:0")
+    fit_at = partial(fit, model, loss_fn=loss_fn, optimizer=optimizer, allow=allowed, set_to_none=set_to_none, progress=progress)
+    batch, recipe = _fastest_at(batch, target, multiple_of, report, fit_at, inputs, targets)
+    recipe.budget = str(budget)
+    return answer(batch, recipe, str(device))
+
+
+def _fastest_at(
+    batch: int, target: int, multiple_of: int, report: Progress, fit_at: Callable[..., Recipe], inputs: Any, targets: Any
+) -> tuple[int, Recipe]:
+    """The fastest recipe at ``batch``, measured (``fit_at`` is :func:`fit` on the step, which runs it for real).
+    fit plans on real tensors, whose figures can differ from the fake ones by a few bytes: a
+    batch that then does not fit steps down, at most twice."""
+    for _ in range(3):
+        report(f"fastest recipe at batch {batch}", 0, 0)
+        try:
+            recipe = fit_at(resize_batch(inputs, batch), target, targets=resize_targets(targets, inputs, batch))
+            return batch, recipe
+        except BudgetInfeasibleError:
+            if batch <= multiple_of:
+                raise
+            batch -= multiple_of
+    raise BudgetInfeasibleError(
+        f"no recipe fits batch {batch + multiple_of} or the two below it when measured, though fake tensors said so",
+        min_peak_bytes=target + 1,
+        budget_bytes=target,
+    )
+
+
+def _variants(
+    model: nn.Module, optimizer: torch.optim.Optimizer, allowed: set[str], *, cuda: bool, fake_cuda: bool
+) -> dict[str, StepOptions]:
+    """The step as it is and each lever that changes how its peak grows with the batch (each
+    alone; recompute is weighed on every one of them by :func:`_limits`)."""
     variants = {"": StepOptions()}
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if "amp" in allowed and dtypes == {torch.float32}:
@@ -269,6 +322,24 @@ def max_batch(
         variants["8bit"] = StepOptions(optimizer_8bit=True)
     if cuda and not fake_cuda:  # an exact lever, weighed by fit on CUDA; not combined with recompute (as in fit)
         variants["offload"] = StepOptions(offload=True)
+    return variants
+
+
+def _limits(
+    the: Step,
+    variants: dict[str, StepOptions],
+    inputs: Any,
+    targets: Any,
+    target: int,
+    multiple_of: int,
+    report: Progress,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    on: bool | str,
+) -> list[BatchLimit]:
+    """Each variant's largest batch within ``target``, without recompute and with its lowest
+    recompute peak, from fake-tensor peaks at the batches the search asks for."""
+    model, optimizer, example = the.model, the.optimizer, batch_size_of(the.args, the.kwargs)
 
     def plain(peak_at: Callable[[Any, Any], int]) -> Callable[[int], int]:
         def peak(b: int) -> int:
@@ -297,54 +368,7 @@ def max_batch(
             # one fake copy of the step, warmed once, recorded at each batch the search asks for
             with fake_peaks(the.on(on, step)) as at:
                 limits.append(_largest(plain(at), target, example, multiple_of, levers))
-
-    batch = largest_of(limits, target, multiple_of)
-
-    def answer(batch: int, recipe: Recipe | None, device: str) -> MaxBatch:
-        return MaxBatch(
-            budget_bytes=target,
-            batch_size=batch,
-            example_batch=example,
-            limits=limits,
-            recipe=recipe,
-            search_time_s=time.perf_counter() - started,
-            multiple_of=multiple_of,
-            model_type=type(model).__name__,
-            device=device,
-        )
-
-    if fake_cuda:
-        return answer(batch, None, "fake:cuda:0")
-    # The fastest recipe at that batch, measured (fit runs it for real). fit plans on real
-    # tensors, whose figures can differ from the fake ones by a few bytes: a batch that
-    # then does not fit steps down.
-    for _ in range(3):
-        report(f"fastest recipe at batch {batch}", 0, 0)
-        try:
-            recipe = fit(
-                model,
-                resize_batch(inputs, batch),
-                target,
-                targets=resize_targets(targets, inputs, batch),
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                allow=allowed,
-                set_to_none=set_to_none,
-                progress=progress,
-            )
-            break
-        except BudgetInfeasibleError:
-            if batch <= multiple_of:
-                raise
-            batch -= multiple_of
-    else:
-        raise BudgetInfeasibleError(
-            f"no recipe fits batch {batch + multiple_of} or the two below it when measured, though fake tensors said so",
-            min_peak_bytes=target + 1,
-            budget_bytes=target,
-        )
-    recipe.budget = str(budget)
-    return answer(batch, recipe, str(device))
+    return limits
 
 
 def largest_size(

@@ -1,5 +1,6 @@
-"""The :class:`Recipe`: which memory levers :func:`memfit.fit` chose, what it predicted and
-measured, and what it weighed. Plain data, saved and loaded as versioned JSON; it prints
+"""The :class:`Recipe`: which memory levers :func:`memfit.fit` chose (its :class:`Decision`),
+what it predicted (:class:`Prediction`) and measured (:class:`Measurement`), and what it was
+fit for and weighed (:class:`Provenance`). Plain data, saved and loaded as versioned JSON; it prints
 as a code snippet for an existing training loop. Putting it on a model is mechanism, not
 data: :func:`memfit.apply_recipe` (:mod:`memfit.apply.recipe`), which this module does not import."""
 
@@ -7,17 +8,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 from memfit.errors import PlanError
 from memfit.levers import catalog
 from memfit.levers.catalog.base import Reason, read_reason, reason_json
+from memfit.levers.records import Sectioned
 from memfit.measure.step import StepOptions
 from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
 
-__all__ = ["Recipe", "RankRecipe", "WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS", "RANK_LEVERS"]
+__all__ = [
+    *("Recipe", "Decision", "Prediction", "Measurement", "Provenance"),
+    *("RankRecipe", "RankDecision", "RankPrediction", "RankProvenance"),
+    *("WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS", "RANK_LEVERS"),
+]
 
 RECIPE_FORMAT = "memfit.recipe"
 RECIPE_VERSION = 2
@@ -71,9 +77,10 @@ def read_choice_fields(body: dict[str, Any], known: Collection[str], what: str) 
     body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
 
 
-@dataclass
-class Recipe:
-    """What :func:`memfit.fit` chose. Memory in bytes, times in seconds."""
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`memfit.fit` decided: the levers, the training step they make, the plan, and
+    why every other lever was left out; for the budget it meets."""
 
     budget_bytes: int
     levers: tuple[str, ...]
@@ -82,25 +89,66 @@ class Recipe:
     """The training step the recipe makes (micro-batches, autocast, dtype, ...)."""
     plan: Plan | None
     """What to recompute, or None."""
+    left_out: dict[str, Reason] = field(default_factory=dict)
+    """Levers not used, each with the reason (not allowed, not applicable, not available): a
+    :class:`~memfit.levers.catalog.Reason`, the sentence with its kind (``.why``)."""
+    precision: str = "fp32"
+    """``"fp32"``, ``"amp"`` (autocast) or ``"bf16"`` (parameters cast)."""
+    budget: str = ""
+    """The budget as given."""
+    allocator_conf: str = ""
+    """On CUDA: the ``PYTORCH_CUDA_ALLOC_CONF`` the predicted peak assumes (with the
+    ``expandable_segments`` lever, the process's settings plus it)."""
+
+    def __post_init__(self) -> None:
+        # each reason gets its kind here, once: from recipe JSON (v2 objects, v1 sentences) or a caller's strings
+        object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the recipe's step is predicted to do (exact peaks on fake tensors, times from the
+    cost model), beside the step as it is and every configuration weighed."""
+
     predicted_peak_bytes: int
     """What the budget bounds: on CUDA (real or fake) the caching allocator's reserved peak
     (memfit's model of it), else the step's tensor peak."""
     predicted_step_time_s: float | None
+    base_peak_bytes: int
+    """The step as it is, without any lever."""
+    allocated_peak_bytes: int | None = None
+    """On CUDA: the recipe's allocated peak (``max_memory_allocated``), beside the reserved
+    :attr:`predicted_peak_bytes`."""
+    what_if: list[WhatIf] = field(default_factory=list)
+    """Every configuration weighed, with its predicted (for the chosen one, also measured) peak and time."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What running the recipe's step on the real model measured."""
+
     measured_peak_bytes: int | None
     """Peak of the recipe's step run on the real model (recorder ledger; model restored after)."""
     measured_step_time_s: float | None
     """Median of the recipe's real steps after a warm-up; when that parted from the prediction
     by more than 15%, the median of its steps timed again between two runs of the step as it
     is (see :attr:`host_speed`)."""
-    base_peak_bytes: int
-    """The step as it is, without any lever."""
     base_step_time_s: float | None
-    what_if: list[WhatIf] = field(default_factory=list)
-    left_out: dict[str, Reason] = field(default_factory=dict)
-    """Levers not used, each with the reason (not allowed, not applicable, not available): a
-    :class:`~memfit.levers.catalog.Reason`, the sentence with its kind (``.why``)."""
-    precision: str = "fp32"
-    """``"fp32"``, ``"amp"`` (autocast) or ``"bf16"`` (parameters cast)."""
+    """The step as it is, timed (predicted when :attr:`times_predicted`)."""
+    times_predicted: bool = False
+    """Step times only predicted (fake CUDA: nothing could be timed); the recipe was chosen by them."""
+    host_speed: float | None = None
+    """When the recipe's steps parted from its prediction by more than 15%: the step as it is,
+    timed just before and just after the recipe's steps were timed again, over its time when
+    the predictions were made (0.9: the host ran 10% faster by then); the prediction at the
+    host's speed then is ``predicted_step_time_s * host_speed``. None: not timed again
+    (prediction and measurement agreed)."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where the recipe came from: the step it was fit for, the device, and how the search went."""
+
     batch_size: int | None = None
     inputs_kind: str = "tensor"
     """How the inputs are passed: ``"tensor"``, ``"args"`` (a tuple) or ``"kwargs"`` (a dict)."""
@@ -112,34 +160,44 @@ class Recipe:
     fingerprint: str = ""
     optimizer_type: str = ""
     device: str = "cpu"
-    budget: str = ""
-    """The budget as given."""
     fit_time_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     """Warnings about the search: prediction and measurement that part by more than 15%,
     timings too noisy to rank the candidates, a lever stopped for being slow."""
-    allocated_peak_bytes: int | None = None
-    """On CUDA: the recipe's allocated peak (``max_memory_allocated``), beside the reserved
-    :attr:`predicted_peak_bytes`."""
-    allocator_conf: str = ""
-    """On CUDA: the ``PYTORCH_CUDA_ALLOC_CONF`` the predicted peak assumes (with the
-    ``expandable_segments`` lever, the process's settings plus it)."""
-    times_predicted: bool = False
-    """Step times only predicted (fake CUDA: nothing could be timed); the recipe was chosen by them."""
-    host_speed: float | None = None
-    """When the recipe's steps parted from its prediction by more than 15%: the step as it is,
-    timed just before and just after the recipe's steps were timed again, over its time when
-    the predictions were made (0.9: the host ran 10% faster by then); the prediction at the
-    host's speed then is ``predicted_step_time_s * host_speed``. None: not timed again
-    (prediction and measurement agreed)."""
     search: dict[str, int] = field(default_factory=dict)
     """How much fit ran: ``combinations`` considered, ``weighed`` (exact peak profiled),
     ``planned``, ``timed`` for real (with their plan), ``probes`` (configurations run for
     real to predict times from), ``fake_profiles``."""
 
-    def __post_init__(self) -> None:
-        # each reason gets its kind here, once: from recipe JSON (v2 objects, v1 sentences) or a caller's strings
-        self.left_out = {lever: read_reason(why) for lever, why in self.left_out.items()}
+
+@dataclass(init=False)
+class Recipe(Sectioned):
+    """What :func:`memfit.fit` chose, as four frozen records: :attr:`decision` (what to do),
+    :attr:`prediction` (what it should do), :attr:`measurement` (what it did, run for real) and
+    :attr:`provenance` (what it was fit for, and how the search went). Memory in bytes, times
+    in seconds. Every record's field also reads by its own name (``recipe.levers``,
+    ``recipe.predicted_peak_bytes``), and ``Recipe(...)`` takes the four records or those
+    fields (by name, or by position in :attr:`FLAT`'s order). Setting a field by its name replaces the record holding it."""
+
+    decision: Decision
+    prediction: Prediction
+    measurement: Measurement
+    provenance: Provenance
+
+    RECORDS: ClassVar[dict[str, type]] = {
+        "decision": Decision,
+        "prediction": Prediction,
+        "measurement": Measurement,
+        "provenance": Provenance,
+    }
+    FLAT: ClassVar[tuple[str, ...]] = (
+        # the order of the fields when Recipe was one flat record: positional calls and the JSON keep it
+        "budget_bytes", "levers", "step", "plan", "predicted_peak_bytes", "predicted_step_time_s",
+        "measured_peak_bytes", "measured_step_time_s", "base_peak_bytes", "base_step_time_s", "what_if",
+        "left_out", "precision", "batch_size", "inputs_kind", "default_loss", "targets", "model_type",
+        "fingerprint", "optimizer_type", "device", "budget", "fit_time_s", "notes", "allocated_peak_bytes",
+        "allocator_conf", "times_predicted", "host_speed", "search",
+    )  # fmt: skip
 
     @property
     def micro_batches(self) -> int:
@@ -263,7 +321,7 @@ class Recipe:
     # -- JSON ---------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = self.flat()
         data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
         data["step"] = self.step.to_dict()
         return {"format": RECIPE_FORMAT, "version": RECIPE_VERSION, **data}
@@ -333,14 +391,12 @@ def describe_reshards(root: bool, blocks: Sequence[bool]) -> str:
 # -- a distributed step's recipe, per rank ------------------------------------------------------------------------------------
 
 
-@dataclass
-class RankRecipe:
-    """What :func:`fit_ranks` chose for each rank of a distributed step. Memory in bytes
-    (per rank), times in seconds (predicted: nothing runs on the fake process group)."""
+@dataclass(frozen=True)
+class RankDecision:
+    """What :func:`fit_ranks` decided for every rank: the levers, ``fully_shard``'s arguments,
+    the plan, and why the other levers were left out; for the per-rank budget it meets."""
 
     budget_bytes: int
-    world_size: int
-    parallel: str
     levers: tuple[str, ...]
     """The levers used (keys of :data:`RANK_LEVERS`); empty when the step fits as it is."""
     fsdp: dict[str, Any] | None
@@ -350,6 +406,23 @@ class RankRecipe:
     workload's ``parallelize`` is not memfit's FSDP2, whose arguments fit cannot vary."""
     plan: Plan | None
     """What to recompute (apply before ``fully_shard``), or None."""
+    left_out: dict[str, Reason] = field(default_factory=dict)
+    """As :attr:`Decision.left_out`."""
+    budget: str = ""
+    """The budget as given."""
+    allocator_conf: str | None = None
+    """Fake CUDA: the caching-allocator settings the reserved peaks are judged under (with the
+    ``expandable_segments`` lever, the process's plus it)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})  # as Decision's
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """What every rank's step is predicted to do: exact peaks on the fake process group, times
+    from the cost model (nothing runs there, so nothing is measured), beside the step as it is."""
+
     predicted_peak_bytes: int
     """The highest verified peak among :attr:`rank_peak_bytes`."""
     rank_peak_bytes: dict[int, int]
@@ -361,24 +434,44 @@ class RankRecipe:
     """All-gathers per step of the chosen configuration (rank's ledger), beside :attr:`base_all_gathers`."""
     base_all_gathers: int
     what_if: list[WhatIf] = field(default_factory=list)
-    left_out: dict[str, Reason] = field(default_factory=dict)
-    """As :attr:`Recipe.left_out`."""
-    notes: list[str] = field(default_factory=list)
-    budget: str = ""
+    times_predicted: bool = True
+    allocated_peak_bytes: int | None = None
+    """Fake CUDA: the highest rank's allocated peak beside the reserved peaks the budget bounds."""
+
+
+@dataclass(frozen=True)
+class RankProvenance:
+    """What the per-rank recipe was fit for (the world, its parallelism, the device), and how the search went."""
+
+    world_size: int
+    parallel: str
     device: str = "fake:cpu"
     batch_size: int | None = None
     fit_time_s: float = 0.0
-    times_predicted: bool = True
+    notes: list[str] = field(default_factory=list)
     search: dict[str, int] = field(default_factory=dict)
     """``profiles`` (exact fake-group profiles) and ``plans`` made."""
-    allocated_peak_bytes: int | None = None
-    """Fake CUDA: the highest rank's allocated peak beside the reserved peaks the budget bounds."""
-    allocator_conf: str | None = None
-    """Fake CUDA: the caching-allocator settings the reserved peaks are judged under (with the
-    ``expandable_segments`` lever, the process's plus it)."""
 
-    def __post_init__(self) -> None:
-        self.left_out = {lever: read_reason(why) for lever, why in self.left_out.items()}  # as Recipe's
+
+@dataclass(init=False)
+class RankRecipe(Sectioned):
+    """What :func:`fit_ranks` chose for each rank of a distributed step, as three frozen
+    records: :attr:`decision`, :attr:`prediction` and :attr:`provenance` (no measurement:
+    nothing runs on the fake process group). Memory in bytes (per rank), times in seconds.
+    Fields read, and ``RankRecipe(...)`` takes them, by their own names as :class:`Recipe`'s do."""
+
+    decision: RankDecision
+    prediction: RankPrediction
+    provenance: RankProvenance
+
+    RECORDS: ClassVar[dict[str, type]] = {"decision": RankDecision, "prediction": RankPrediction, "provenance": RankProvenance}
+    FLAT: ClassVar[tuple[str, ...]] = (
+        # the order of the fields when RankRecipe was one flat record: positional calls and the JSON keep it
+        "budget_bytes", "world_size", "parallel", "levers", "fsdp", "plan", "predicted_peak_bytes",
+        "rank_peak_bytes", "predicted_step_time_s", "base_peak_bytes", "base_step_time_s", "all_gathers",
+        "base_all_gathers", "what_if", "left_out", "notes", "budget", "device", "batch_size", "fit_time_s",
+        "times_predicted", "search", "allocated_peak_bytes", "allocator_conf",
+    )  # fmt: skip
 
     def summary(self) -> str:
         words = []
@@ -449,7 +542,7 @@ class RankRecipe:
         return "\n".join(lines) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = self.flat()
         data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
         data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
         return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}

@@ -257,23 +257,7 @@ class Recorder(TorchDispatchMode):
         self.spans: list[Span] = []
         self.ops: list[OpCall] = []
         self._open: dict[tuple[Phase, str], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
-        self.table = workspace.TABLE
-        self._workspace = self.device_type in workspace.PROBED_DEVICES
-        # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
-        # their blocks wait, with no bytes, for the trace to be read when the step is over.
-        self._trace = torch_compat.AllocationTrace() if self._workspace and not fake else None
-        self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
-        self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
-        self.unmeasured_ops = 0
-        self.attention_estimates = 0
-        self._probe = probe and fake and self.device_type == "cpu"
-        self._fake = fake
-        # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
-        # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
-        # torch for the process: in the steady-state step memfit records (a warm-up step ran
-        # the same ops) they are alive from its start. Tensors never show them.
-        self._cublas_bytes = gpu.cublas_workspace_bytes(_cuda_capability(device)) if self.device_type == "cuda" else 0
-        self._cublas_keys: set[tuple[int, int]] = set()
+        self._init_kernel_workspaces(device, fake=fake, probe=probe)
         # record index -> the tick before which the step first touched a block alive at its
         # start that only the step revealed (Ledger.first_use)
         self._first_use: dict[int, int] = {}
@@ -296,6 +280,26 @@ class Recorder(TorchDispatchMode):
         # calls whose unwatched twin writes in place (see memfit.measure.observer)
         self.observer = Observer()
         scope.listener = self._on_scope
+
+    def _init_kernel_workspaces(self, device: torch.device | None, *, fake: bool, probe: bool) -> None:
+        """What the recorder needs to count the memory kernels take for themselves (part of ``__init__``)."""
+        self.table = workspace.TABLE
+        self._workspace = self.device_type in workspace.PROBED_DEVICES
+        # Real tensors: ops of a kind the table lacks run tagged inside an allocation trace;
+        # their blocks wait, with no bytes, for the trace to be read when the step is over.
+        self._trace = torch_compat.AllocationTrace() if self._workspace and not fake else None
+        self._pending: list[tuple[int, tuple]] = []  # (record index, signature) waiting for a figure
+        self._tagged: dict[tuple, str] = {}  # signature -> profiler tag of the call that measures it
+        self.unmeasured_ops = 0
+        self.attention_estimates = 0
+        self._probe = probe and fake and self.device_type == "cpu"
+        self._fake = fake
+        # cuBLAS workspaces: one per (handle, stream), handles per thread (the forward's, the
+        # autograd engine's device thread). Made at a thread's first cuBLAS call and kept by
+        # torch for the process: in the steady-state step memfit records (a warm-up step ran
+        # the same ops) they are alive from its start. Tensors never show them.
+        self._cublas_bytes = gpu.cublas_workspace_bytes(_cuda_capability(device)) if self.device_type == "cuda" else 0
+        self._cublas_keys: set[tuple[int, int]] = set()
 
     def _on_scope(self, phase: Phase, name: str, entering: bool, inputs: list[torch.Tensor]) -> None:
         key = (phase, name)

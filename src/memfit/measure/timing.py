@@ -219,29 +219,7 @@ def time_steps(
     with real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets) as box:
 
         def run(limit: float | None, scope: Scope | None = None) -> tuple[float, float] | None:
-            marks: list[float] = []
-
-            def on_phase(phase: Phase) -> None:
-                if scope is not None:
-                    scope.set_phase(phase)
-                if phase is Phase.OPTIMIZER and not marks:
-                    _sync(device)
-                    marks.append(time.perf_counter())
-
-            _sync(device)
-            t0 = time.perf_counter()
-            try:
-                with _deadline(None if limit is None else t0 + limit):
-                    box.step(loss_fn, on_phase)
-            except _Stopped:
-                out.stopped_after = time.perf_counter() - t0
-                return None
-            finally:
-                if scope is not None:
-                    scope.set_phase(Phase.START)
-            _sync(device)
-            t1 = time.perf_counter()
-            return t1 - t0, (marks[0] if marks else t1) - t0
+            return _run_once(box, loss_fn, device, out, limit, scope)
 
         if record:
             if not box.optimizer.state:
@@ -275,6 +253,36 @@ def time_steps(
                 break
             out.retried, rounds = True, 2
     return out
+
+
+def _run_once(
+    box: Any, loss_fn: Any, device: torch.device, out: StepTimes, limit: float | None, scope: Scope | None
+) -> tuple[float, float] | None:
+    """One step in the sandbox ``box``: its wall time and the part before the optimizer phase;
+    None when it ran past ``limit`` seconds and was stopped (``out.stopped_after`` says when)."""
+    marks: list[float] = []
+
+    def on_phase(phase: Phase) -> None:
+        if scope is not None:
+            scope.set_phase(phase)
+        if phase is Phase.OPTIMIZER and not marks:
+            _sync(device)
+            marks.append(time.perf_counter())
+
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        with _deadline(None if limit is None else t0 + limit):
+            box.step(loss_fn, on_phase)
+    except _Stopped:
+        out.stopped_after = time.perf_counter() - t0
+        return None
+    finally:
+        if scope is not None:
+            scope.set_phase(Phase.START)
+    _sync(device)
+    t1 = time.perf_counter()
+    return t1 - t0, (marks[0] if marks else t1) - t0
 
 
 def optimizer_step_time(

@@ -175,39 +175,82 @@ def build_candidates(
     adds per op on this host: selective recompute pays it twice for each forward op (in
     the forward and in the recompute).
     """
-    spans = _span_map(ledger)
-    # An option must free more than a thousandth of the peak: a deep CNN has hundreds of
-    # modules whose checkpoint would free a few saved records' worth, which cannot move the
-    # peak and swell the MILP (resnet152: 1044 options, 566 under 64 KiB of a 2 GiB peak,
-    # P_min solved in 31.7 s; with this floor 319 options, 4.5 s, the same P_min).
-    floor = ledger.peak_bytes // _MIN_FREED_FRACTION
+    step = _Step.of(ledger)
     excluded = dict(exclude or {})
     options: list[Option] = []
+    for name, by_phase in step.spans.items():
+        if name == "":
+            continue  # recomputing the whole model at the start of backward frees nothing
+        if name in excluded:
+            continue
+        # (calls are counted per forward pass: a step of several passes, micro-batches or
+        # accumulation, calls a module once in each, which its forward spans count)
+        n_calls = max(calls.get(name, 0), len(by_phase.get(Phase.FORWARD, [])))
+        if n_calls != 1:
+            excluded[name] = f"called {n_calls} times in a step (memfit plans modules called once)"
+            continue
+        if len(by_phase.get(Phase.BACKWARD, [])) != 1:
+            continue  # no gradient flows through it: nothing saved for backward
+        m = _region(step, name, by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0])
+        if m.full_freed <= step.floor:
+            continue
+        cost = _cost(step, m, rates, forward_time)
+        options.append(_full_option(step, m, cost))
+        if f"{name}:selective" in excluded:
+            continue
+        options += _selective_options(step, m, cost, max_selective, op_overhead_s)
+    return Candidates(options, excluded)
 
-    op_bytes, born_op = ledger.op_outputs()
 
-    order = sorted(ledger.blocks, key=lambda b: b.born)
-    borns = [b.born for b in order]
-    ops_by_module: dict[str | None, list[int]] = defaultdict(list)
-    for i, op in enumerate(ledger.ops):
-        ops_by_module[op.module].append(i)
+@dataclass
+class _Step:
+    """What every module's options read off the step's ledger, computed once."""
 
-    # Modules that could be checkpointed (one forward and one backward call) and which of
-    # them take each block as an input (a checkpoint there would keep it).
-    once = {
-        module: (by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0])
-        for module, by_phase in spans.items()
-        if module and len(by_phase.get(Phase.FORWARD, [])) == 1 and len(by_phase.get(Phase.BACKWARD, [])) == 1
-    }
-    consumers: dict[int, list[str]] = defaultdict(list)
-    for module, (fwd, _) in once.items():
-        for i in fwd.inputs:
-            consumers[i].append(module)
+    ledger: Ledger
+    spans: dict[str, dict[Phase, list[Span]]]
+    floor: int
+    """An option must free more than this (see :meth:`of`)."""
+    op_bytes: list[int]
+    born_op: dict[int, int]
+    order: list
+    """The blocks in birth order, and their birth ticks (:attr:`borns`) to bisect."""
+    borns: list[int]
+    ops_by_module: dict[str | None, list[int]]
+    once: dict[str, tuple[Span, Span]]
+    """Modules that could be checkpointed (one forward and one backward call): those spans."""
+    consumers: dict[int, list[str]]
+    """Block id -> the modules of :attr:`once` taking it as an input (a checkpoint there would keep it)."""
 
-    def pairs(name: str, fe: int, be: int, freed: list, copied: list) -> tuple[tuple[str, int, int, int], ...]:
+    @classmethod
+    def of(cls, ledger: Ledger) -> _Step:
+        spans = _span_map(ledger)
+        # An option must free more than a thousandth of the peak: a deep CNN has hundreds of
+        # modules whose checkpoint would free a few saved records' worth, which cannot move the
+        # peak and swell the MILP (resnet152: 1044 options, 566 under 64 KiB of a 2 GiB peak,
+        # P_min solved in 31.7 s; with this floor 319 options, 4.5 s, the same P_min).
+        floor = ledger.peak_bytes // _MIN_FREED_FRACTION
+        op_bytes, born_op = ledger.op_outputs()
+        order = sorted(ledger.blocks, key=lambda b: b.born)
+        ops_by_module: dict[str | None, list[int]] = defaultdict(list)
+        for i, op in enumerate(ledger.ops):
+            ops_by_module[op.module].append(i)
+        once = {
+            module: (by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0])
+            for module, by_phase in spans.items()
+            if module and len(by_phase.get(Phase.FORWARD, [])) == 1 and len(by_phase.get(Phase.BACKWARD, [])) == 1
+        }
+        consumers: dict[int, list[str]] = defaultdict(list)
+        for module, (fwd, _) in once.items():
+            for i in fwd.inputs:
+                consumers[i].append(module)
+        return cls(ledger, spans, floor, op_bytes, born_op, order, [b.born for b in order], ops_by_module, once, consumers)
+
+    def pairs(self, name: str, fe: int, be: int, freed: list, copied: list) -> tuple[tuple[str, int, int, int], ...]:
+        """:attr:`Option.pairs` of an option of ``name`` that frees ``freed`` and copies ``copied``."""
+        once = self.once
         out: dict[tuple[str, int, int], int] = defaultdict(int)
         for b in freed:
-            for other in consumers.get(b.id, ()):
+            for other in self.consumers.get(b.id, ()):
                 if not _within(other, name) and not _within(name, other):
                     out[(other, fe, once[other][1].end)] += b.nbytes
         for b in copied:
@@ -223,129 +266,149 @@ def build_candidates(
                     out[(other, bwd.end, b.died)] -= b.nbytes
         return tuple(sorted((m, a, z, n) for (m, a, z), n in out.items() if n))
 
-    for name, by_phase in spans.items():
-        if name == "":
-            continue  # recomputing the whole model at the start of backward frees nothing
-        if name in excluded:
-            continue
-        # (calls are counted per forward pass: a step of several passes, micro-batches or
-        # accumulation, calls a module once in each, which its forward spans count)
-        n_calls = max(calls.get(name, 0), len(by_phase.get(Phase.FORWARD, [])))
-        if n_calls != 1:
-            excluded[name] = f"called {n_calls} times in a step (memfit plans modules called once)"
-            continue
-        if len(by_phase.get(Phase.BACKWARD, [])) != 1:
-            continue  # no gradient flows through it: nothing saved for backward
-        fwd, bwd = by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0]
-        (fs, fe), (bs, be) = (fwd.start, fwd.end), (bwd.start, bwd.end)
-        # The checkpoint keeps the call's inputs for the recompute: those that would have
-        # died before M's backward now live until it.
-        held = sum(
-            ledger.blocks[i].nbytes for i in fwd.inputs if ledger.blocks[i].died is not None and ledger.blocks[i].died < bs
-        )
-        inside = order[bisect_left(borns, fs) : bisect_left(borns, fe)]  # born in M's forward
-        freeable, temps, others, kept_anyway = [], [], [], []
-        for b in inside:
-            if b.died is not None and fe <= b.died < bs:
-                others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
-            if b.died is not None and b.died < fe:
-                temps.append(b)
-            elif b.category not in _SAVED or not any(_within(s, name) for s in b.savers):
-                continue
-            elif all(_within(s, name) for s in b.savers) and b.died is not None and bs <= b.died <= be:
-                freeable.append(b)
-            elif b.died is None or b.died >= bs:
-                kept_anyway.append(b)
-        my_ops = [i for m, ids in ops_by_module.items() if m is not None and _within(m, name) for i in ids]
-        # On CPU the checkpoint frees the region's saved records (graph blocks with savers)
-        # but keeps its own bookkeeping per autograd node (graph blocks without): a region
-        # of tiny ops can cost more than it frees.
-        nodes = sum(1 for b in inside if b.category is Category.GRAPH and not b.savers)
-        bookkeeping = CHECKPOINT_BYTES_PER_NODE * nodes
-        full_freed = sum(b.nbytes for b in freeable) - held - bookkeeping
-        if full_freed <= floor:
-            continue
-        copy_until = {b.id: _saved_until(b, name, spans, be) for b in kept_anyway}
 
-        # Estimated seconds per forward op call of M, scaled to M's measured forward time.
-        est = {i: rates.estimate(ledger.ops[i].flops, op_bytes[i]) for i in my_ops}
-        total_est = sum(est.values()) or 1e-12
-        measured = forward_time.get(name)
-        scale = (measured / total_est) if measured else 1.0
-        flops_total = sum(ledger.ops[i].flops for i in my_ops)
-        copies = tuple(sorted((copy_until[b.id], b.nbytes) for b in kept_anyway))
-        transient = _recompute_peak(inside, freeable + kept_anyway)
+@dataclass
+class _Region:
+    """Module M's forward region: its ticks, what a checkpoint of it holds, and its blocks by fate."""
+
+    name: str
+    fe: int
+    bs: int
+    be: int
+    held: int
+    inside: list
+    """Blocks born in M's forward."""
+    freeable: list
+    temps: list
+    others: list
+    kept_anyway: list
+    my_ops: list[int]
+    bookkeeping: int
+    full_freed: int
+
+
+def _region(step: _Step, name: str, fwd: Span, bwd: Span) -> _Region:
+    ledger = step.ledger
+    (fs, fe), (bs, be) = (fwd.start, fwd.end), (bwd.start, bwd.end)
+    # The checkpoint keeps the call's inputs for the recompute: those that would have
+    # died before M's backward now live until it.
+    held = sum(ledger.blocks[i].nbytes for i in fwd.inputs if ledger.blocks[i].died is not None and ledger.blocks[i].died < bs)
+    inside = step.order[bisect_left(step.borns, fs) : bisect_left(step.borns, fe)]  # born in M's forward
+    freeable, temps, others, kept_anyway = [], [], [], []
+    for b in inside:
+        if b.died is not None and fe <= b.died < bs:
+            others.append(b)  # e.g. M's output, freed after use: kept longer if SAC caches it
+        if b.died is not None and b.died < fe:
+            temps.append(b)
+        elif b.category not in _SAVED or not any(_within(s, name) for s in b.savers):
+            continue
+        elif all(_within(s, name) for s in b.savers) and b.died is not None and bs <= b.died <= be:
+            freeable.append(b)
+        elif b.died is None or b.died >= bs:
+            kept_anyway.append(b)
+    my_ops = [i for m, ids in step.ops_by_module.items() if m is not None and _within(m, name) for i in ids]
+    # On CPU the checkpoint frees the region's saved records (graph blocks with savers)
+    # but keeps its own bookkeeping per autograd node (graph blocks without): a region
+    # of tiny ops can cost more than it frees.
+    nodes = sum(1 for b in inside if b.category is Category.GRAPH and not b.savers)
+    bookkeeping = CHECKPOINT_BYTES_PER_NODE * nodes
+    full_freed = sum(b.nbytes for b in freeable) - held - bookkeeping
+    return _Region(name, fe, bs, be, held, inside, freeable, temps, others, kept_anyway, my_ops, bookkeeping, full_freed)
+
+
+@dataclass
+class _Cost:
+    """What recomputing M's ops costs: each op's estimated seconds, scaled to M's measured forward time."""
+
+    est: dict[int, float]
+    total_est: float
+    scale: float
+    flops_total: int
+    copy_until: dict[int, int]
+
+
+def _cost(step: _Step, m: _Region, rates: DeviceRates, forward_time: dict[str, float | None]) -> _Cost:
+    ops = step.ledger.ops
+    copy_until = {b.id: _saved_until(b, m.name, step.spans, m.be) for b in m.kept_anyway}
+    # Estimated seconds per forward op call of M, scaled to M's measured forward time.
+    est = {i: rates.estimate(ops[i].flops, step.op_bytes[i]) for i in m.my_ops}
+    total_est = sum(est.values()) or 1e-12
+    measured = forward_time.get(m.name)
+    scale = (measured / total_est) if measured else 1.0
+    return _Cost(est, total_est, scale, sum(ops[i].flops for i in m.my_ops), copy_until)
+
+
+def _full_option(step: _Step, m: _Region, cost: _Cost) -> Option:
+    copies = tuple(sorted((cost.copy_until[b.id], b.nbytes) for b in m.kept_anyway))
+    transient = _recompute_peak(m.inside, m.freeable + m.kept_anyway)
+    return Option(
+        m.name,
+        "full",
+        (),
+        m.full_freed,
+        transient,
+        cost.total_est * cost.scale,
+        cost.flops_total,
+        m.fe,
+        m.bs,
+        m.held,
+        m.be,
+        copies,
+        step.pairs(m.name, m.fe, m.be, m.freeable, m.kept_anyway),
+    )
+
+
+def _selective_options(step: _Step, m: _Region, cost: _Cost, max_selective: int, op_overhead_s: float) -> list[Option]:
+    """Selective: keep the outputs of the op types with the most compute per byte kept."""
+    ops, born_op = step.ledger.ops, step.born_op
+    by_type: dict[str, list[int]] = defaultdict(list)
+    for i in m.my_ops:
+        if step.op_bytes[i]:
+            by_type[ops[i].op].append(i)
+    # SAC refuses to keep an output that is later written in place.
+    unkeepable = {ops[born_op[b.id]].op for b in m.inside if b.mutated and b.id in born_op}
+    if len(by_type) < 2:
+        return []
+    blocks = m.freeable + m.temps + m.others + m.kept_anyway
+    op_of_block = {b.id: ops[born_op[b.id]].op for b in blocks if b.id in born_op}
+    kept = {k: sum(b.nbytes for b in m.freeable + m.temps if op_of_block.get(b.id) == k) for k in by_type}
+    density = {k: sum(cost.est[i] for i in ids) / max(1, kept[k]) for k, ids in by_type.items()}
+    ranked = sorted((k for k in by_type if k not in unkeepable), key=lambda k: -density[k])
+    options = []
+    for k in range(1, min(max_selective, len(by_type) - 1, len(ranked)) + 1):
+        save = tuple(sorted(ranked[:k]))
+        freed = sum(b.nbytes for b in m.freeable if op_of_block.get(b.id) not in save)
+        # SAC caches every output of a saved op until the recompute, even ones that
+        # autograd did not save and that would have been freed sooner.
+        # (With early stopping the recompute may never reach those ops, so the cache
+        # lives until the checkpoint is released at the end of M's backward.)
+        cached = sum(b.nbytes for b in m.temps + m.others if op_of_block.get(b.id) in save)
+        extra = cached + m.held + m.bookkeeping
+        if freed - extra <= step.floor:
+            continue
+        saved_est = sum(cost.est[i] for t in save for i in by_type[t])
+        saved_flops = sum(ops[i].flops for t in save for i in by_type[t])
+        recomputed = [b for b in m.freeable if op_of_block.get(b.id) not in save]
+        copied = [b for b in m.kept_anyway if op_of_block.get(b.id) not in save]
         options.append(
             Option(
-                name,
-                "full",
-                (),
-                full_freed,
-                transient,
-                total_est * scale,
-                flops_total,
-                fe,
-                bs,
-                held,
-                be,
-                copies,
-                pairs(name, fe, be, freeable, kept_anyway),
+                m.name,
+                "selective",
+                save,
+                freed - extra,
+                _recompute_peak([b for b in m.inside if op_of_block.get(b.id) not in save], m.freeable + m.kept_anyway),
+                (cost.total_est - saved_est) * cost.scale + 2 * len(m.my_ops) * op_overhead_s,
+                cost.flops_total - saved_flops,
+                m.fe,
+                m.bs,
+                m.held + cached,
+                m.be,
+                # SAC hands back its cached output instead of a copy
+                tuple(sorted((cost.copy_until[b.id], b.nbytes) for b in copied)),
+                step.pairs(m.name, m.fe, m.be, recomputed, copied),
             )
         )
-
-        # Selective: keep the outputs of the op types with the most compute per byte kept.
-        if f"{name}:selective" in excluded:
-            continue
-        by_type: dict[str, list[int]] = defaultdict(list)
-        for i in my_ops:
-            if op_bytes[i]:
-                by_type[ledger.ops[i].op].append(i)
-        # SAC refuses to keep an output that is later written in place.
-        unkeepable = {ledger.ops[born_op[b.id]].op for b in inside if b.mutated and b.id in born_op}
-        if len(by_type) < 2:
-            continue
-        op_of_block = {b.id: ledger.ops[born_op[b.id]].op for b in freeable + temps + others + kept_anyway if b.id in born_op}
-        kept = {k: sum(b.nbytes for b in freeable + temps if op_of_block.get(b.id) == k) for k in by_type}
-        density = {k: sum(est[i] for i in ids) / max(1, kept[k]) for k, ids in by_type.items()}
-        ranked = sorted((k for k in by_type if k not in unkeepable), key=lambda k: -density[k])
-        for k in range(1, min(max_selective, len(by_type) - 1, len(ranked)) + 1):
-            save = tuple(sorted(ranked[:k]))
-            freed = sum(b.nbytes for b in freeable if op_of_block.get(b.id) not in save)
-            # SAC caches every output of a saved op until the recompute, even ones that
-            # autograd did not save and that would have been freed sooner.
-            # (With early stopping the recompute may never reach those ops, so the cache
-            # lives until the checkpoint is released at the end of M's backward.)
-            cached = sum(b.nbytes for b in temps + others if op_of_block.get(b.id) in save)
-            extra = cached + held + bookkeeping
-            if freed - extra <= floor:
-                continue
-            saved_est = sum(est[i] for t in save for i in by_type[t])
-            saved_flops = sum(ledger.ops[i].flops for t in save for i in by_type[t])
-            options.append(
-                Option(
-                    name,
-                    "selective",
-                    save,
-                    freed - extra,
-                    _recompute_peak([b for b in inside if op_of_block.get(b.id) not in save], freeable + kept_anyway),
-                    (total_est - saved_est) * scale + 2 * len(my_ops) * op_overhead_s,
-                    flops_total - saved_flops,
-                    fe,
-                    bs,
-                    held + cached,
-                    be,
-                    # SAC hands back its cached output instead of a copy
-                    tuple(sorted((copy_until[b.id], b.nbytes) for b in kept_anyway if op_of_block.get(b.id) not in save)),
-                    pairs(
-                        name,
-                        fe,
-                        be,
-                        [b for b in freeable if op_of_block.get(b.id) not in save],
-                        [b for b in kept_anyway if op_of_block.get(b.id) not in save],
-                    ),
-                )
-            )
-    return Candidates(options, excluded)
+    return options
 
 
 def _saved_until(block, name: str, spans: dict[str, dict[Phase, list[Span]]], be: int) -> int:

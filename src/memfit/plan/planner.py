@@ -27,7 +27,7 @@ from torch import nn
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import BudgetInfeasibleError, PlanError
 from memfit.measure.cache_check import real_switch_check
-from memfit.measure.checked import checked_step
+from memfit.measure.checked import Step, checked_step
 from memfit.measure.inputs import input_bytes
 from memfit.measure.ledger import Category
 from memfit.measure.profile import Profile, Progress, model_cuda_memory, profile_step
@@ -183,130 +183,196 @@ def plan(
     # given, nothing else would check them), no trainable parameters. A compiled or
     # DDP-wrapped model is planned as the module inside: the plan names its modules, and
     # memfit.apply accepts the wrapper or the module alike.
+    on_fake = _profile_fake(profile) if profile is not None else fake
     the = checked_step(
-        model,
-        inputs,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        fake=_profile_fake(profile) if profile is not None else fake,
-        options=step,
-        targets=targets,
-        unwrapped=True,
+        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on_fake, options=step, targets=targets, unwrapped=True
     )
     model, args, kwargs, optimizer = the.model, the.args, the.kwargs, the.optimizer
-    if applied_choices(model) is not None:
+    options = _planned_step(the, profile, step, targets)
+    report = progress or (lambda desc, done, total: None)
+    with ExitStack() as closing:
+        opener = _Opener(closing, model, args, kwargs, optimizer, loss_fn, options, targets, report)
+        # The verifier's first step creates the optimizer's state (its warm-up); a real
+        # profile runs inside that sandbox and needs no warm-up of its own: a step less.
+        found, use_cache_off, verify_note = _plan_search(
+            opener, the, profile, on_fake, spec, objective, op_overhead_s, progress, on_profile, on_planned
+        )
+    report("done", 2, 2)
+    return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started, verify_note=verify_note)
+
+
+def _plan_search(
+    opener: _Opener,
+    the: Step,
+    profile: Profile | None,
+    on_fake: bool | str,
+    spec: Budget,
+    objective: str,
+    op_overhead_s: float | None,
+    progress: Progress | None,
+    on_profile: Callable[[Profile], None] | None,
+    on_planned: Callable[[Profile], None] | None,
+) -> tuple[Found, tuple[str, ...], str]:
+    """:func:`plan`'s stages once its step is checked: the first step (modules never to offer,
+    KV caches off), the profile plans are made from, the verifier (on fake copies when they
+    are faster), and the search; returns what it found, the caches off and the verify note."""
+    model, report = opener.model, opener.report
+    excluded: dict[str, str] = {}
+    verifier, stateful, use_cache_off, verify_note = _first_verifier(opener, profile, on_fake)
+    excluded.update(stateful)
+    if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
+        opener.closing.enter_context(cache.switched_off(model, use_cache_off))
+    prof = _plan_profile(the, profile, verifier, use_cache_off, on_fake, opener.options, progress)
+    if on_profile is not None:
+        on_profile(prof)
+    if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
+        # Plans are verified on fake copies from here on: the same ledger (kernel
+        # workspaces taken from what the real profile measured) at a fraction of a real
+        # step's time when the step's ops are large.
+        fake_verifier = opener.verifier(True)
+        try:
+            verifier = fake_verifier.instead_of(verifier, use_cache_off)
+        except Exception as exc:  # noqa: BLE001 - the real step ran: the fake copy is what failed
+            fake_verifier.close()
+            verify_note = _fake_refused(exc)
+    costing = _costing(prof)
+    # On CUDA the budget bounds what the caching allocator reserves: every verified run
+    # is replayed through the allocator model, and P_none is the same model's figure for
+    # the unplanned step (on a real GPU too, where the profile measured it beside: plans
+    # and P_none are then judged alike).
+    verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
+    overhead = _op_overhead(prof, op_overhead_s)
+    found = search(Search(prof, verifier, model, spec, objective, excluded, overhead=overhead, costing=costing), report)
+    if on_planned is not None:
+        on_planned(planned_profile(prof, found.run, verifier.settings))
+    return found, use_cache_off, verify_note
+
+
+def _planned_step(the: Step, profile: Profile | None, step: StepOptions | None, targets: Any) -> StepOptions:
+    """The step plans are made for (``step``, else the profile's, else the usual one), once the
+    model has no plan on it and the profile given fits it; an inference step is refused."""
+    if applied_choices(the.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
-    if profile is not None and not set(profile.modules) <= {name for name, _ in model.named_modules()}:
-        raise PlanError(
-            f"the profile was made for another model ({profile.model_type}, module names that this "
-            f"{type(model).__name__} does not have); profile this model, or plan without profile="
-        )
-    # (a step that casts its inputs, StepOptions(param_dtype=...), holds them in another size)
-    if (
-        profile is not None
-        and profile.step.cast_dtype is None
-        and _input_bytes(profile) != _step_input_bytes(profile, args, kwargs, targets)
-    ):
-        raise PlanError(
-            f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
-            f"{_step_input_bytes(profile, args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
-        )
-    if profile is not None and step is not None and profile.step != step:
-        raise PlanError(f"the profile measured another step ({profile.step}) than step= asks ({step}); pass one of them")
+    if profile is not None:
+        _check_profile(profile, the.model, the.args, the.kwargs, targets, step)
     options = step or (profile.step if profile is not None else StepOptions())
     if options.inference:
         raise PlanError(
             "an inference step saves nothing for backward, so recomputing frees nothing: plan the training step "
             "(a profile without StepOptions(inference=True))"
         )
-    report = progress or (lambda desc, done, total: None)
-    excluded: dict[str, str] = {}
-    with ExitStack() as closing:
+    return options
 
-        def open_verifier(on_fake: bool | str) -> Verifier:
-            opened = step_verifier(on_fake, model, args, kwargs, optimizer, loss_fn, step=options, targets=targets)
-            closing.callback(opened.close)
-            return opened
 
-        def real_check(off: tuple[str, ...]) -> str | None:
-            # a real forward and backward twice: the longest stage of a large model's fake plan
-            report("checking on real tensors that the KV cache switch changes no number", 0, 0)
-            return real_switch_check(model, args, kwargs, optimizer, loss_fn, off, step=options, targets=targets)
+def _check_profile(profile: Profile, model: nn.Module, args: tuple, kwargs: dict, targets: Any, step: StepOptions | None) -> None:
+    """Refuse a ``profile=`` made of another model, other inputs or another step than the one planned."""
+    if not set(profile.modules) <= {name for name, _ in model.named_modules()}:
+        raise PlanError(
+            f"the profile was made for another model ({profile.model_type}, module names that this "
+            f"{type(model).__name__} does not have); profile this model, or plan without profile="
+        )
+    # (a step that casts its inputs, StepOptions(param_dtype=...), holds them in another size)
+    if profile.step.cast_dtype is None and _input_bytes(profile) != _step_input_bytes(profile, args, kwargs, targets):
+        raise PlanError(
+            f"the profile was made with other inputs ({_input_bytes(profile)} bytes of them, this step has "
+            f"{_step_input_bytes(profile, args, kwargs, targets)}: another batch?); profile these inputs, or plan without profile="
+        )
+    if step is not None and profile.step != step:
+        raise PlanError(f"the profile measured another step ({profile.step}) than step= asks ({step}); pass one of them")
 
-        # The verifier's first step creates the optimizer's state (its warm-up); a real
-        # profile runs inside that sandbox and needs no warm-up of its own: a step less.
-        on_fake = _profile_fake(profile) if profile is not None else fake
-        # Modules that change Python state in forward (a counter, a list): a recompute would
-        # change it again, silently in some cases, so they are never offered. transformers'
-        # KV cache goes off while the model trains, as its own gradient checkpointing does
-        # (memfit.recompute.cache): the step measured and planned from here on is the one the
-        # plan trains.
-        verifier = None
-        verify_note = ""
-        report("a first step: which modules change state, which keep a KV cache", 0, 0)
-        if profile is not None and not on_fake and _fake_is_faster(profile):
-            # A real profile given (saved, say) whose plans verify on fake copies: the modules
-            # are checked on a fake copy too, and the real step runs only if a run needs it.
-            fake_verifier = open_verifier(True)
-            try:
-                stateful, use_cache_off = fake_verifier.stateful(real_check)
-                verifier = fake_verifier.falling_back(lambda: open_verifier(False).warmed(use_cache_off))
-            except Exception as exc:  # noqa: BLE001 - the real step below says so if it fails too
-                fake_verifier.close()
-                verify_note = _fake_refused(exc)
-        if verifier is None:
-            verifier = open_verifier(on_fake)
-            stateful, use_cache_off = verifier.stateful(real_check)
-        excluded.update(stateful)
-        if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
-            closing.enter_context(cache.switched_off(model, use_cache_off))
-        if profile is not None and profile.use_cache_off == use_cache_off:
-            prof = profile
-        elif profile is not None and verifier.box.fake_mode is not None and not on_fake:
-            # A saved real profile of the step as it is (memfit.profile keeps transformers'
-            # KV cache on) while the plans' step runs with the cache off: that step on a fake
-            # copy (kernel workspaces from the saved profile), timed by the saved profile's
-            # measurements: the cache changes what the step keeps, not what it computes.
-            fake_prof = profile_step(the.on(True, options), progress=progress)
-            prof = _timed_like(fake_prof, profile)
-        else:
-            # (a profile given was measured with the cache on: memfit.profile measures the
-            # step as it is; the plan's step runs with it off, and is measured so)
-            prof = profile_step(the.on(on_fake, options), progress=progress, warm=True)
 
-        if on_profile is not None:
-            on_profile(prof)
-        if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
-            # Plans are verified on fake copies from here on: the same ledger (kernel
-            # workspaces taken from what the real profile measured) at a fraction of a real
-            # step's time when the step's ops are large.
-            fake_verifier = open_verifier(True)
-            try:
-                verifier = fake_verifier.instead_of(verifier, use_cache_off)
-            except Exception as exc:  # noqa: BLE001 - the real step ran: the fake copy is what failed
-                fake_verifier.close()
-                verify_note = _fake_refused(exc)
-        timed = prof.time_source == "measured"
-        costing = _costing(prof)
-        # On CUDA the budget bounds what the caching allocator reserves: every verified run
-        # is replayed through the allocator model, and P_none is the same model's figure for
-        # the unplanned step (on a real GPU too, where the profile measured it beside: plans
-        # and P_none are then judged alike).
-        verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
-        # What selective recompute's dispatch mode costs per op here (measured on this host;
-        # fake tensors have no time, and their plans weigh FLOPs and bytes only).
-        if op_overhead_s is not None:
-            overhead = op_overhead_s
-        elif timed:
-            overhead = selective_overhead_s(prof.device)
-        else:
-            overhead = 0.0
+@dataclass
+class _Opener:
+    """Opens the verifiers of :func:`plan`'s step (closed with its ``closing`` stack), and checks
+    on real tensors that turning transformers' KV cache off changes no number."""
 
-        found = search(Search(prof, verifier, model, spec, objective, excluded, overhead=overhead, costing=costing), report)
-        if on_planned is not None:
-            on_planned(planned_profile(prof, found.run, verifier.settings))
-    report("done", 2, 2)
-    return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started, verify_note=verify_note)
+    closing: ExitStack
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[..., torch.Tensor] | None
+    options: StepOptions
+    targets: Any
+    report: Progress
+
+    def verifier(self, on_fake: bool | str) -> Verifier:
+        opened = step_verifier(
+            on_fake, self.model, self.args, self.kwargs, self.optimizer, self.loss_fn, step=self.options, targets=self.targets
+        )
+        self.closing.callback(opened.close)
+        return opened
+
+    def real_check(self, off: tuple[str, ...]) -> str | None:
+        # a real forward and backward twice: the longest stage of a large model's fake plan
+        self.report("checking on real tensors that the KV cache switch changes no number", 0, 0)
+        return real_switch_check(
+            self.model, self.args, self.kwargs, self.optimizer, self.loss_fn, off, step=self.options, targets=self.targets
+        )
+
+
+def _first_verifier(
+    opener: _Opener, profile: Profile | None, on_fake: bool | str
+) -> tuple[Verifier, dict[str, str], tuple[str, ...], str]:
+    """The verifier plans start on, after a first step that finds the modules never to offer and
+    the KV caches to turn off: (verifier, those modules with why, the caches off, the verify note)."""
+    # Modules that change Python state in forward (a counter, a list): a recompute would
+    # change it again, silently in some cases, so they are never offered. transformers'
+    # KV cache goes off while the model trains, as its own gradient checkpointing does
+    # (memfit.recompute.cache): the step measured and planned from here on is the one the
+    # plan trains.
+    verifier = None
+    verify_note = ""
+    opener.report("a first step: which modules change state, which keep a KV cache", 0, 0)
+    if profile is not None and not on_fake and _fake_is_faster(profile):
+        # A real profile given (saved, say) whose plans verify on fake copies: the modules
+        # are checked on a fake copy too, and the real step runs only if a run needs it.
+        fake_verifier = opener.verifier(True)
+        try:
+            stateful, use_cache_off = fake_verifier.stateful(opener.real_check)
+            verifier = fake_verifier.falling_back(lambda: opener.verifier(False).warmed(use_cache_off))
+        except Exception as exc:  # noqa: BLE001 - the real step below says so if it fails too
+            fake_verifier.close()
+            verify_note = _fake_refused(exc)
+    if verifier is None:
+        verifier = opener.verifier(on_fake)
+        stateful, use_cache_off = verifier.stateful(opener.real_check)
+    return verifier, stateful, use_cache_off, verify_note
+
+
+def _plan_profile(
+    the: Step,
+    profile: Profile | None,
+    verifier: Verifier,
+    use_cache_off: tuple[str, ...],
+    on_fake: bool | str,
+    options: StepOptions,
+    progress: Progress | None,
+) -> Profile:
+    """The profile plans are made from: the one given when it measured the step the plans run
+    (the KV caches as they turn them off), else that step measured."""
+    if profile is not None and profile.use_cache_off == use_cache_off:
+        return profile
+    if profile is not None and verifier.box.fake_mode is not None and not on_fake:
+        # A saved real profile of the step as it is (memfit.profile keeps transformers'
+        # KV cache on) while the plans' step runs with the cache off: that step on a fake
+        # copy (kernel workspaces from the saved profile), timed by the saved profile's
+        # measurements: the cache changes what the step keeps, not what it computes.
+        fake_prof = profile_step(the.on(True, options), progress=progress)
+        return _timed_like(fake_prof, profile)
+    # (a profile given was measured with the cache on: memfit.profile measures the
+    # step as it is; the plan's step runs with it off, and is measured so)
+    return profile_step(the.on(on_fake, options), progress=progress, warm=True)
+
+
+def _op_overhead(prof: Profile, given: float | None) -> float:
+    """What selective recompute's dispatch mode costs per op here (measured on this host;
+    fake tensors have no time, and their plans weigh FLOPs and bytes only)."""
+    if given is not None:
+        return given
+    if prof.time_source == "measured":
+        return selective_overhead_s(prof.device)
+    return 0.0
 
 
 def planned_profile(prof: Profile, run: Run, settings: AllocatorSettings | None) -> Profile:

@@ -73,7 +73,29 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     legend = ", ".join(f"[{_PHASE_STYLE[p]}]{p.value}[/]" for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
     console.print(f"memory over the step ({legend}):")
     console.print(sparkline(profile, width=min(64, console.width - 2)))
+    _breakdown_table(profile, console)
+    _counting_notes(profile, console)
+    if profile.reproducibility_note:
+        console.print(f"[yellow]note:[/] {escape(profile.reproducibility_note)}")
 
+    # (times=False: the caller found the host too busy to time, and says so once itself)
+    timed = profile.time_source == "measured" and times
+    if profile.step.inference:
+        console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
+        if timed:
+            _step_time_line(profile, console)
+        render_device_fit(profile, console)
+        return
+    _modules_table(profile, console, top, timed)
+    if timed:
+        _step_time_line(profile, console)
+    elif times:
+        console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
+    render_device_fit(profile, console)
+
+
+def _breakdown_table(profile: Profile, console: Console) -> None:
+    """The bytes of each category at the peak, and a note when autograd's graph (an estimate) is a large part."""
     table = Table(title="Memory at the peak", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("category")
     table.add_column("bytes", justify="right")
@@ -91,6 +113,10 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "forward ops on small tensors), an estimate from counted nodes and saved tensors: "
             "it varies by op type by up to 15% (docs/limitations.md)"
         )
+
+
+def _counting_notes(profile: Profile, console: Console) -> None:
+    """What the kernel workspace includes (cuBLAS workspaces, estimated attention temporaries), and what it cannot count."""
     ledger = profile.ledger
     if ledger.cublas_workspaces:
         console.print(
@@ -110,24 +136,16 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
             "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, kernels' own "
             "temporaries) is not counted, attention backward's aside (estimated)"
         )
-    elif profile.ledger.unmeasured_ops:
+    elif ledger.unmeasured_ops:
         console.print(
             f"[yellow]note:[/] kernel workspace (memory kernels take for themselves, such as oneDNN's reorders) is not "
-            f"counted for {profile.ledger.unmeasured_ops:,} op calls: fake tensors run no kernels, and no real step of ops "
+            f"counted for {ledger.unmeasured_ops:,} op calls: fake tensors run no kernels, and no real step of ops "
             "of those kinds and shapes ran in this process to measure it"
         )
 
-    if profile.reproducibility_note:
-        console.print(f"[yellow]note:[/] {escape(profile.reproducibility_note)}")
 
-    # (times=False: the caller found the host too busy to time, and says so once itself)
-    timed = profile.time_source == "measured" and times
-    if profile.step.inference:
-        console.print("evaluation step (torch.inference_mode): nothing is saved for backward; no gradients, no optimizer step")
-        if timed:
-            _step_time_line(profile, console)
-        render_device_fit(profile, console)
-        return
+def _modules_table(profile: Profile, console: Console, top: int, timed: bool) -> None:
+    """The ``top`` modules holding the most saved activations, with their times (when ``timed``) and FLOPs."""
     mods = Table(title="Modules holding the most saved activations", title_justify="left", box=box.SIMPLE_HEAD)
     show_type = console.width >= 100  # names matter more than types on a narrow terminal
     mods.add_column("module", no_wrap=True)
@@ -148,11 +166,6 @@ def render_profile(profile: Profile, console: Console, *, title: str | None = No
     ]
     add_rows(console, mods, rows)
     console.print(mods)
-    if timed:
-        _step_time_line(profile, console)
-    elif times:
-        console.print("times omitted: fake tensors run no kernels (memory is exact; FLOPs are counted)")
-    render_device_fit(profile, console)
 
 
 def render_ranks(ranks: RankProfiles, console: Console, *, title: str, top: int = 12) -> None:

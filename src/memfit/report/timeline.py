@@ -281,56 +281,9 @@ def build_track(
     phases = [(a, b, p) for a, b, p in _runs([t.phase for t in ticks])]
     lane_names = _lane_modules(ledger)
     lane = sorted((s.start, s.end, s.module, s.phase) for s in ledger.spans if s.module in lane_names and s.end > s.start)
-    recompute: list[tuple[int, int, str]] = []
-    chosen = sorted(checkpointed, key=len, reverse=True)
-    for a, b, flag in _runs([t.recompute for t in ticks]):
-        if not flag:
-            continue
-        inner = ticks[a].module or ""
-        owner = next((c for c in chosen if inner == c or inner.startswith(c + ".") or c == ""), inner)
-        if recompute and recompute[-1][2] == owner and recompute[-1][1] >= a - 2:
-            recompute[-1] = (recompute[-1][0], b, owner)  # a free or two between a module's recompute ops
-        else:
-            recompute.append((a, b, owner))
-
-    def words(tick: int, end: bool) -> str:
-        if tick == START_TICK:
-            return "before the step"
-        if end and tick >= n:
-            return "outlives the step"
-        t = ticks[tick]
-        return f"tick {tick} ({t.phase.value}, {t.op})"
-
-    at_peak_tick = peak_tick if peak_tick != START_TICK else START_TICK
-    alive = [b for b in ledger.blocks if b.alive_at(at_peak_tick)] if n else list(ledger.blocks)
-    alive.sort(key=lambda b: -b.nbytes)
-    at_peak = [
-        (b.nbytes, b.category, b.module, words(b.born, False), words(b.died if b.died is not None else n, True))
-        for b in alive[:_TABLE_ROWS]
-    ]
-
-    # Blocks under a pixel high at the chart's scale cannot be pointed at: left out of hover.
-    floor = peak_bytes / 1500
-    big = [b for b in ledger.blocks if b.nbytes >= floor]
-    big.sort(key=lambda b: -b.nbytes)
-    hover = []
-    for b in sorted(big[:_HOVER_BLOCKS], key=lambda b: (b.born, b.id)):
-        bt = ticks[b.born] if 0 <= b.born < n else None
-        dt = ticks[b.died] if b.died is not None and b.died < n else None
-        hover.append(
-            (
-                b.born,
-                n if b.died is None else b.died,
-                b.nbytes,
-                b.category,
-                b.module,
-                bt.op if bt else "",
-                bt.phase if bt else Phase.START,
-                dt.op if dt else "",
-                dt.phase if dt else None,
-            )
-        )
-
+    recompute = _recompute_runs(ledger, checkpointed)
+    at_peak = _at_peak(ledger, peak_tick)
+    hover = _hover(ledger, peak_bytes)
     return Track(
         label=label,
         ticks=n,
@@ -352,6 +305,70 @@ def build_track(
         lines=[(name, _envelope(v, edges)) for name, v, _ in lines],
         line_peaks=[(name, peak) for name, _, peak in lines],
     )
+
+
+def _recompute_runs(ledger: Ledger, checkpointed: Sequence[str]) -> list[tuple[int, int, str]]:
+    """The runs of recompute ticks, each named by the checkpointed module it belongs to (else the innermost module running)."""
+    ticks = ledger.ticks
+    recompute: list[tuple[int, int, str]] = []
+    chosen = sorted(checkpointed, key=len, reverse=True)
+    for a, b, flag in _runs([t.recompute for t in ticks]):
+        if not flag:
+            continue
+        inner = ticks[a].module or ""
+        owner = next((c for c in chosen if inner == c or inner.startswith(c + ".") or c == ""), inner)
+        if recompute and recompute[-1][2] == owner and recompute[-1][1] >= a - 2:
+            recompute[-1] = (recompute[-1][0], b, owner)  # a free or two between a module's recompute ops
+        else:
+            recompute.append((a, b, owner))
+    return recompute
+
+
+def _tick_words(ledger: Ledger, tick: int, end: bool) -> str:
+    """When a block was born (or died, ``end``), in words."""
+    if tick == START_TICK:
+        return "before the step"
+    if end and tick >= len(ledger.ticks):
+        return "outlives the step"
+    t = ledger.ticks[tick]
+    return f"tick {tick} ({t.phase.value}, {t.op})"
+
+
+def _at_peak(ledger: Ledger, peak_tick: int) -> list[tuple]:
+    """The largest blocks alive at the peak, for the page's table."""
+    n = len(ledger.ticks)
+    alive = [b for b in ledger.blocks if b.alive_at(peak_tick)] if n else list(ledger.blocks)
+    alive.sort(key=lambda b: -b.nbytes)
+    born = [_tick_words(ledger, b.born, False) for b in alive[:_TABLE_ROWS]]
+    died = [_tick_words(ledger, b.died if b.died is not None else n, True) for b in alive[:_TABLE_ROWS]]
+    return [(b.nbytes, b.category, b.module, w, d) for b, w, d in zip(alive[:_TABLE_ROWS], born, died)]
+
+
+def _hover(ledger: Ledger, peak_bytes: int) -> list[tuple]:
+    """The blocks the page shows on hover, in birth order."""
+    ticks, n = ledger.ticks, len(ledger.ticks)
+    # Blocks under a pixel high at the chart's scale cannot be pointed at: left out of hover.
+    floor = peak_bytes / 1500
+    big = [b for b in ledger.blocks if b.nbytes >= floor]
+    big.sort(key=lambda b: -b.nbytes)
+    hover = []
+    for b in sorted(big[:_HOVER_BLOCKS], key=lambda b: (b.born, b.id)):
+        bt = ticks[b.born] if 0 <= b.born < n else None
+        dt = ticks[b.died] if b.died is not None and b.died < n else None
+        hover.append(
+            (
+                b.born,
+                n if b.died is None else b.died,
+                b.nbytes,
+                b.category,
+                b.module,
+                bt.op if bt else "",
+                bt.phase if bt else Phase.START,
+                dt.op if dt else "",
+                dt.phase if dt else None,
+            )
+        )
+    return hover
 
 
 _DUMPED = "the dumped state (no trace)"
@@ -384,58 +401,10 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
     peak_tick = int(np.argmax(total)) if n and int(total.max()) > start_bytes else START_TICK
     peak_bytes = start_bytes if peak_tick == START_TICK else int(total[peak_tick])
 
-    def words(event: int | None) -> str:
-        if event is None:
-            return "alive at the dump"
-        return "before the trace" if event < 0 else f"event {event}"
-
-    def alive(b_born: int, b_died: int | None, at: int) -> bool:
-        return (b_born < 0 or b_born <= at) and (b_died is None or b_died > at) if at >= 0 else b_born < 0
-
-    at_peak_blocks = sorted((b for b in tt.blocks if alive(b.born, b.died, peak_tick)), key=lambda b: -b.size)
-    # blocks of one size from one place (a layer's activations, repeated) are one row
-    groups: dict[tuple, list] = {}
-    for b in at_peak_blocks:
-        groups.setdefault((b.size, b.born >= 0, b.frames), []).append(b)
-    at_peak = []
-    for (size, during, frames), bs in sorted(groups.items(), key=lambda kv: -kv[0][0] * len(kv[1]))[:_TABLE_ROWS]:
-        if len(bs) == 1:
-            born_w, died_w = words(bs[0].born), words(bs[0].died)
-        else:
-            bw = sorted(words(b.born) for b in bs)
-            dw = {words(b.died) for b in bs}
-            ends = [n if b.died is None else b.died for b in bs]
-            born_w = f"{len(bs)} blocks of {format_bytes(size)}: " + (
-                bw[0] if len(set(bw)) == 1 else f"events {min(b.born for b in bs)}..{max(b.born for b in bs)}"
-            )
-            died_w = dw.pop() if len(dw) == 1 else f"events {min(ends)}..{max(ends)}"
-        at_peak.append((size * len(bs), _TRACE_LAYERS[during], _frames_text(frames), born_w, died_w))
-    segs = sorted((g for g in tt.segments if alive(g.born, g.died, peak_tick)), key=lambda g: -g.size)
-    starts = sorted((b.address, b.size) for b in at_peak_blocks)
-    addrs = [a for a, _ in starts]
-    seg_rows = []
-    for g in segs[:_TABLE_ROWS]:
-        lo, hi = bisect_left(addrs, g.address), bisect_left(addrs, g.address + g.size)
-        kind = ("small pool" if g.small else "large pool") + (", expandable" if g.expandable else "")
-        made = "before the trace" if g.born < 0 else f"made at event {g.born}"
-        seg_rows.append((g.size, sum(sz for _, sz in starts[lo:hi]), f"{kind}, {made}, at {g.address:#x}"))
-
-    floor = peak_bytes / 1500
-    big = sorted((b for b in tt.blocks if b.size >= floor), key=lambda b: -b.size)[:_HOVER_BLOCKS]
-    hover = [
-        (
-            START_TICK if b.born < 0 else b.born,
-            n if b.died is None else b.died,
-            b.size,
-            _TRACE_LAYERS[b.born >= 0],
-            _frames_text(b.frames),
-            "",
-            Phase.START,
-            "",
-            None if b.died is None else Phase.START,
-        )
-        for b in sorted(big, key=lambda b: (b.born, b.address))
-    ]
+    at_peak_blocks = sorted((b for b in tt.blocks if _trace_alive(b.born, b.died, peak_tick)), key=lambda b: -b.size)
+    at_peak = _trace_at_peak(at_peak_blocks, n)
+    seg_rows = _segments_at_peak(tt, at_peak_blocks, peak_tick)
+    hover = _trace_hover(tt, peak_bytes, n)
     marks = [(g.born, g.size, 1) for g in tt.segments if g.born >= 0] + [
         (g.died, g.size, -1) for g in tt.segments if g.died is not None
     ]
@@ -464,6 +433,74 @@ def trace_track(tt: TraceTimeline, label: str, *, columns: int = COLUMNS) -> Tra
         marks=sorted(marks),
         segments_at_peak=seg_rows,
     )
+
+
+def _trace_words(event: int | None) -> str:
+    """When a trace's block was born or died, in words."""
+    if event is None:
+        return "alive at the dump"
+    return "before the trace" if event < 0 else f"event {event}"
+
+
+def _trace_alive(b_born: int, b_died: int | None, at: int) -> bool:
+    """Whether a block (or segment) of a trace is alive at event ``at`` (:data:`START_TICK`: when the trace began)."""
+    return (b_born < 0 or b_born <= at) and (b_died is None or b_died > at) if at >= 0 else b_born < 0
+
+
+def _trace_at_peak(at_peak_blocks: list, n: int) -> list[tuple]:
+    """The page's table of the blocks at the peak, largest first."""
+    # blocks of one size from one place (a layer's activations, repeated) are one row
+    groups: dict[tuple, list] = {}
+    for b in at_peak_blocks:
+        groups.setdefault((b.size, b.born >= 0, b.frames), []).append(b)
+    at_peak = []
+    for (size, during, frames), bs in sorted(groups.items(), key=lambda kv: -kv[0][0] * len(kv[1]))[:_TABLE_ROWS]:
+        if len(bs) == 1:
+            born_w, died_w = _trace_words(bs[0].born), _trace_words(bs[0].died)
+        else:
+            bw = sorted(_trace_words(b.born) for b in bs)
+            dw = {_trace_words(b.died) for b in bs}
+            ends = [n if b.died is None else b.died for b in bs]
+            born_w = f"{len(bs)} blocks of {format_bytes(size)}: " + (
+                bw[0] if len(set(bw)) == 1 else f"events {min(b.born for b in bs)}..{max(b.born for b in bs)}"
+            )
+            died_w = dw.pop() if len(dw) == 1 else f"events {min(ends)}..{max(ends)}"
+        at_peak.append((size * len(bs), _TRACE_LAYERS[during], _frames_text(frames), born_w, died_w))
+    return at_peak
+
+
+def _segments_at_peak(tt: TraceTimeline, at_peak_blocks: list, peak_tick: int) -> list[tuple[int, int, str]]:
+    """The largest segments at the peak: their size, the bytes of blocks in them, and what kind they are."""
+    segs = sorted((g for g in tt.segments if _trace_alive(g.born, g.died, peak_tick)), key=lambda g: -g.size)
+    starts = sorted((b.address, b.size) for b in at_peak_blocks)
+    addrs = [a for a, _ in starts]
+    seg_rows = []
+    for g in segs[:_TABLE_ROWS]:
+        lo, hi = bisect_left(addrs, g.address), bisect_left(addrs, g.address + g.size)
+        kind = ("small pool" if g.small else "large pool") + (", expandable" if g.expandable else "")
+        made = "before the trace" if g.born < 0 else f"made at event {g.born}"
+        seg_rows.append((g.size, sum(sz for _, sz in starts[lo:hi]), f"{kind}, {made}, at {g.address:#x}"))
+    return seg_rows
+
+
+def _trace_hover(tt: TraceTimeline, peak_bytes: int, n: int) -> list[tuple]:
+    """The blocks the page shows on hover (those at least a pixel high), in birth order."""
+    floor = peak_bytes / 1500
+    big = sorted((b for b in tt.blocks if b.size >= floor), key=lambda b: -b.size)[:_HOVER_BLOCKS]
+    return [
+        (
+            START_TICK if b.born < 0 else b.born,
+            n if b.died is None else b.died,
+            b.size,
+            _TRACE_LAYERS[b.born >= 0],
+            _frames_text(b.frames),
+            "",
+            Phase.START,
+            "",
+            None if b.died is None else Phase.START,
+        )
+        for b in sorted(big, key=lambda b: (b.born, b.address))
+    ]
 
 
 def _peak_words(t: Track) -> str:
@@ -758,6 +795,34 @@ def timeline_html(tl: Timeline) -> str:
     """One page, nothing fetched at view time: the data, the canvas drawing and hover inline."""
     data = json.dumps(_page_data(tl), separators=(",", ":")).replace("</", "<\\/")
     title = html.escape(tl.title)
+    legend, notes = _html_legend(tl), "".join(f"<li>{html.escape(n)}</li>" for n in tl.notes)
+    tables, explain, scatter = _html_tables(tl), _html_explain(tl), _html_scatter(tl)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}td:first-child{{text-align:right}}
+.legend span{{margin-right:12px;font-size:13px}}.legend i{{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}}
+#tip{{position:absolute;display:none;background:#fff;border:1px solid #888;padding:6px 8px;font-size:12px;max-width:460px;pointer-events:none;box-shadow:2px 2px 6px rgba(0,0,0,.2)}}
+h3{{margin:14px 0 4px;font-size:14px}}</style>
+<script>window.onerror=function(m,s,l){{var e=document.getElementById('memfit-error')||document.createElement('pre');
+e.id='memfit-error';e.textContent='error: '+m+' (line '+l+')';document.body.appendChild(e);}};</script>
+</head><body>
+<h1 style="font-size:20px">{title}</h1>
+<ul>{notes}</ul>
+<div class="legend">{legend}</div>
+<div id="charts"></div>
+{explain}
+{"".join(tables)}
+{scatter}
+<div id="tip"></div><div id="memfit-status" style="display:none">loading</div>
+<script type="application/json" id="memfit-data">{data}</script>
+<script>{_script()}</script>
+</body></html>
+"""
+
+
+def _html_legend(tl: Timeline) -> str:
+    """The page's legend: the categories drawn, the lines, the phases and recompute."""
     legend = " ".join(
         f'<span><i style="background:{_color(c)}"></i>{html.escape(c.value)}</span>'
         for c in [*_ORDER, *_TRACE_LAYERS]
@@ -773,7 +838,11 @@ def timeline_html(tl: Timeline) -> str:
         )
     if any(t.recompute for t in tl.tracks):
         legend += f' <span><i style="background:{_RECOMPUTE_COLOR};opacity:.5"></i>recompute</span>'
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in tl.notes)
+    return legend
+
+
+def _html_tables(tl: Timeline) -> list[str]:
+    """Each track's tables: the largest blocks at the peak and, for a GPU trace, the largest segments."""
     tables = []
     for t in tl.tracks:
         trace = t.kind == "trace"
@@ -797,6 +866,11 @@ def timeline_html(tl: Timeline) -> str:
                 f"<h3>Largest segments at the peak: {html.escape(t.label)}</h3><table><tr><th>bytes</th>"
                 f"<th>allocated in it</th><th>segment</th></tr>{rows}</table>"
             )
+    return tables
+
+
+def _html_explain(tl: Timeline) -> str:
+    """The paragraph saying what the chart draws (a GPU trace's events, or a step's ticks)."""
     if all(t.kind == "trace" for t in tl.tracks):
         explain = (
             "Bytes in allocated blocks right after each event of the GPU's trace (an allocation, a free, a segment made "
@@ -815,42 +889,24 @@ def timeline_html(tl: Timeline) -> str:
                 "Lines: the CUDA caching allocator's allocated (blocks, rounded up) and reserved (segments) bytes, from "
                 "the allocator model's replay of the same ticks. "
             )
-    explain = (
+    return (
         f'<p style="font-size:12px">{explain}Where a track has more ticks than columns, each column shows the tick of '
         "highest memory in it: the envelope and the peak are exact. Hover for the block under the pointer.</p>"
     )
-    scatter = ""
-    if tl.candidates:
-        scatter = (
-            "<h2>Recompute candidates: bytes freed against cost</h2><p>Each module the planner could recompute "
-            "(circles: full recompute, squares: selective), filled where the plan chose it. Bytes freed are the "
-            "activations off the curve between the module's forward and its backward, read off the ledger; cost is "
-            "the planner's estimate. "
-            f"{len(tl.candidates)} candidates, {sum(c.chosen for c in tl.candidates)} chosen; identical modules (repeated "
-            "blocks) fall on one point. Hover a point for its module.</p>" + _scatter_svg(tl.candidates)
-        )
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}td:first-child{{text-align:right}}
-.legend span{{margin-right:12px;font-size:13px}}.legend i{{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}}
-#tip{{position:absolute;display:none;background:#fff;border:1px solid #888;padding:6px 8px;font-size:12px;max-width:460px;pointer-events:none;box-shadow:2px 2px 6px rgba(0,0,0,.2)}}
-h3{{margin:14px 0 4px;font-size:14px}}</style>
-<script>window.onerror=function(m,s,l){{var e=document.getElementById('memfit-error')||document.createElement('pre');
-e.id='memfit-error';e.textContent='error: '+m+' (line '+l+')';document.body.appendChild(e);}};</script>
-</head><body>
-<h1 style="font-size:20px">{title}</h1>
-<ul>{notes}</ul>
-<div class="legend">{legend}</div>
-<div id="charts"></div>
-{explain}
-{"".join(tables)}
-{scatter}
-<div id="tip"></div><div id="memfit-status" style="display:none">loading</div>
-<script type="application/json" id="memfit-data">{data}</script>
-<script>{_script()}</script>
-</body></html>
-"""
+
+
+def _html_scatter(tl: Timeline) -> str:
+    """A plan's recompute candidates, bytes freed against cost; empty without candidates."""
+    if not tl.candidates:
+        return ""
+    return (
+        "<h2>Recompute candidates: bytes freed against cost</h2><p>Each module the planner could recompute "
+        "(circles: full recompute, squares: selective), filled where the plan chose it. Bytes freed are the "
+        "activations off the curve between the module's forward and its backward, read off the ledger; cost is "
+        "the planner's estimate. "
+        f"{len(tl.candidates)} candidates, {sum(c.chosen for c in tl.candidates)} chosen; identical modules (repeated "
+        "blocks) fall on one point. Hover a point for its module.</p>" + _scatter_svg(tl.candidates)
+    )
 
 
 # -- from what memfit measured ----------------------------------------------------------------
