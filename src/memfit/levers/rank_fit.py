@@ -681,16 +681,8 @@ def max_batch_ranks(
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
     report = progress or (lambda desc, done, total: None)
-    fsdp = _fsdp_of(workload)
     _check_allowed(workload, allowed)
-    variants: dict[str, Workload] = {"": workload}
-    if fsdp is not None:
-        lowest = _variant(fsdp, _Setting(0))
-        blocks = len(_block_names(workload, fsdp))
-        if _reshards(lowest, blocks) != _reshards(fsdp, blocks):
-            variants["reshard_after_forward"] = _with_fsdp(workload, lowest)
-        if "reduce_bf16" in allowed:
-            variants["reduce_bf16"] = _with_fsdp(workload, _variant(fsdp, _Setting(None, True)))
+    variants = _batch_variants(workload, allowed)
 
     def plain(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
@@ -714,20 +706,9 @@ def max_batch_ranks(
     batch = largest_of(limits, target, multiple_of, n)
     found = None
     if recipe:
-        batch, found = _recipe_at(
-            workload,
-            batch,
-            target,
-            multiple_of,
-            fit=dict(
-                world_size=n,
-                ranks=ranks,
-                allow=allowed,
-                progress=progress,
-                fake=fake,
-                exclude=None if recompute else {"recompute": "left out of the search (recompute=False)"},
-            ),
-        )
+        excluded = None if recompute else {"recompute": "left out of the search (recompute=False)"}
+        fit = dict(world_size=n, ranks=ranks, allow=allowed, progress=progress, fake=fake, exclude=excluded)
+        batch, found = _recipe_at(workload, batch, target, multiple_of, fit=fit)
         found.budget = str(budget)
     return MaxBatch(
         budget_bytes=target,
@@ -741,6 +722,22 @@ def max_batch_ranks(
         device=f"fake:{device}",
         world_size=n,
     )
+
+
+def _batch_variants(workload: Workload, allowed: set[str]) -> dict[str, Workload]:
+    """The lever sets whose largest batch :func:`max_batch_ranks` searches, by lever name: the
+    workload as it is (``""``); reshard_after_forward=True everywhere, where the workload keeps
+    any parameters unsharded; with ``allowed``, a bfloat16 reduce dtype."""
+    variants: dict[str, Workload] = {"": workload}
+    fsdp = _fsdp_of(workload)
+    if fsdp is not None:
+        lowest = _variant(fsdp, _Setting(0))
+        blocks = len(_block_names(workload, fsdp))
+        if _reshards(lowest, blocks) != _reshards(fsdp, blocks):
+            variants["reshard_after_forward"] = _with_fsdp(workload, lowest)
+        if "reduce_bf16" in allowed:
+            variants["reduce_bf16"] = _with_fsdp(workload, _variant(fsdp, _Setting(None, True)))
+    return variants
 
 
 def _recipe_at(workload: Workload, batch: int, target: int, multiple_of: int, fit: dict[str, Any]) -> tuple[int, RankRecipe]:
