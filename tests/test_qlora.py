@@ -218,3 +218,26 @@ def test_fake_cuda_quant_state_closed_form_and_dequantized_weights(fake_cuda, tm
     assert "paged_optimizer_state_bytes" not in plain
     in_ledger = paged["profile"]["breakdown"]["optimizer_state"]
     assert 0 < in_ledger and in_ledger + paged["paged_optimizer_state_bytes"] == plain["profile"]["breakdown"]["optimizer_state"]
+
+
+def test_kbit_prep_is_pefts_own_cast_of_the_base(tmp_path, capsys):
+    # peft's prepare_model_for_kbit_training (TRL's SFTTrainer calls it on a 4-bit base) casts every
+    # parameter that is not 4-bit to float32: the embeddings, the norms and the head, 2 bytes more each
+    import dataclasses
+
+    from memfit.integrations.finetune import LoraSpec, lora_inputs, lora_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    spec = LoraSpec(4, None, ("q_proj", "v_proj"), quant="4bit", kbit_prep=True)
+    prepared, plain = lora_model(str(cfg), spec), lora_model(str(cfg), dataclasses.replace(spec, kbit_prep=False))
+    before = {n: p for n, p in plain.named_parameters()}
+    changed = {n: p for n, p in prepared.named_parameters() if p.dtype != before[n].dtype}
+    assert changed and all(before[n].dtype == torch.bfloat16 and p.dtype == torch.float32 for n, p in changed.items())
+    assert all(any(w in n for w in ("embed_tokens", "norm", "lm_head")) for n in changed), sorted(changed)
+    grown = sum(2 * p.numel() for p in changed.values())
+    figures = [_parameter_bytes(memfit.profile(m, lora_inputs(m, 1, 16), fake=True)) for m in (prepared, plain)]
+    assert figures[0] - figures[1] == grown
+    assert main(["finetune", str(cfg), "--kbit-prep"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--quant 4bit" in err, err

@@ -74,6 +74,12 @@ def add_parser(sub: Any) -> None:
         help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
     )
     p.add_argument(
+        "--kbit-prep",
+        action="store_true",
+        help="with --quant 4bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
+        "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
+    )
+    p.add_argument(
         "--optim",
         default="adamw_torch",
         choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
@@ -163,6 +169,7 @@ def _spec(ns: argparse.Namespace) -> Any:
         quant_type=ns.quant_type,
         double_quant=ns.double_quant,
         compute_dtype=ns.compute_dtype,
+        kbit_prep=ns.kbit_prep,
     )
     spec.check()
     return spec

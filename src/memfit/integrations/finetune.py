@@ -60,6 +60,10 @@ class LoraSpec:
     """4-bit only: ``bnb_4bit_use_double_quant`` (the absmax quantized to 8 bits, QLoRA's default)."""
     compute_dtype: str | None = None
     """4-bit only: ``bnb_4bit_compute_dtype`` (default: the base dtype); what the weight is dequantized to."""
+    kbit_prep: bool = False
+    """4-bit only: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
+    adapters go on, as TRL's ``SFTTrainer`` and QLoRA's scripts do: every parameter that is not
+    4-bit (embeddings, norms, the output head) cast to float32."""
 
     def check(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -83,6 +87,8 @@ class LoraSpec:
             raise TargetError(f"the 4-bit quant type is nf4 or fp4, got {self.quant_type!r}")
         if self.compute_dtype is not None and self.compute_dtype not in BASE_DTYPES:
             raise TargetError(f"the 4-bit compute dtype is one of {', '.join(BASE_DTYPES)}, got {self.compute_dtype!r}")
+        if self.kbit_prep and self.quant != "4bit":
+            raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit too")
         if not self.targets or any(not t for t in self.targets):
             raise TargetError("give the LoRA target modules, e.g. q_proj,v_proj (or all-linear)")
 
@@ -129,6 +135,10 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
     if spec.quant == "4bit":
         compute = BASE_DTYPES[spec.compute_dtype or spec.base_dtype]
         bnb4bit.quantize_linears(base, quant_type=spec.quant_type, double_quant=spec.double_quant, compute_dtype=compute)
+        if spec.kbit_prep:
+            # peft's own function, on the meta base (no memory moves): its casts are what it does
+            # on a GPU; checkpointing is switched on below, as the caller asked
+            peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False, auto_clear_cache=False)
     targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
     lora = peft.LoraConfig(
         r=spec.rank,
@@ -214,10 +224,8 @@ def _base_words(spec: LoraSpec) -> str:
     if spec.quant != "4bit":
         return f"{spec.base_dtype} base"
     double = "double quant" if spec.double_quant else "no double quant"
-    return (
-        f"4-bit {spec.quant_type.upper()} base ({double}, {spec.compute_dtype or spec.base_dtype} compute, "
-        f"{spec.base_dtype} elsewhere)"
-    )
+    elsewhere = "float32 elsewhere: prepare_model_for_kbit_training" if spec.kbit_prep else f"{spec.base_dtype} elsewhere"
+    return f"4-bit {spec.quant_type.upper()} base ({double}, {spec.compute_dtype or spec.base_dtype} compute, {elsewhere})"
 
 
 def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:
