@@ -71,7 +71,7 @@ from memfit.levers.recipe import LEVERS, Decision, Measurement, Prediction, Prov
 from memfit.levers.ties import TIE, simplest_of_fastest
 from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
-from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, model_cuda_memory, run_step
+from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, run_step
 from memfit.measure.profile import profile as measure_profile
 from memfit.measure.sandbox import fake_device, real_sandbox
 from memfit.measure.scope import Scope
@@ -465,7 +465,7 @@ class _Search:
         ``expandable_segments``, the same ledger replayed under them)."""
         if not combo.expandable or self.settings is None:
             return prof
-        return replace(prof, cuda_memory=model_cuda_memory(prof.ledger, self.expandable_settings))
+        return prof.under(self.expandable_settings)
 
     @property
     def expandable_settings(self) -> AllocatorSettings:

@@ -141,15 +141,9 @@ class RankProfiles:
         return max(peaks) - min(peaks)
 
     def under(self, settings: AllocatorSettings) -> RankProfiles:
-        """The same ranks judged under other caching-allocator settings (fake CUDA): each
-        rank's ledger replayed through the allocator model with ``settings``, as a process
-        started with them runs the same tensors (``expandable_segments`` changes segments,
-        not what is allocated)."""
-        judged = {
-            r: dataclasses.replace(p, cuda_memory=model_cuda_memory(p.ledger, settings)) if p.cuda_memory is not None else p
-            for r, p in self.profiles.items()
-        }
-        return dataclasses.replace(self, profiles=judged)
+        """The same ranks judged under other caching-allocator settings (fake CUDA): each rank's
+        :meth:`Profile.under`."""
+        return dataclasses.replace(self, profiles={r: p.under(settings) for r, p in self.profiles.items()})
 
     def to_dict(self, *, ledger: bool = True) -> dict[str, Any]:
         out = {

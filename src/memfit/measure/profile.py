@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -195,6 +195,15 @@ class Profile:
     def reserved_peak_bytes(self) -> int | None:
         """``max_memory_reserved`` over the step on CUDA (the segments: what runs out); ``None`` on CPU."""
         return self.cuda_memory.reserved_peak_bytes if self.cuda_memory else None
+
+    def under(self, settings: AllocatorSettings | None) -> Profile:
+        """This profile judged under other caching-allocator settings: its ledger replayed through
+        the allocator model with ``settings``, as a process started with them runs the same
+        tensors (``expandable_segments`` changes segments, not what is allocated). Itself on CPU,
+        or when ``settings`` is None."""
+        if settings is None or self.cuda_memory is None:
+            return self
+        return replace(self, cuda_memory=model_cuda_memory(self.ledger, settings))
 
     @property
     def budget_peak_bytes(self) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.cuda.allocator import AllocatorSettings
@@ -37,7 +37,7 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
-from memfit.measure.profile import Profile, Progress, model_cuda_memory
+from memfit.measure.profile import Profile, Progress
 from memfit.measure.verify import Run, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
@@ -112,7 +112,7 @@ def plan_ranks(
             prof = unplanned.profiles[planned_rank]
         else:
             prof = record_rank_on(verifier, workload)
-        prof = _judged(prof, settings)
+        prof = prof.under(settings)
         # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
@@ -141,13 +141,6 @@ def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
     if bad or not listed:
         raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
     return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
-
-
-def _judged(prof: Profile, settings: AllocatorSettings | None) -> Profile:
-    """``prof`` with its allocator figures under ``settings`` (fake CUDA; None: as measured)."""
-    if settings is None or prof.cuda_memory is None:
-        return prof
-    return replace(prof, cuda_memory=model_cuda_memory(prof.ledger, settings))
 
 
 def _resharded(model: Any) -> None:
@@ -189,7 +182,7 @@ def _verified(
     for i, group in enumerate(groups):
         r = group.rank
         report(f"rank {r} of {group.world_size}: verifying the plan", i, len(groups))
-        checked = _judged(profile_rank(planned(workload, plan), group), settings)  # as the planned rank was
+        checked = profile_rank(planned(workload, plan), group).under(settings)  # as the planned rank was
         peaks[r], allocated[r] = checked.budget_peak_bytes, checked.peak_bytes
     over = {r: b for r, b in peaks.items() if b > plan.budget_bytes}
     if over:
