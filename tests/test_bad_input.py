@@ -480,3 +480,25 @@ def _one_line_error(capsys) -> str:
 def test_cli_bad_budgets_are_one_line(budget, needle, capsys):
     assert main(["plan", "gpt", *SMALL, f"--budget={budget}"]) == 2
     assert needle in _one_line_error(capsys)
+
+
+def test_fake_is_read_once_into_where(step):
+    """``fake=`` is read once where a step comes in (memfit.Where.of): the old spellings and a
+    Where give the same step, and anything else is a one-line error naming what would be
+    right, before anything runs."""
+    from memfit.measure.checked import checked_step
+
+    model, x, opt = step
+    for spelling, where in [(False, memfit.Where.REAL), (None, memfit.Where.REAL), (True, memfit.Where.FAKE)]:
+        assert memfit.Where.of(spelling) is where
+        assert checked_step(model, x, optimizer=opt, fake=spelling).where is where
+    assert memfit.Where.of("cpu") is memfit.Where.FAKE and memfit.Where.of("cuda") is memfit.Where.FAKE_CUDA
+    for where in memfit.Where:
+        assert memfit.Where.of(where) is where and memfit.Where.of(where.value) is where
+    with_where = memfit.profile(model, x, optimizer=opt, fake=memfit.Where.FAKE)
+    with_bool = memfit.profile(model, x, optimizer=opt, fake=True)
+    assert with_where.fake and with_where.where is memfit.Where.FAKE
+    assert with_where.peak_bytes == with_bool.peak_bytes
+    for bad in ("gpu", 1, "True"):
+        err = _refused(step, WorkloadError, r"fake takes False \(real tensors\), True or 'cpu'.*got", fake=bad)
+        assert "\n" not in str(err)

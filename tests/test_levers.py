@@ -15,6 +15,7 @@ from memfit.levers.catalog.base import read_reason
 from memfit.levers.recipe import LEVERS, Recipe, describe
 from memfit.measure.checked import Step
 from memfit.measure.step import StepOptions
+from memfit.workload import Where
 
 
 def _situation(*, allowed=(), exclude=None, set_to_none=True, device="cpu", fake_cuda=False, model=None, opt=None):
@@ -27,7 +28,7 @@ def _situation(*, allowed=(), exclude=None, set_to_none=True, device="cpu", fake
         opt or torch.optim.AdamW(model.parameters(), foreach=False),
         None,
         StepOptions(),
-        "cuda" if fake_cuda else None,
+        Where.FAKE_CUDA if fake_cuda else Where.REAL,
         torch.device(device),
     )
     return Situation(step=step, allowed=set(allowed), exclude=exclude or {}, set_to_none=set_to_none, settings=None)

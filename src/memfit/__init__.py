@@ -41,7 +41,7 @@ from memfit.plan.planner import plan
 from memfit.plan.result import Choice, Plan
 from memfit.target import load_target
 from memfit.units import format_bytes, parse_bytes
-from memfit.workload import Parallel, Workload
+from memfit.workload import Parallel, Where, Workload
 
 __version__ = "0.1.0"
 
@@ -79,6 +79,7 @@ __all__ = [
     # workloads
     "Workload",
     "Parallel",
+    "Where",
     "load_target",
     # units
     "parse_bytes",

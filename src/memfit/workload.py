@@ -7,6 +7,7 @@ but its errors. Naming one by a TARGET (a zoo name or a file's function) is
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,7 @@ from memfit.errors import LossError, MemfitError, WorkloadError
 
 __all__ = [
     "Workload",
+    "Where",
     "Parallel",
     "split_inputs",
     "join_inputs",
@@ -40,6 +42,47 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Where(enum.Enum):
+    """Which tensors a step runs on: the user's own (``REAL``), fake ones on the model's device
+    (``FAKE``: FakeTensorMode, shapes and bytes but no data or memory), or fake ones on a
+    simulated GPU (``FAKE_CUDA``: :mod:`memfit.cuda.fake`, the model staying on the CPU).
+
+    Read once where a step comes in (:meth:`of`, from the ``fake=`` people pass: ``False``,
+    ``True``/``"cpu"`` or ``"cuda"``); everything below takes a ``Where``."""
+
+    REAL = "real"
+    FAKE = "fake"
+    FAKE_CUDA = "fake-cuda"
+
+    @property
+    def fake(self) -> bool:
+        return self is not Where.REAL
+
+    @property
+    def cuda(self) -> bool:
+        """Fake CUDA (a real CUDA step is :attr:`REAL` on a CUDA model)."""
+        return self is Where.FAKE_CUDA
+
+    @classmethod
+    def of(cls, fake: object) -> Where:
+        """``fake=`` as the public functions take it, or a ``Where`` (returned as it is)."""
+        if isinstance(fake, Where):
+            return fake
+        if fake is False or fake is None:
+            return Where.REAL
+        if fake is True:
+            return Where.FAKE
+        if isinstance(fake, str) and fake in _SPELLINGS:  # its value ("fake-cuda", as --device says it) too
+            return _SPELLINGS[fake]
+        raise WorkloadError(
+            f"fake takes False (real tensors), True or 'cpu' (fake tensors on the model's device), 'cuda' (fake CUDA) "
+            f"or a memfit.Where, got {fake!r}"
+        )
+
+
+_SPELLINGS = {"cpu": Where.FAKE, "cuda": Where.FAKE_CUDA, **{w.value: w for w in Where}}
 
 
 @dataclass(frozen=True)

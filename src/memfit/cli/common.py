@@ -13,9 +13,15 @@ from rich.console import Console
 import memfit
 from memfit import zoo
 from memfit.errors import MemfitError, TargetError
+from memfit.workload import Where
 
-FAKE = {"fake": True, "fake-cuda": "cuda"}
-"""``--device`` values that run on fake tensors, and the ``fake=`` each passes."""
+FAKE = {"fake": Where.FAKE, "fake-cuda": Where.FAKE_CUDA}
+"""``--device`` values that run on fake tensors, and the tensors each names."""
+
+
+def where_of(device: str) -> Where:
+    """The tensors ``--device`` names: fake ones for fake and fake-cuda, real ones for cpu and cuda."""
+    return FAKE.get(device, Where.REAL)
 
 
 def workload(ns: argparse.Namespace, *, per_rank: bool = False) -> memfit.Workload:
@@ -70,8 +76,8 @@ def profile_work(
     from memfit.report.console import progress_bar
 
     require_device(device)
-    fake = FAKE.get(device, False)
-    model, inputs = on_device(work, "cpu" if fake else device)
+    fake = where_of(device)
+    model, inputs = on_device(work, "cpu" if fake.fake else device)
     optimizer = work.make_optimizer()
     with progress_bar(console, f"profiling {work.name}") as progress:
         return memfit.profile(
@@ -118,7 +124,7 @@ def applied_profile(
     model: Any,
     inputs: Any,
     plan: memfit.Plan | None,
-    fake: bool,
+    fake: Where,
     step: memfit.StepOptions | None = None,
     progress: Any = None,
 ) -> memfit.Profile:
@@ -160,8 +166,8 @@ def run_compiled(ns: argparse.Namespace, console: Console, budget: int | None) -
     values = read_memory_budgets(ns)
     require_device(ns.device)
     work = workload(ns)
-    fake = FAKE.get(ns.device, False)
-    model, inputs = on_device(work, "cpu" if fake else ns.device)
+    fake = where_of(ns.device)
+    model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
     parts = dict(loss_fn=work.loss_fn, optimizer=work.make_optimizer(), targets=work.targets, fake=fake, backend=ns.compile)
     title = f"{work.name}: torch.compile (backend {ns.compile}) on {ns.device}"
     with status(console, f"compiling and measuring {work.name}"):

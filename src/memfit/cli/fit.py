@@ -11,7 +11,16 @@ from typing import Any
 from rich.console import Console
 
 import memfit
-from memfit.cli.common import FAKE, applied_profile, on_device, require_device, workload, workload_at, write_pictures
+from memfit.cli.common import (
+    FAKE,
+    applied_profile,
+    on_device,
+    require_device,
+    where_of,
+    workload,
+    workload_at,
+    write_pictures,
+)
 from memfit.cli.options import (
     budget_arg,
     device_arg,
@@ -26,6 +35,7 @@ from memfit.cli.options import (
     world_size_arg,
 )
 from memfit.errors import MemfitError, TargetError
+from memfit.workload import Where
 
 
 def add_parser(sub: Any) -> None:
@@ -86,10 +96,10 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             "on one device give cpu, cuda or fake-cuda"
         )
     parse_allow(ns.allow)
-    fake = FAKE.get(ns.device, False)
+    fake = where_of(ns.device)
     require_device(ns.device)
     work = workload(ns)
-    model, inputs = on_device(work, "cpu" if fake else ns.device)
+    model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
     common = dict(
         loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads
     )
@@ -124,9 +134,9 @@ def run(ns: argparse.Namespace, console: Console) -> int:
 
         def both(progress: Any) -> tuple[memfit.Profile, memfit.Profile]:
             before = applied_profile(
-                work, model, inputs, None, False, memfit.StepOptions(set_to_none=not ns.keep_grads), progress
+                work, model, inputs, None, Where.REAL, memfit.StepOptions(set_to_none=not ns.keep_grads), progress
             )
-            return before, applied_profile(after_work, after_model, after_inputs, recipe.plan, False, recipe.step, progress)
+            return before, applied_profile(after_work, after_model, after_inputs, recipe.plan, Where.REAL, recipe.step, progress)
 
         write_pictures(ns, console, lambda pair: recipe_timeline(*pair, recipe, title), profile=both)
     return 0

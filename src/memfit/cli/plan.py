@@ -12,11 +12,10 @@ from typing import Any
 from rich.console import Console
 
 import memfit
-from memfit.cli.common import FAKE, on_device, require_device, run_compiled, workload, write_pictures
+from memfit.cli.common import FAKE, on_device, require_device, run_compiled, where_of, workload, write_pictures
 from memfit.cli.options import (
-    compile_args,
-    read_memory_budgets,
     budget_arg,
+    compile_args,
     device_arg,
     gpu_options,
     int_list,
@@ -26,6 +25,7 @@ from memfit.cli.options import (
     rank_budget,
     ranks_arg,
     read_budget,
+    read_memory_budgets,
     read_ranks,
     step_args,
     step_label,
@@ -34,6 +34,7 @@ from memfit.cli.options import (
     world_size_arg,
 )
 from memfit.errors import MemfitError, TargetError
+from memfit.workload import Where
 
 _SLOW_PLAN_S = 10.0
 """A plan that measured its own profile for longer than this says how to skip that next time."""
@@ -110,8 +111,8 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         raise TargetError(f"--profile: cannot write {ns.profile}: no directory {Path(ns.profile).parent}; give an existing one")
     saved = _saved_profile(ns.profile, ns.device) if ns.profile and not missing else None
     work = workload(ns)
-    fake = FAKE.get(ns.device, False)
-    model, inputs = on_device(work, "cpu" if fake else ns.device)
+    fake = where_of(ns.device)
+    model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
     pictures = bool(ns.plot or ns.html)
     started = time.perf_counter()
     # The pictures show the profile the plan was made from, as the plan hands it over
@@ -159,7 +160,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Any, started: float, console: Console) -> None:
+def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Where, started: float, console: Console) -> None:
     """What the plan's table does not say: a step of several passes is planned as one, and a
     slow plan can skip its profile next time."""
     passes = plan.step.micro_batches * plan.step.accumulate
@@ -169,7 +170,7 @@ def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Any, started: float,
             "once: plan one pass with --keep-grads (the passes after the first start with gradients), or let "
             "`memfit fit` weigh micro-batches"
         )
-    if not ns.profile and not fake and time.perf_counter() - started > _SLOW_PLAN_S:
+    if not ns.profile and not fake.fake and time.perf_counter() - started > _SLOW_PLAN_S:
         console.print(
             "tip: most of that was measuring the step (four steps); `--profile PATH` keeps the profile, "
             "and planning again from it (any budget) runs no step"

@@ -11,13 +11,13 @@ from rich.console import Console
 from memfit.cli.common import FAKE, profile_work, require_device, run_compiled, workload, write_pictures
 from memfit.cli.options import (
     compile_args,
-    read_memory_budgets,
     device_arg,
     gpu_args,
     gpu_options,
     json_arg,
     picture_args,
     ranks_arg,
+    read_memory_budgets,
     read_ranks,
     step_args,
     step_label,

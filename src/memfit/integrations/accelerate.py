@@ -58,6 +58,7 @@ from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan
 from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
+from memfit.workload import Where
 
 __all__ = [
     "AcceleratorFit",
@@ -127,7 +128,7 @@ def fit_accelerator(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     targets: Any = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
     log: Callable[[str], None] | None = None,
 ) -> AcceleratorFit:
     """Plan recompute so the step ``accelerator`` runs on ``model`` and ``optimizer``
@@ -148,6 +149,7 @@ def fit_accelerator(
         to ``model``, in place: ``.remove()`` undoes it.
     """
     tell = log or say
+    where = Where.of(fake)
     step = accelerator_step(accelerator)
     if applied_choices(unwrap(model)) is not None:
         raise PlanError("the model already has a memfit plan applied; call memfit.remove(model) first")
@@ -158,11 +160,11 @@ def fit_accelerator(
             raise WorkloadError("the dataloader is empty: there is no batch to measure a step on")
     device = next((p.device for p in model.parameters()), accelerator.device)
     batch, targets = _on_device(batch, device), _on_device(targets, device)
-    found = make_plan(model, batch, budget, loss_fn=loss_fn, optimizer=inner, fake=fake, step=step, targets=targets)
+    found = make_plan(model, batch, budget, loss_fn=loss_fn, optimizer=inner, fake=where, step=step, targets=targets)
     measured = None
     if found.checkpointed:
         apply(model, found)
-    if not fake:
+    if not where.fake:
         # measured apart from the planner's verification: the step with the plan on the model
         try:
             measured = profile(model, batch, loss_fn=loss_fn, optimizer=inner, step=step, targets=targets).peak_bytes
@@ -342,7 +344,7 @@ def estimate_memory(
     batch_size: int = 1,
     seq_len: int = 512,
     sizes: Mapping[str, Any] | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
     progress: Callable[[str], None] | None = None,
 ) -> Estimate:
     """accelerate's estimate-memory numbers and memfit's measured training-step peak per
@@ -362,7 +364,8 @@ def estimate_memory(
     bad = [d for d in dtypes if d not in ESTIMATE_DTYPES]
     if bad or not dtypes:
         raise TargetError(f"dtypes are among {', '.join(ESTIMATE_DTYPES)}, got {', '.join(bad) or 'none'}")
-    if fake is not True and fake != "cuda":
+    where = Where.of(fake)
+    if not where.fake:
         raise TargetError(f"estimate_memory runs on fake tensors: fake is True or 'cuda', got {fake!r}")
     if batch_size < 1 or seq_len < 1:
         raise TargetError(f"batch_size and seq_len are positive, got {batch_size} and {seq_len}")
@@ -394,7 +397,7 @@ def estimate_memory(
             rows.append(EstimateRow(dtype, largest, total, usage, None))
             continue
         tell(f"profiling a {dtype} training step on fake tensors")
-        prof: Profile = profile(model, inputs, fake=fake, step=options)
+        prof: Profile = profile(model, inputs, fake=where, step=options)
         at_peak = _breakdown(prof.breakdown)
         rows.append(EstimateRow(dtype, largest, total, usage, prof.peak_bytes, at_peak, prof.peak["phase"], options.to_dict()))
     count = sum(p.numel() for p in model.parameters())
@@ -403,7 +406,7 @@ def estimate_memory(
         if count >= 1e8
         else (f"{config} ({type(model).__name__}, {count / 1e6:.1f}M parameters)")
     )
-    device = "fake-cuda" if fake == "cuda" else "fake"
+    device = where.value
     return Estimate(name, batch_size, seq_len, device, tuple(rows))
 
 

@@ -32,7 +32,7 @@ from memfit.measure.checked import checked_step
 from memfit.measure.profile import fake_peaks, profile
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
-from memfit.workload import Workload
+from memfit.workload import Where, Workload
 
 __all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS", "PAGED_MIN_NUMEL"]
 
@@ -245,7 +245,7 @@ def largest_seq_len(
     budget: int,
     *,
     multiple_of: int = 1,
-    fake: bool | str = "cuda",
+    fake: bool | str | Where = Where.FAKE_CUDA,
     progress: Callable[[str, int, int], None] | None = None,
     limit: int | None = None,
 ) -> BatchLimit:
@@ -270,7 +270,11 @@ def largest_seq_len(
 
 
 def levers_that_fit(
-    work: Workload, budget: int, *, fake: bool | str = "cuda", progress: Callable[[str, int, int], None] | None = None
+    work: Workload,
+    budget: int,
+    *,
+    fake: bool | str | Where = Where.FAKE_CUDA,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The cheapest levers that make the step fit ``budget``, on fake tensors only: micro-batches
     first (the same compute, in pieces), the fewest that fit; else memfit's recompute plan at

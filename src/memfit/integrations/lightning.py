@@ -46,6 +46,7 @@ from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
+from memfit.workload import Where
 
 __all__ = [
     "MemfitCallback",
@@ -148,17 +149,19 @@ class MemfitCallback(pl.Callback):
         budget: int | str,
         *,
         mode: str = "plan",
-        fake: bool = False,
+        fake: bool | str | Where = False,
         batch_arg_name: str = "batch_size",
         log: Callable[[str], None] | None = None,
     ) -> None:
         if mode not in ("plan", "fit"):
             raise PlanError(f"mode is 'plan' (recompute only) or 'fit' (micro-batches too), got {mode!r}")
-        if fake and mode == "fit":
+        where = Where.of(fake)
+        if where.fake and mode == "fit":
             raise PlanError("fake=True is for mode='plan': fit times real steps to choose the fastest recipe")
         self.budget = budget
         self.mode = mode
-        self.fake = fake
+        self.where = where
+        self.fake = where.fake
         self.batch_arg_name = batch_arg_name
         self.say = log or say
         self.plan: Plan | None = None
@@ -180,7 +183,7 @@ class MemfitCallback(pl.Callback):
         step = TrainingStep(pl_module)
         if self.mode == "plan":
             found = make_plan(
-                step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, fake=self.fake, step=LIGHTNING_STEP
+                step, (batch,), self.budget, loss_fn=training_loss, optimizer=optimizer, fake=self.where, step=LIGHTNING_STEP
             )
             self.plan, self.predicted_peak_bytes = found, found.predicted_peak_bytes
             self.measured_peak_bytes = None if self.fake else found.predicted_peak_bytes  # verified by running it
@@ -299,7 +302,7 @@ class MemfitBatchSizeFinder(pl.Callback):
         max_val: int = 8192,
         margin: float = 0.05,
         batch_arg_name: str = "batch_size",
-        fake: bool | str = True,
+        fake: bool | str | Where = True,
         log: Callable[[str], None] | None = None,
     ) -> None:
         lightning_answer(1, mode)  # refuses an unknown mode before anything runs

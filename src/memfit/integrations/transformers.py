@@ -48,6 +48,7 @@ from memfit.plan.planner import plan as make_plan
 from memfit.plan.result import Plan
 from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
+from memfit.workload import Where
 
 __all__ = ["MemfitCallback", "fit_trainer", "trainer_step"]
 
@@ -165,9 +166,10 @@ class MemfitCallback(TrainerCallback):
     one of these, already fitted, to report.
     """
 
-    def __init__(self, budget: int | str, *, fake: bool = False, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, budget: int | str, *, fake: bool | str | Where = False, log: Callable[[str], None] | None = None) -> None:
         self.budget = budget
-        self.fake = fake
+        self.where = Where.of(fake)
+        self.fake = self.where.fake
         self.say = log or say
         self.plan: Plan | None = None
         self.recipe: Recipe | None = None
@@ -187,7 +189,7 @@ class MemfitCallback(TrainerCallback):
             raise PlanError("the trainer's model already has a memfit plan applied; call memfit.remove(model) first")
         batch = _first_batch(trainer, loader)
         opt = _plain_optimizer(optimizer)
-        found = make_plan(model, batch, self.budget, optimizer=opt, fake=self.fake)
+        found = make_plan(model, batch, self.budget, optimizer=opt, fake=self.where)
         self.plan = found
         self.predicted_peak_bytes = found.predicted_peak_bytes
         self.measured_peak_bytes = None if self.fake else found.predicted_peak_bytes  # verified by running it
@@ -254,7 +256,7 @@ def fit_trainer(
     *,
     mode: str = "fit",
     allow: str | Iterable[str] | None = None,
-    fake: bool = False,
+    fake: bool | str | Where = False,
     log: Callable[[str], None] | None = None,
 ) -> MemfitCallback:
     """Fit ``trainer``'s training step to ``budget`` (bytes: ``"6GiB"``; ``mode="plan"``
@@ -282,7 +284,7 @@ def fit_trainer(
         )
     if mode == "plan" and allowed:
         raise PlanError("allow= is for mode='fit': mode='plan' only recomputes")
-    if fake and mode == "fit":
+    if Where.of(fake).fake and mode == "fit":
         raise PlanError("fake=True is for mode='plan': fit times real steps to choose the fastest recipe")
     callback = MemfitCallback(budget, fake=fake, log=log)
     say = callback.say

@@ -57,7 +57,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanE
 from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
 from memfit.levers.recipe import LEVERS, Decision, Measurement, Prediction, Provenance, Recipe, WhatIf, describe
-from memfit.levers.ties import TIE, simplest_of_fastest
+from memfit.levers.ties import TIE, Candidate, simplest_of_fastest, what_if_order
 from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, run_step
@@ -85,6 +85,7 @@ from memfit.recompute.cache import switched_off
 from memfit.recompute.checkpoint import applied_choices, apply_choices, remove
 from memfit.units import format_bytes
 from memfit.workload import (
+    Where,
     batch_size_of,
     join_inputs,
     split_batch,
@@ -105,22 +106,6 @@ _MAX_TIMED = 3  # at most this many
 _SPREAD = 0.2  # timed steps spread wider than this (max - min over median) are timed again
 _NOISY = 0.3  # still wider: the timings cannot rank candidates; the predictions do
 _PARTED = 0.15  # predicted and measured step time further apart than this: said in the notes
-
-
-@dataclass
-class _Candidate:
-    combo: Combo
-    plan: Plan | None
-    peak_bytes: int
-    time_s: float
-    """Predicted step time (the combination's prediction plus the plan's recompute time)."""
-    levers: tuple[str, ...]
-    measured: StepTimes | None = None
-    """Its real steps, when it was one of the few timed."""
-
-    @property
-    def measured_s(self) -> float:
-        return self.measured.median if self.measured is not None else math.inf
 
 
 def fit_budget(budget: object) -> int:
@@ -443,7 +428,7 @@ class _Search:
                     inputs,
                     loss_fn=self.loss_fn,
                     optimizer=self.optimizer,
-                    fake="cuda" if self.fake_cuda else True,
+                    fake=Where.FAKE_CUDA if self.fake_cuda else Where.FAKE,
                     step=options,
                     targets=targets,
                 )
@@ -531,7 +516,7 @@ class _Search:
             self.use_cache_off = result.use_cache_off
         return result
 
-    def candidate(self, combo: Combo) -> _Candidate | int:
+    def candidate(self, combo: Combo) -> Candidate[Combo] | int:
         """``combo`` within the budget (with a plan if needed), or the lowest peak it reaches."""
         peak = self.peak(combo)
         plan = None
@@ -546,7 +531,7 @@ class _Search:
             plan = result
             peak = plan.predicted_peak_bytes + max(0, self.peak(combo) - plan.none_peak_bytes)
         seconds = self.predict(combo)[0] + (self.recompute_s(combo, plan) if plan is not None else 0.0)
-        return _Candidate(combo, plan, peak, seconds, self.levers(combo, plan))
+        return Candidate(combo, plan, peak, seconds, self.levers(combo, plan))
 
     def recompute_s(self, combo: Combo, plan: Plan) -> float:
         """The plan's predicted recompute time per step (a plan per micro-batch)."""
@@ -570,7 +555,7 @@ class _Search:
             return None
         return again.median / base.median
 
-    def run(self, cand: _Candidate, steps: int, *, record: bool = True, stop_above: float | None = None) -> StepTimes | None:
+    def run(self, cand: Candidate[Combo], steps: int, *, record: bool = True, stop_above: float | None = None) -> StepTimes | None:
         """``cand`` for real, its plan applied: step times and (``record``) the ledger's peak."""
         plan = cand.plan
         if plan is not None and plan.checkpointed:
@@ -579,7 +564,7 @@ class _Search:
             return self._timed(
                 "",
                 self.inputs,
-                self.options(cand.combo),
+                self.options(cand.choice),
                 self.targets,
                 steps=steps,
                 warmup=0 if record or steps == 0 else 1,  # the recorded step warms up
@@ -592,9 +577,9 @@ class _Search:
                 remove(self.model)
 
 
-def _choose(cands: list[_Candidate], key: Callable[[_Candidate], float] = lambda c: c.time_s) -> _Candidate:
+def _choose(cands: list[Candidate[Combo]], key: Callable[[Candidate[Combo]], float] = lambda c: c.time_s) -> Candidate[Combo]:
     # then fewer micro-batches: bigger ones keep the device busier, which noise can hide
-    return simplest_of_fastest(cands, key, lambda c: (len(c.levers), c.combo.micro_batches, key(c)))
+    return simplest_of_fastest(cands, key, lambda c: (len(c.levers), c.choice.micro_batches, key(c)))
 
 
 def fit(
@@ -609,7 +594,7 @@ def fit(
     progress: Progress | None = None,
     targets: Any = None,
     exclude: Mapping[str, str] | None = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
 ) -> Recipe:
     """The fastest combination of memory levers whose training step peaks within ``budget``.
 
@@ -688,12 +673,11 @@ def _situation(
     allow: str | Iterable[str] | None,
     exclude: Mapping[str, str] | None,
     set_to_none: bool,
-    fake: bool | str,
+    fake: bool | str | Where,
 ) -> Situation:
     """fit's arguments checked, once, into the :class:`Situation` its levers are judged in."""
     allowed = parse_allow(allow)
-    fake_cuda = fake_device(fake) == "cuda"
-    if fake and not fake_cuda:
+    if fake_device(fake) is Where.FAKE:
         raise WorkloadError("fit weighs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
     exclude = dict(exclude or {})
     unknown = sorted(set(exclude) - {"microbatch", "offload", "set_to_none"})
@@ -765,7 +749,7 @@ def _infeasible(search: _Search, peak: int, combo: Combo, left_out: dict[str, Re
     )
 
 
-def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate:
+def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> Candidate[Combo]:
     """4. The few predicted fastest, for real (on fake CUDA, by their predicted times)."""
     search.report.start(3)
     if search.fake_cuda:
@@ -779,7 +763,7 @@ def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate
             f"the recorder measured a peak of {best.measured.peak_bytes} bytes, {best.measured.peak_bytes - target} over "
             f"the budget that fake tensors met ({best.peak_bytes} bytes): lower the budget by that much"
         )
-    if best.combo.expandable and not search.fake_cuda:
+    if best.choice.expandable and not search.fake_cuda:
         notes.append(
             "expandable_segments:True cannot be switched on in a process whose CUDA allocator has started: the recipe "
             "was timed without it (the setting moves segments, not kernels); its peak is the allocator model's"
@@ -787,7 +771,7 @@ def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate
     return best
 
 
-def _parted(search: _Search, best: _Candidate, cands: list[_Candidate], measured_time: float, now: float) -> str:
+def _parted(search: _Search, best: Candidate[Combo], cands: list[Candidate[Combo]], measured_time: float, now: float) -> str:
     """The note for a recipe whose measured time parted from its prediction (at the host's speed then)."""
     text = (
         f"predicted {now:.3f} s/step but measured {measured_time:.3f} s ({measured_time / now - 1:+.0%}): "
@@ -810,7 +794,7 @@ def _parted(search: _Search, best: _Candidate, cands: list[_Candidate], measured
 
 def _recipe(
     search: _Search,
-    best: _Candidate,
+    best: Candidate[Combo],
     queue: _Queue,
     singles: list[Combo],
     combos: list[Combo],
@@ -840,14 +824,14 @@ def _recipe(
     base_time = search.times.base.median if search.times.base is not None else None
     if s.fake_cuda:
         base_time = search.predict(base)[0]  # predicted, as every time of this recipe (times_predicted)
-    settings = search.expandable_settings if best.combo.expandable else search.settings
+    settings = search.expandable_settings if best.choice.expandable else search.settings
     decision = Decision(
         budget_bytes=target,
         levers=best.levers,
-        step=search.options(best.combo),
+        step=search.options(best.choice),
         plan=best.plan if best.plan is not None and best.plan.checkpointed else None,
         left_out={lever: left_out[lever] for lever in LEVERS if lever in left_out and lever not in best.levers},
-        precision=best.combo.precision,
+        precision=best.choice.precision,
         budget=str(budget),
         allocator_conf=settings.describe() if settings is not None else "",
     )
@@ -855,7 +839,7 @@ def _recipe(
         predicted_peak_bytes=best.peak_bytes,
         predicted_step_time_s=best.time_s,
         base_peak_bytes=search.peaks[base],
-        allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.combo],
+        allocated_peak_bytes=best.plan.allocated_peak_bytes if best.plan is not None else search.allocated[best.choice],
         what_if=what_if,
     )
     measurement = Measurement(
@@ -894,7 +878,7 @@ def _provenance(search: _Search, queue: _Queue, combos: list[Combo], notes: list
 
 
 def _host_speed(
-    search: _Search, best: _Candidate, measured_time: float | None, notes: list[str]
+    search: _Search, best: Candidate[Combo], measured_time: float | None, notes: list[str]
 ) -> tuple[float | None, float | None]:
     """The chosen recipe measured more than 15% off its prediction: tell a host whose speed
     changed since the probes (a 2-core CPU's step moves 15% from one minute to the next, and
@@ -988,7 +972,7 @@ class _Queue:
     def __init__(self, search: _Search, combos: list[Combo]) -> None:
         self.search = search
         self.order = sorted(combos, key=lambda c: (search.predict(c)[0], len(search.levers(c, None))))
-        self.cands: list[_Candidate] = []
+        self.cands: list[Candidate[Combo]] = []
         self.lowest: tuple[int, Combo] | None = None
         """The lowest peak reached by a combination that does not fit, and which."""
 
@@ -1021,7 +1005,7 @@ class _Queue:
                 self.cands.append(result)
 
 
-def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candidate:
+def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> Candidate[Combo]:
     """Run for real the candidate the predictions choose and those predicted within
     :data:`_MARGIN` of the fastest (at most :data:`_MAX_TIMED` in all), and choose by the
     measured times; by the predictions when those are too noisy to rank.
@@ -1038,17 +1022,17 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
     base = search.times.base
     threshold = None
 
-    def race(group: list[_Candidate]) -> None:
+    def race(group: list[Candidate[Combo]]) -> None:
         nonlocal threshold
         for cand in group:
-            search.report(f"{len(timed) + 1}/{len(finalists)}: {search.label(cand.combo, cand.plan)}")
+            search.report(f"{len(timed) + 1}/{len(finalists)}: {search.label(cand.choice, cand.plan)}")
             slow = base is not None and cand.time_s > _SLOW * base.median  # a slow step is timed once, as before
             cand.measured = search.run(cand, 1 if slow else _TIMED_STEPS, record=cand is pick, stop_above=threshold)
             timed.append(cand)
             if cand is pick and cand.measured is not None and not math.isinf(cand.measured.median):
                 threshold = cand.measured.median * (1 + TIE)
 
-    timed: list[_Candidate] = []
+    timed: list[Candidate[Combo]] = []
     race(finalists)
     # The predictions' choice measured far slower than predicted (a probe that misled, a
     # kernel that is slow only in this combination): what was predicted faster than that
@@ -1068,7 +1052,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
         if more:
             finalists += more
             notes.append(
-                f"{search.label(pick.combo, pick.plan)} measured {pick.measured_s:.3f} s/step against "
+                f"{search.label(pick.choice, pick.plan)} measured {pick.measured_s:.3f} s/step against "
                 f"{pick.time_s:.3f} s predicted: {len(more)} more recipe{'s' if len(more) > 1 else ''} predicted faster "
                 "than that measurement ran too"
             )
@@ -1091,17 +1075,17 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> _Candi
     else:
         best = _choose(ran, key=lambda c: c.measured_s)
     if best.measured is not None and best.measured.peak_bytes is None:
-        search.report(f"recording the peak of {search.label(best.combo, best.plan)}")
+        search.report(f"recording the peak of {search.label(best.choice, best.plan)}")
         got = search.run(best, 0)
         best.measured.peak_bytes = got.peak_bytes if got is not None else None
     return best
 
 
-def _what_if(search: _Search, singles: list[Combo], base: Combo, best: _Candidate, cands: list[_Candidate]) -> list[WhatIf]:
+def _what_if(search: _Search, singles: list[Combo], base: Combo, best: Candidate[Combo], cands: list[Candidate[Combo]]) -> list[WhatIf]:
     """Each lever alone and recompute alone (predicted times), every candidate that ran for
     real (measured beside), the chosen one marked."""
     rows: list[WhatIf] = []
-    timed = {(c.combo, c.plan is not None and bool(c.plan.checkpointed)): c for c in cands if c.measured is not None}
+    timed = {(c.choice, c.recomputes): c for c in cands if c.measured is not None}
     base_time = search.times.base.median if search.times.base is not None else None
 
     def row(combo: Combo, plan: Plan | None, peak: int, seconds: float | None, fits: bool, note: str = "") -> WhatIf:
@@ -1112,7 +1096,7 @@ def _what_if(search: _Search, singles: list[Combo], base: Combo, best: _Candidat
         m = cand.measured
         assert m is not None
         return WhatIf(
-            search.label(cand.combo, cand.plan),
+            search.label(cand.choice, cand.plan),
             cand.levers,
             cand.peak_bytes,
             cand.time_s,
@@ -1133,7 +1117,7 @@ def _what_if(search: _Search, singles: list[Combo], base: Combo, best: _Candidat
                 f"; {note}" if note else ""
             )
         fits = peak <= search.budget
-        if fits and combo in [c.combo for c in cands if c.plan is None or not c.plan.checkpointed]:
+        if fits and combo in [c.choice for c in cands if not c.recomputes]:
             rows.append(row(combo, None, peak, seconds, fits, note))
         else:
             rows.append(WhatIf(search.label(combo), search.levers(combo, None), peak, seconds, fits, note=note))
@@ -1146,12 +1130,5 @@ def _what_if(search: _Search, singles: list[Combo], base: Combo, best: _Candidat
     elif isinstance(plan, int):
         rows.append(WhatIf("recompute", ("recompute",), plan, None, False, note=f"lowest reachable peak {format_bytes(plan)}"))
     for cand in list(timed.values()):  # timed combinations that are no row yet
-        rows.append(row(cand.combo, cand.plan, cand.peak_bytes, cand.time_s, True))
-    ran = sorted((r for r in rows if r.measured_step_time_s is not None), key=lambda r: (not r.chosen, r.measured_step_time_s))
-    fitting = sorted(
-        (r for r in rows if r.measured_step_time_s is None and r.fits and r.predicted_step_time_s is not None),
-        key=lambda r: r.predicted_step_time_s or 0.0,
-    )
-    rest = [r for r in rows if r not in ran and r not in fitting]
-    rest.sort(key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0))
-    return ran + fitting + rest
+        rows.append(row(cand.choice, cand.plan, cand.peak_bytes, cand.time_s, True))
+    return what_if_order(rows)

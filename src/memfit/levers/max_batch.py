@@ -38,7 +38,7 @@ from memfit.measure.profile import Progress, fake_peaks
 from memfit.measure.step import StepOptions
 from memfit.plan.planner import plan as make_plan
 from memfit.units import format_bytes
-from memfit.workload import batch_size_of, resize_batch, resize_targets
+from memfit.workload import Where, batch_size_of, resize_batch, resize_targets
 
 if TYPE_CHECKING:
     from memfit.levers.recipe import RankRecipe
@@ -219,7 +219,7 @@ def max_batch(
     multiple_of: int = 1,
     progress: Progress | None = None,
     targets: Any = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
 ) -> MaxBatch:
     """The largest batch whose training step peaks within ``budget``, with the fastest recipe for it.
 
@@ -255,10 +255,10 @@ def max_batch(
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
     report = progress or (lambda desc, done, total: None)
     fake_cuda = the.fake_cuda
-    if fake and not fake_cuda:
+    if the.where is Where.FAKE:
         raise WorkloadError("max_batch runs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
     cuda = the.cuda
-    on = "cuda" if fake_cuda else True
+    on = Where.FAKE_CUDA if fake_cuda else Where.FAKE
 
     variants = _variants(model, optimizer, allowed, cuda=cuda, fake_cuda=fake_cuda)
     limits = _limits(the, variants, inputs, targets, target, multiple_of, report, loss_fn=loss_fn, on=on)
@@ -335,7 +335,7 @@ def _limits(
     report: Progress,
     *,
     loss_fn: Callable[..., torch.Tensor] | None,
-    on: bool | str,
+    on: Where,
 ) -> list[BatchLimit]:
     """Each variant's largest batch within ``target``, without recompute and with its lowest
     recompute peak, from fake-tensor peaks at the batches the search asks for."""
@@ -393,7 +393,7 @@ def largest_batch(
     targets: Any = None,
     step: StepOptions | None = None,
     multiple_of: int = 1,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
     ladder: Sequence[int] | None = None,
 ) -> BatchLimit:
     """The largest batch (a multiple of ``multiple_of``) whose step, exactly as it is (no
@@ -417,7 +417,7 @@ def largest_batch(
     example = batch_size_of(the.args, the.kwargs)
     if example is None:
         raise WorkloadError("no input tensor has a batch dimension: there is no batch size to grow")
-    on = "cuda" if the.fake_cuda else True
+    on = Where.FAKE_CUDA if the.fake_cuda else Where.FAKE
 
     with fake_peaks(the.on(on)) as peak_at:
 

@@ -47,7 +47,7 @@ from memfit.levers.catalog.base import opt_in as opt_in_reason
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
-from memfit.levers.ties import simplest_of_fastest
+from memfit.levers.ties import Candidate, simplest_of_fastest, what_if_order
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
 from memfit.measure.profile import Progress, allocator_settings_from_env
@@ -55,7 +55,7 @@ from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
 from memfit.plan.result import Plan
 from memfit.units import format_bytes
-from memfit.workload import Workload, batch_size_of, resize_batch, resize_targets, split_inputs
+from memfit.workload import Where, Workload, batch_size_of, resize_batch, resize_targets, split_inputs
 
 __all__ = ["fit_ranks", "max_batch_ranks", "RankRecipe", "RANK_LEVERS", "parse_rank_allow", "LINK_BYTES_PER_S"]
 
@@ -154,15 +154,6 @@ def _describe_reshards(fsdp: FSDP2, n_blocks: int) -> str:
 # -- the search ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Candidate:
-    setting: _Setting
-    plan: Plan | None
-    peak_bytes: int
-    time_s: float
-    levers: tuple[str, ...]
-
-
 class _RankSearch:
     """Exact per-rank peaks, plans and predicted times of FSDP2 settings, each made once."""
 
@@ -174,12 +165,12 @@ class _RankSearch:
         ranks: Sequence[int],
         budget: int,
         report: Progress,
-        fake: bool | str = True,
+        where: Where,
     ) -> None:
         self.workload = workload
-        self.fake = fake
+        self.where = where
         # on fake CUDA the budget bounds reserved peaks, judged under the process's allocator settings
-        self.settings = allocator_settings_from_env() if rank_device(fake) == "cuda" else None
+        self.settings = allocator_settings_from_env() if where is Where.FAKE_CUDA else None
         self.fsdp = fsdp
         self.n = world_size
         self.ranks = list(ranks)
@@ -247,7 +238,7 @@ class _RankSearch:
                 self.profiles[s] = self.profiled(dataclasses.replace(s, expandable=False)).under(self.expandable_settings)
             else:
                 self.report(f"rank step: {self.label(s)}", 0, 0)
-                self.profiles[s] = profile_ranks(self.work(s), world_size=self.n, ranks=self.ranks, fake=self.fake)
+                self.profiles[s] = profile_ranks(self.work(s), world_size=self.n, ranks=self.ranks, fake=self.where)
         return self.profiles[s]
 
     def peak(self, s: _Setting) -> int:
@@ -262,7 +253,7 @@ class _RankSearch:
             settings = self.expandable_settings if s.expandable else None
             try:
                 self.plans[s] = plan_ranks(
-                    self.work(s), self.budget, world_size=self.n, ranks=self.ranks, fake=self.fake, settings=settings
+                    self.work(s), self.budget, world_size=self.n, ranks=self.ranks, fake=self.where, settings=settings
                 )
             except BudgetInfeasibleError as exc:
                 self.plans[s] = exc.min_peak_bytes
@@ -284,10 +275,10 @@ class _RankSearch:
         link = LINK_BYTES_PER_S["cuda" if "cuda" in prof.device else "cpu"]
         return compute + recompute + collective_bytes(ledger, self.n) / link
 
-    def candidate(self, s: _Setting, plan: Plan | None = None) -> _Candidate:
+    def candidate(self, s: _Setting, plan: Plan | None = None) -> Candidate[_Setting]:
         s = self.canon(s)
         peak = max(plan.rank_peak_bytes.values()) if plan is not None and plan.rank_peak_bytes else self.peak(s)
-        return _Candidate(s, plan, peak, self.seconds(s, plan), self.levers(s, plan))
+        return Candidate(s, plan, peak, self.seconds(s, plan), self.levers(s, plan))
 
     def largest_within(self, variant: _Setting, bound: int) -> int | None:
         """The largest family setting whose step peaks within ``bound`` without recompute
@@ -349,7 +340,7 @@ def _check_allowed(workload: Workload, allowed: set[str]) -> None:
         )
 
 
-def _unused(best: _Candidate) -> dict[str, Reason]:
+def _unused(best: Candidate[_Setting]) -> dict[str, Reason]:
     """Why each per-rank lever the chosen configuration does not use was not chosen."""
     return {
         "recompute": Reason(Why.NOT_NEEDED, "not needed: the chosen configuration fits without it"),
@@ -371,7 +362,7 @@ def fit_ranks(
     allow: str | Iterable[str] | None = None,
     exclude: Mapping[str, str] | None = None,
     progress: Progress | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
 ) -> RankRecipe:
     """The fastest (predicted) configuration of each rank of ``workload``'s distributed step
     whose peak fits ``budget`` bytes per rank: recompute, FSDP2's reshard_after_forward and,
@@ -400,12 +391,13 @@ def fit_ranks(
     ranks = list(dict.fromkeys(ranks))
     if not ranks:
         raise WorkloadError("ranks is empty: give the ranks to fit, e.g. (0,)")
-    device = rank_device(fake)
+    where = Where.of(fake)
+    device = rank_device(where)
     for r in ranks:
         FakeGroup(n, r, device)  # a rank outside the world: refused before any work
     report = progress or (lambda desc, done, total: None)
     # reduce_bf16 varies the workload's FSDP2 even where its reshard settings are held fixed
-    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report, fake)
+    search = _RankSearch(workload, _fsdp_of(workload), n, ranks, target, report, where)
     left_out, family = _left_out(workload, search, allowed, exclude)
     weighing = _Weighing(search, family, recompute="recompute" not in left_out)
     for reduce in [False] + ([True] if "reduce_bf16" in allowed else []):
@@ -463,7 +455,7 @@ class _Weighing:
 
     def __init__(self, search: _RankSearch, family: bool, recompute: bool) -> None:
         self.search, self.family, self.recompute = search, family, recompute
-        self.cands: list[_Candidate] = []
+        self.cands: list[Candidate[_Setting]] = []
         self.lowest: tuple[int, str] | None = None
 
     def over(self, peak: int, label: str) -> None:
@@ -510,11 +502,11 @@ class _Weighing:
             self.plan(at(search.top))
         return best != search.top
 
-    def unique(self) -> list[_Candidate]:
+    def unique(self) -> list[Candidate[_Setting]]:
         """A setting reached twice (the workload's own is a family member) counts once."""
-        out: dict[tuple[_Setting, bool], _Candidate] = {}
+        out: dict[tuple[_Setting, bool], Candidate[_Setting]] = {}
         for c in self.cands:
-            out.setdefault((c.setting, c.plan is not None), c)
+            out.setdefault((c.choice, c.plan is not None), c)
         return list(out.values())
 
 
@@ -534,14 +526,14 @@ def _infeasible(
     )
 
 
-def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, left_out: dict[str, Reason]) -> RankRecipe:
+def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: Candidate[_Setting], left_out: dict[str, Reason]) -> RankRecipe:
     """The RankRecipe of the chosen candidate: its peaks per rank, the step as it is beside,
     every setting weighed as a what-if row."""
     if best.plan is not None and best.plan.rank_peak_bytes:
         rank_peaks = dict(best.plan.rank_peak_bytes)
     else:
-        rank_peaks = {r: p.budget_peak_bytes for r, p in search.profiled(best.setting).profiles.items()}
-    chosen_fsdp = search.fsdp_at(best.setting)
+        rank_peaks = {r: p.budget_peak_bytes for r, p in search.profiled(best.choice).profiles.items()}
+    chosen_fsdp = search.fsdp_at(best.choice)
     base = _Setting()
     as_is = search.profiled(base)
     device = as_is.profiles[as_is.worst_rank].device
@@ -550,7 +542,7 @@ def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, lef
         f"rates for {device}, collectives at a nominal {LINK_BYTES_PER_S['cuda' if 'cuda' in device else 'cpu'] / 1e9:g} "
         "GB/s, not overlapped) and chose the recipe: time it on the cluster",
     ]
-    settings = search.expandable_settings if best.setting.expandable else search.settings
+    settings = search.expandable_settings if best.choice.expandable else search.settings
     if settings is not None:
         notes.append(
             "fake CUDA: each rank's peak is its reserved memory (memfit's caching-allocator model under "
@@ -571,7 +563,7 @@ def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, lef
         predicted_step_time_s=best.time_s,
         base_peak_bytes=search.peak(base),
         base_step_time_s=search.seconds(base, None),
-        all_gathers=search.all_gathers(best.setting),
+        all_gathers=search.all_gathers(best.choice),
         base_all_gathers=search.all_gathers(base),
         what_if=_what_if(search, weighing.unique(), best),
         left_out={lever: left_out[lever] for lever in RANK_LEVERS if lever in left_out and lever not in best.levers},
@@ -584,16 +576,16 @@ def _rank_recipe(search: _RankSearch, weighing: _Weighing, best: _Candidate, lef
     )
 
 
-def _allocated(search: _RankSearch, best: _Candidate) -> int | None:
+def _allocated(search: _RankSearch, best: Candidate[_Setting]) -> int | None:
     """On fake CUDA, the chosen configuration's allocated peak beside its reserved one."""
     if search.settings is None:
         return None
     if best.plan is not None and best.plan.allocated_peak_bytes is not None:
         return best.plan.allocated_peak_bytes
-    return max(p.peak_bytes for p in search.profiled(best.setting).profiles.values())
+    return max(p.peak_bytes for p in search.profiled(best.choice).profiles.values())
 
 
-def _choose(cands: list[_Candidate]) -> _Candidate:
+def _choose(cands: list[Candidate[_Setting]]) -> Candidate[_Setting]:
     """The fastest predicted; a lever that changes the numerics only when it is more than
     :data:`~memfit.levers.ties.TIE` faster than the fastest without one (as fit chooses among near-ties)."""
     return simplest_of_fastest(
@@ -613,13 +605,10 @@ def _fsdp_args(fsdp: FSDP2, blocks: list[str]) -> dict[str, Any]:
     }
 
 
-def _what_if(search: _RankSearch, cands: list[_Candidate], best: _Candidate) -> list[WhatIf]:
+def _what_if(search: _RankSearch, cands: list[Candidate[_Setting]], best: Candidate[_Setting]) -> list[WhatIf]:
     """Every setting weighed: those that fit (fastest first), then those over the budget."""
-    rows = [
-        WhatIf(search.label(c.setting, c.plan), c.levers, c.peak_bytes, c.time_s, True, chosen=c is best)
-        for c in sorted(cands, key=lambda c: c.time_s)
-    ]
-    shown = {(c.setting, c.plan is not None) for c in cands}
+    rows = [WhatIf(search.label(c.choice, c.plan), c.levers, c.peak_bytes, c.time_s, True, chosen=c is best) for c in cands]
+    shown = {(c.choice, c.plan is not None) for c in cands}
     over = []
     for s, prof in search.profiles.items():
         peak = prof.budget_peak_bytes  # on fake CUDA the reserved peak the budget bounds
@@ -631,8 +620,7 @@ def _what_if(search: _RankSearch, cands: list[_Candidate], best: _Candidate) -> 
             over.append(
                 WhatIf(search.label(s) + " + recompute", search.levers(s, None) + ("recompute",), got, None, False, note=note)
             )
-    over.sort(key=lambda w: w.predicted_peak_bytes or 0)
-    return rows + over
+    return what_if_order(rows + over)
 
 
 # -- the largest batch per rank ----------------------------------------------------------------------
@@ -656,7 +644,7 @@ def max_batch_ranks(
     recompute: bool = True,
     recipe: bool = True,
     progress: Progress | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
 ) -> MaxBatch:
     """The largest per-rank batch (a multiple of ``multiple_of``) whose distributed step
     peaks within ``budget`` bytes on each of ``ranks``: for each lever set (as it is;
@@ -674,7 +662,8 @@ def max_batch_ranks(
         raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
     n = world_size_of(workload, world_size)
     ranks = list(dict.fromkeys(ranks)) or [0]
-    device = rank_device(fake)
+    where = Where.of(fake)
+    device = rank_device(where)
     for r in ranks:
         FakeGroup(n, r, device)
     example = batch_size_of(*split_inputs(workload.inputs))
@@ -687,14 +676,14 @@ def max_batch_ranks(
     def plain(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"rank step at batch {b}", 0, 0)
-            return profile_ranks(_at_batch(work, b), world_size=n, ranks=ranks, fake=fake).budget_peak_bytes
+            return profile_ranks(_at_batch(work, b), world_size=n, ranks=ranks, fake=where).budget_peak_bytes
 
         return peak
 
     def recomputed(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"lowest recompute peak at batch {b}", 0, 0)
-            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1], fake=fake).min_peak_bytes
+            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1], fake=where).min_peak_bytes
 
         return peak
 
@@ -707,7 +696,7 @@ def max_batch_ranks(
     found = None
     if recipe:
         excluded = None if recompute else {"recompute": "left out of the search (recompute=False)"}
-        fit = dict(world_size=n, ranks=ranks, allow=allowed, progress=progress, fake=fake, exclude=excluded)
+        fit = dict(world_size=n, ranks=ranks, allow=allowed, progress=progress, fake=where, exclude=excluded)
         batch, found = _recipe_at(workload, batch, target, multiple_of, fit=fit)
         found.budget = str(budget)
     return MaxBatch(

@@ -21,6 +21,7 @@ from memfit.measure.sandbox import fake_device
 from memfit.measure.step import StepOptions
 from memfit.recompute.checkpoint import unwrap
 from memfit.workload import (
+    Where,
     check_arguments,
     default_optimizer,
     join_inputs,
@@ -45,19 +46,18 @@ class Step:
     """The user's optimizer, or memfit's default (AdamW over the trainable parameters)."""
     targets: Any
     options: StepOptions
-    where: str | None
-    """None: real tensors; ``"same"``: fake tensors on the model's device; ``"cuda"``: fake
-    CUDA (what :func:`memfit.measure.sandbox.fake_device` makes of ``fake=``)."""
+    where: Where
+    """Real tensors, fake ones on the model's device, or fake CUDA (read from ``fake=``)."""
     device: torch.device
     """The model's device (the CPU for a fake-CUDA step: its model stays on the CPU)."""
 
     @property
     def fake(self) -> bool:
-        return self.where is not None
+        return self.where.fake
 
     @property
     def fake_cuda(self) -> bool:
-        return self.where == "cuda"
+        return self.where.cuda
 
     @property
     def step_device(self) -> torch.device:
@@ -69,10 +69,10 @@ class Step:
         """The step runs on CUDA, real or fake: its peaks are the caching allocator's."""
         return self.step_device.type == "cuda"
 
-    def on(self, fake: bool | str | None, options: StepOptions | None = None) -> Step:
-        """This step on other tensors (``fake=`` as :func:`checked_step` reads it), with other
-        options if given, checked: one step profiled or verified several ways."""
-        where, options = fake_device(fake), options or self.options
+    def on(self, where: Where, options: StepOptions | None = None) -> Step:
+        """This step on other tensors, with other options if given, checked: one step profiled
+        or verified several ways."""
+        where, options = fake_device(where), options or self.options
         _check_options(options, where, self.device, self.args, self.kwargs)
         return replace(self, where=where, options=options)
 
@@ -95,7 +95,7 @@ def checked_step(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    fake: bool | str | None = False,
+    fake: bool | str | Where | None = False,
     options: StepOptions | None = None,
     targets: Any = None,
     unwrapped: bool = False,
@@ -118,9 +118,9 @@ def checked_step(
     return Step(model, args, kwargs, loss_fn, optimizer, targets, options, where, device)
 
 
-def _check_options(options: StepOptions, where: str | None, device: torch.device, args: tuple, kwargs: dict) -> None:
+def _check_options(options: StepOptions, where: Where, device: torch.device, args: tuple, kwargs: dict) -> None:
     """Refuse options this step cannot run with, before it runs."""
-    if options.offload and where != "cuda" and device.type != "cuda":
+    if options.offload and where is not Where.FAKE_CUDA and device.type != "cuda":
         raise WorkloadError(
             f"StepOptions(offload=True) moves saved activations from a CUDA device to host memory; this step runs on "
             f"{device.type}, whose memory is host memory already: drop offload or move the model to CUDA"

@@ -41,6 +41,7 @@ from memfit.measure.ledger import Phase
 from memfit.measure.sandbox import real_sandbox
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
+from memfit.workload import Where
 
 __all__ = [
     "CompiledProfile",
@@ -298,11 +299,11 @@ def profile_compiled_step(
         return _eager_fallback(step, backend, budget, "fake host tensors cannot run compiled kernels")
     if step.fake_cuda:
         torch_compat.host_compile_system_info()
-    host = step.on(False) if step.fake_cuda else step
+    host = step.on(Where.REAL) if step.fake_cuda else step
     if step.fake_cuda and step.options.foreach is None:
         # CUDA's optimizers default to foreach (one kernel over every tensor, with temporaries
         # over all of them); the host's to a loop per tensor
-        host = host.on(False, replace(step.options, foreach=True))
+        host = host.on(Where.REAL, replace(step.options, foreach=True))
     with real_sandbox(host.model, host.args, host.kwargs, host.optimizer, step=host.options, targets=host.targets) as box:
         compiled = torch.compile(box.model, backend=compile_fn)
         run = replace(box, model=compiled)
@@ -383,7 +384,7 @@ def profile_compiled(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     targets: Any = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
     step: StepOptions | None = None,
     backend: str = "inductor",
     memory_budget: float | None = None,
@@ -405,7 +406,7 @@ def fit_memory_budget(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     targets: Any = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
     values: Sequence[float] = DEFAULT_SWEEP,
     backend: str = "inductor",
 ) -> tuple[CompiledProfile | None, list[CompiledProfile]]:

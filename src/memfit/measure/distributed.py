@@ -52,7 +52,7 @@ from memfit.measure.sandbox import Sandbox, copy_model, fake_device
 from memfit.measure.scope import Scope
 from memfit.recompute.checkpoint import apply_choices
 from memfit.units import parse_bytes
-from memfit.workload import Parallel, Workload, default_optimizer, split_inputs
+from memfit.workload import Parallel, Where, Workload, default_optimizer, split_inputs
 
 __all__ = [
     "with_recompute",
@@ -169,7 +169,7 @@ def profile_ranks(
     world_size: int | None = None,
     ranks: Sequence[int] = (0,),
     progress: Progress | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
     gpu: str | gpus.GpuSpec | None = None,
     capacity: int | str | None = None,
 ) -> RankProfiles:
@@ -240,15 +240,15 @@ def rank_device_fit(
     return dataclasses.replace(fit, outside=outside)
 
 
-def rank_device(fake: bool | str) -> str:
+def rank_device(fake: bool | str | Where) -> str:
     """The device of a fake rank for ``fake=`` (``True``/``"cpu"``: ``"cpu"``; ``"cuda"``:
     fake CUDA, switched on here or refused in one line)."""
     where = fake_device(fake)
-    if where is None:
+    if where is Where.REAL:
         raise WorkloadError(
             f"fake={fake!r}: ranks are measured on the fake process group and fake tensors: give fake=True or 'cuda'"
         )
-    return "cuda" if where == "cuda" else "cpu"
+    return "cuda" if where is Where.FAKE_CUDA else "cpu"
 
 
 def world_size_of(workload: Workload, world_size: int | None = None) -> int:

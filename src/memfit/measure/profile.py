@@ -39,6 +39,7 @@ from memfit.measure.step import StepOptions
 from memfit.recompute.cache import turned_off
 from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
+from memfit.workload import Where
 
 __all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
 
@@ -179,6 +180,13 @@ class Profile:
     text -> bytes; :mod:`memfit.measure.workspace`), saved with it so that a plan made from
     the file in another process can verify on fake copies, which cannot run a kernel. Empty
     for fake profiles."""
+
+    @property
+    def where(self) -> Where:
+        """The tensors the step was measured on (a plan made from it verifies on the same)."""
+        if not self.fake:
+            return Where.REAL
+        return Where.FAKE_CUDA if self.device.startswith("fake:cuda") else Where.FAKE
 
     @property
     def gpu(self) -> gpus.GpuSpec | None:
@@ -400,7 +408,7 @@ def profile(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
     progress: Progress | None = None,
     step: StepOptions | None = None,
     targets: Any = None,
@@ -454,7 +462,7 @@ def profile(
     """
     spec = gpus.find_gpu(gpu) if isinstance(gpu, str) else gpu
     capacity_bytes = None if capacity is None else parse_bytes(capacity)
-    if spec is not None and fake_device(fake) != "cuda":
+    if spec is not None and fake_device(fake) is not Where.FAKE_CUDA:
         raise gpus.GpuError(
             f"gpu={spec.key!r} is the GPU fake CUDA simulates: pass fake='cuda' (--device fake-cuda), or capacity= to judge "
             "the step against another memory size"

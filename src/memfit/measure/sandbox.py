@@ -38,6 +38,7 @@ from memfit.errors import WorkloadError
 from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import Phase
 from memfit.measure.step import FakeGradScaler, HeldOutput, StepOptions, train_step
+from memfit.workload import Where
 
 __all__ = ["Sandbox", "real_sandbox", "fake_sandbox", "fake_device", "step_sandbox", "copy_model"]
 
@@ -360,22 +361,17 @@ def _fake_state(mode: Any, value: Any) -> Any:
     return mode.from_tensor(value)
 
 
-def fake_device(fake: Any) -> str | None:
-    """What ``fake=`` asks for: None (real tensors), ``"same"`` (fake tensors on the model's
-    device: ``True``, ``"cpu"``) or ``"cuda"`` (fake CUDA, :mod:`memfit.cuda.fake`,
-    switched on here or refused in one line)."""
-    if fake is False or fake is None:
-        return None
-    if fake is True or fake == "cpu":
-        return "same"
-    if fake == "cuda":
+def fake_device(fake: Any) -> Where:
+    """What ``fake=`` asks for (:meth:`memfit.Where.of`), with fake CUDA
+    (:mod:`memfit.cuda.fake`) switched on here or refused in one line."""
+    where = Where.of(fake)
+    if where is Where.FAKE_CUDA:
         fake_cuda.require()
-        return "cuda"
-    raise WorkloadError(f"fake takes True (fake tensors on the model's device), 'cpu' or 'cuda' (fake CUDA), got {fake!r}")
+    return where
 
 
 def step_sandbox(
-    where: str | None,
+    where: Where,
     model: nn.Module,
     args: tuple,
     kwargs: dict,
@@ -384,11 +380,12 @@ def step_sandbox(
     step: StepOptions | None = None,
     targets: Any = None,
 ) -> Any:
-    """The sandbox for ``where`` (what :func:`fake_device` made of ``fake=``): real tensors
-    (None), fake ones on the model's device (``"same"``) or on fake CUDA (``"cuda"``)."""
-    if where is None:
+    """The sandbox for ``where``: the user's real tensors, fake ones on the model's device or
+    on fake CUDA."""
+    if where is Where.REAL:
         return real_sandbox(model, args, kwargs, optimizer, step=step, targets=targets)
-    return fake_sandbox(model, args, kwargs, optimizer, step=step, targets=targets, device="cuda" if where == "cuda" else None)
+    device = "cuda" if where is Where.FAKE_CUDA else None
+    return fake_sandbox(model, args, kwargs, optimizer, step=step, targets=targets, device=device)
 
 
 @contextmanager

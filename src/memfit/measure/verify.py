@@ -30,7 +30,7 @@ from memfit.measure.step import StepOptions
 from memfit.recompute import cache
 from memfit.recompute.checkpoint import apply_choices, last_recompute, remove, unwrap
 from memfit.recompute.stateful import CACHE_HINT, checking_forward, stateful_modules
-from memfit.workload import Workload
+from memfit.workload import Where, Workload
 
 __all__ = ["Verifier", "Run", "RecomputeFailed", "SwitchCheck", "Chosen", "step_verifier", "rank_verifier", "record_rank_on"]
 
@@ -226,7 +226,7 @@ def _peaks(ledger: Ledger, settings: AllocatorSettings | None) -> tuple[int, int
 
 
 def step_verifier(
-    fake: Any,
+    where: Where,
     model: nn.Module,
     args: tuple,
     kwargs: dict,
@@ -237,9 +237,8 @@ def step_verifier(
     targets: Any = None,
 ) -> Verifier:
     """A verifier on ``model``'s step, in a sandbox restored when it closes: on fake copies
-    when ``fake`` says so (``True``, ``"cuda"``: as :func:`~memfit.measure.sandbox.fake_device`
-    reads it), else on the real model."""
-    box = step_sandbox(fake_device(fake), model, args, kwargs, optimizer, step=step, targets=targets)
+    (on the model's device or on fake CUDA) or on the real model, as ``where`` says."""
+    box = step_sandbox(fake_device(where), model, args, kwargs, optimizer, step=step, targets=targets)
     return Verifier(box, loss_fn)
 
 

@@ -44,7 +44,7 @@ from memfit.plan.planner import Search, check_objective, make_plan, search
 from memfit.plan.result import Plan
 from memfit.recompute.checkpoint import applied_choices
 from memfit.units import format_bytes
-from memfit.workload import Workload
+from memfit.workload import Where, Workload
 
 __all__ = ["plan_ranks", "min_world_size", "world_size_candidates", "WorldSizeFit"]
 
@@ -58,7 +58,7 @@ def plan_ranks(
     objective: str = "time",
     progress: Progress | None = None,
     unplanned: RankProfiles | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
     afresh: bool = False,
     settings: AllocatorSettings | None = None,
 ) -> Plan:
@@ -280,7 +280,7 @@ def min_world_size(
     max_world_size: int = 1024,
     ranks: Sequence[int] | str = (0, -1),
     progress: Progress | None = None,
-    fake: bool | str = True,
+    fake: bool | str | Where = True,
     outside: Callable[[int], int] | None = None,
 ) -> WorldSizeFit:
     """The smallest world size at which every one of ``ranks`` of the step peaks within

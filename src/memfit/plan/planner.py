@@ -42,6 +42,7 @@ from memfit.plan.solver import Problem, Solution
 from memfit.recompute import cache
 from memfit.recompute.checkpoint import applied_choices
 from memfit.units import format_bytes
+from memfit.workload import Where
 
 __all__ = [
     "plan",
@@ -114,13 +115,6 @@ def _timed_like(prof: Profile, timed: Profile) -> Profile:
     )
 
 
-def _profile_fake(profile: Profile) -> bool | str:
-    """The ``fake=`` that measured ``profile``: its plans are verified on the same device."""
-    if not profile.fake:
-        return False
-    return "cuda" if profile.device.startswith("fake:cuda") else True
-
-
 def plan(
     model: nn.Module,
     inputs: Any,
@@ -128,7 +122,7 @@ def plan(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    fake: bool | str = False,
+    fake: bool | str | Where = False,
     profile: Profile | None = None,
     objective: str = "time",
     progress: Progress | None = None,
@@ -183,9 +177,9 @@ def plan(
     # given, nothing else would check them), no trainable parameters. A compiled or
     # DDP-wrapped model is planned as the module inside: the plan names its modules, and
     # memfit.apply accepts the wrapper or the module alike.
-    on_fake = _profile_fake(profile) if profile is not None else fake
+    where = profile.where if profile is not None else Where.of(fake)
     the = checked_step(
-        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=on_fake, options=step, targets=targets, unwrapped=True
+        model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=where, options=step, targets=targets, unwrapped=True
     )
     model, args, kwargs, optimizer = the.model, the.args, the.kwargs, the.optimizer
     options = _planned_step(the, profile, step, targets)
@@ -195,7 +189,7 @@ def plan(
         # The verifier's first step creates the optimizer's state (its warm-up); a real
         # profile runs inside that sandbox and needs no warm-up of its own: a step less.
         found, use_cache_off, verify_note = _plan_search(
-            opener, the, profile, on_fake, spec, objective, op_overhead_s, progress, on_profile, on_planned
+            opener, the, profile, where, spec, objective, op_overhead_s, progress, on_profile, on_planned
         )
     report("done", 2, 2)
     return make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started, verify_note=verify_note)
@@ -205,7 +199,7 @@ def _plan_search(
     opener: _Opener,
     the: Step,
     profile: Profile | None,
-    on_fake: bool | str,
+    where: Where,
     spec: Budget,
     objective: str,
     op_overhead_s: float | None,
@@ -218,18 +212,18 @@ def _plan_search(
     are faster), and the search; returns what it found, the caches off and the verify note."""
     model, report = opener.model, opener.report
     excluded: dict[str, str] = {}
-    verifier, stateful, use_cache_off, verify_note = _first_verifier(opener, profile, on_fake)
+    verifier, stateful, use_cache_off, verify_note = _first_verifier(opener, profile, where)
     excluded.update(stateful)
     if use_cache_off and verifier.box.model is not model:  # a copy: profiles copy the model too
         opener.closing.enter_context(cache.switched_off(model, use_cache_off))
-    prof = _plan_profile(the, profile, verifier, use_cache_off, on_fake, opener.options, progress)
+    prof = _plan_profile(the, profile, verifier, use_cache_off, where, opener.options, progress)
     if on_profile is not None:
         on_profile(prof)
-    if not on_fake and verifier.box.fake_mode is None and _fake_is_faster(prof):
+    if where is Where.REAL and verifier.box.fake_mode is None and _fake_is_faster(prof):
         # Plans are verified on fake copies from here on: the same ledger (kernel
         # workspaces taken from what the real profile measured) at a fraction of a real
         # step's time when the step's ops are large.
-        fake_verifier = opener.verifier(True)
+        fake_verifier = opener.verifier(Where.FAKE)
         try:
             verifier = fake_verifier.instead_of(verifier, use_cache_off)
         except Exception as exc:  # noqa: BLE001 - the real step ran: the fake copy is what failed
@@ -296,9 +290,9 @@ class _Opener:
     targets: Any
     report: Progress
 
-    def verifier(self, on_fake: bool | str) -> Verifier:
+    def verifier(self, where: Where) -> Verifier:
         opened = step_verifier(
-            on_fake, self.model, self.args, self.kwargs, self.optimizer, self.loss_fn, step=self.options, targets=self.targets
+            where, self.model, self.args, self.kwargs, self.optimizer, self.loss_fn, step=self.options, targets=self.targets
         )
         self.closing.callback(opened.close)
         return opened
@@ -312,7 +306,7 @@ class _Opener:
 
 
 def _first_verifier(
-    opener: _Opener, profile: Profile | None, on_fake: bool | str
+    opener: _Opener, profile: Profile | None, where: Where
 ) -> tuple[Verifier, dict[str, str], tuple[str, ...], str]:
     """The verifier plans start on, after a first step that finds the modules never to offer and
     the KV caches to turn off: (verifier, those modules with why, the caches off, the verify note)."""
@@ -324,18 +318,18 @@ def _first_verifier(
     verifier = None
     verify_note = ""
     opener.report("a first step: which modules change state, which keep a KV cache", 0, 0)
-    if profile is not None and not on_fake and _fake_is_faster(profile):
+    if profile is not None and where is Where.REAL and _fake_is_faster(profile):
         # A real profile given (saved, say) whose plans verify on fake copies: the modules
         # are checked on a fake copy too, and the real step runs only if a run needs it.
-        fake_verifier = opener.verifier(True)
+        fake_verifier = opener.verifier(Where.FAKE)
         try:
             stateful, use_cache_off = fake_verifier.stateful(opener.real_check)
-            verifier = fake_verifier.falling_back(lambda: opener.verifier(False).warmed(use_cache_off))
+            verifier = fake_verifier.falling_back(lambda: opener.verifier(Where.REAL).warmed(use_cache_off))
         except Exception as exc:  # noqa: BLE001 - the real step below says so if it fails too
             fake_verifier.close()
             verify_note = _fake_refused(exc)
     if verifier is None:
-        verifier = opener.verifier(on_fake)
+        verifier = opener.verifier(where)
         stateful, use_cache_off = verifier.stateful(opener.real_check)
     return verifier, stateful, use_cache_off, verify_note
 
@@ -345,7 +339,7 @@ def _plan_profile(
     profile: Profile | None,
     verifier: Verifier,
     use_cache_off: tuple[str, ...],
-    on_fake: bool | str,
+    where: Where,
     options: StepOptions,
     progress: Progress | None,
 ) -> Profile:
@@ -353,16 +347,16 @@ def _plan_profile(
     (the KV caches as they turn them off), else that step measured."""
     if profile is not None and profile.use_cache_off == use_cache_off:
         return profile
-    if profile is not None and verifier.box.fake_mode is not None and not on_fake:
+    if profile is not None and verifier.box.fake_mode is not None and where is Where.REAL:
         # A saved real profile of the step as it is (memfit.profile keeps transformers'
         # KV cache on) while the plans' step runs with the cache off: that step on a fake
         # copy (kernel workspaces from the saved profile), timed by the saved profile's
         # measurements: the cache changes what the step keeps, not what it computes.
-        fake_prof = profile_step(the.on(True, options), progress=progress)
+        fake_prof = profile_step(the.on(Where.FAKE, options), progress=progress)
         return _timed_like(fake_prof, profile)
     # (a profile given was measured with the cache on: memfit.profile measures the
     # step as it is; the plan's step runs with it off, and is measured so)
-    return profile_step(the.on(on_fake, options), progress=progress, warm=True)
+    return profile_step(the.on(where, options), progress=progress, warm=True)
 
 
 def _op_overhead(prof: Profile, given: float | None) -> float:
