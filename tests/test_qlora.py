@@ -241,3 +241,43 @@ def test_kbit_prep_is_pefts_own_cast_of_the_base(tmp_path, capsys):
     assert main(["finetune", str(cfg), "--kbit-prep"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--quant 4bit" in err, err
+
+
+FLASH2_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, json, memfit, torch
+    from memfit.integrations.finetune import LoraSpec, lora_inputs, lora_model
+    from memfit.measure.ledger import Category
+    seq, heads = 512, 4
+    out = {}
+    for prep in (True, False):
+        for attn in ("sdpa", "flash_attention_2"):
+            spec = LoraSpec(4, None, ("q_proj", "v_proj"), quant="4bit", kbit_prep=prep, attn=attn)
+            model = lora_model(CFG, spec)
+            prof = memfit.profile(model, lora_inputs(model, 1, seq), fake="cuda", gpu="A100-80GB")
+            blocks = [b for b in prof.ledger.blocks if ".self_attn" in (b.module or "")]
+            out[f"{prep}-{attn}"] = {
+                "allocated": prof.cuda_memory.allocated_peak_bytes,
+                "scores": sum(b.nbytes == heads * seq * seq * 4 for b in blocks),
+                "bf16_qkv": sum(b.nbytes == seq * 64 * 2 for b in blocks),
+            }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_flash_attention_2_stand_in_keeps_no_scores_and_casts_float32_to_bf16(fake_cuda, tmp_path):
+    # prepare_model_for_kbit_training makes the residual stream float32: torch's SDPA then has no
+    # flash kernel for the grouped float32 query (the math path: S x S scores per head), while
+    # transformers' flash_attention_2 path casts q, k, v to 16 bits and runs flash attention
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    done = fake_cuda.script(FLASH2_SCRIPT.replace("CFG", repr(str(cfg))), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
+    sdpa, flash = got["True-sdpa"], got["True-flash_attention_2"]
+    assert sdpa["scores"] > 0 and flash["scores"] == 0, got
+    assert flash["bf16_qkv"] > sdpa["bf16_qkv"] and flash["allocated"] < sdpa["allocated"], got
+    # a bfloat16 stream: SDPA already takes the flash kernel, and the stand-in changes no byte
+    assert got["False-sdpa"] == got["False-flash_attention_2"], got

@@ -80,6 +80,13 @@ def add_parser(sub: Any) -> None:
         "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
     )
     p.add_argument(
+        "--attn",
+        default="sdpa",
+        choices=["sdpa", "flash_attention_2"],
+        help="the attention implementation (default sdpa, transformers' default); flash_attention_2 as transformers "
+        "runs the flash-attn package: float32 inputs cast to 16 bits, grouped K/V as they are (unpadded batches)",
+    )
+    p.add_argument(
         "--optim",
         default="adamw_torch",
         choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
@@ -170,6 +177,7 @@ def _spec(ns: argparse.Namespace) -> Any:
         double_quant=ns.double_quant,
         compute_dtype=ns.compute_dtype,
         kbit_prep=ns.kbit_prep,
+        attn=ns.attn,
     )
     spec.check()
     return spec

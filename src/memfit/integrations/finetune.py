@@ -40,6 +40,10 @@ PAGED_MIN_NUMEL = optim8bit.PAGED_MIN_NUMEL
 
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTS = ("none", "4bit", "8bit")
+ATTNS = ("sdpa", "flash_attention_2")
+FLASH2 = "memfit_flash_attention_2"
+"""The name the flash-attn stand-in is registered under in transformers (the package itself
+needs a CUDA build, so it is never imported here)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class LoraSpec:
     """4-bit only: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
     adapters go on, as TRL's ``SFTTrainer`` and QLoRA's scripts do: every parameter that is not
     4-bit (embeddings, norms, the output head) cast to float32."""
+    attn: str = "sdpa"
+    """The attention: ``sdpa`` (transformers' default, torch's kernel choice) or
+    ``flash_attention_2`` (what the flash-attn package's path in transformers keeps)."""
 
     def check(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -89,6 +96,8 @@ class LoraSpec:
             raise TargetError(f"the 4-bit compute dtype is one of {', '.join(BASE_DTYPES)}, got {self.compute_dtype!r}")
         if self.kbit_prep and self.quant != "4bit":
             raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit too")
+        if self.attn not in ATTNS:
+            raise TargetError(f"the attention is one of {', '.join(ATTNS)}, got {self.attn!r}")
         if not self.targets or any(not t for t in self.targets):
             raise TargetError("give the LoRA target modules, e.g. q_proj,v_proj (or all-linear)")
 
@@ -154,11 +163,61 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
     _materialize(model)
     if spec.quant == "4bit":
         bnb4bit.materialize(model)
+    if spec.attn == "flash_attention_2":
+        _use_flash2(base, BASE_DTYPES[spec.base_dtype])
     if checkpointing:
         # as peft's recipes turn it on (prepare_model_for_kbit_training, the Trainer)
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
     return model
+
+
+def _flash2(dtype: torch.dtype) -> Callable[..., tuple[torch.Tensor, None]]:
+    """transformers' ``flash_attention_2`` path, as it holds memory, for an unpadded causal
+    batch: a float32 query, key and value cast to 16 bits (flash-attn takes nothing else;
+    transformers casts to the autocast dtype, else a quantized model's ``config.dtype``, which
+    is ``dtype`` here), grouped K/V passed as they are, and flash attention's kernel, which
+    keeps the output and its log-sum-exp, never the S x S scores. torch's flash kernel is the
+    same FlashAttention-2 algorithm and saves the same tensors; fake CUDA picks it for 16-bit,
+    unmasked, causal inputs."""
+
+    def forward(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None:
+            # padding would go through flash-attn's varlen path (unpad, attend, pad): not modelled
+            raise TargetError("the flash_attention_2 stand-in takes unpadded batches only (no attention mask)")
+        if query.dtype == torch.float32:
+            device = query.device.type
+            target = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtype
+            query, key, value = query.to(target), key.to(target), value.to(target)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=query.size(2) > 1, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    return forward
+
+
+def _use_flash2(base: nn.Module, dtype: torch.dtype) -> None:
+    """Attention through :func:`_flash2`'s function, registered with flash-attn's mask
+    function (no mask for an unpadded batch), on every config of ``base``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(FLASH2, _flash2(dtype))
+    AttentionMaskInterface.register(FLASH2, flash_attention_mask)
+    for module in base.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = FLASH2
 
 
 def lora_inputs(model: nn.Module, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -210,7 +269,9 @@ def lora_workload(
     total = sum(bnb4bit.values(p) for p in model.parameters())
     name = (
         f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
-        f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, batch {batch_size} x {seq_len}"
+        f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, "
+        + ("flash_attention_2 (stand-in), " if spec.attn == "flash_attention_2" else "")
+        + f"batch {batch_size} x {seq_len}"
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
