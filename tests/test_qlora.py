@@ -259,7 +259,6 @@ FLASH2_SCRIPT = textwrap.dedent(
             out[f"{prep}-{attn}"] = {
                 "allocated": prof.cuda_memory.allocated_peak_bytes,
                 "scores": sum(b.nbytes == heads * seq * seq * 4 for b in blocks),
-                "bf16_qkv": sum(b.nbytes == seq * 64 * 2 for b in blocks),
             }
     print("RESULT" + json.dumps(out))
     """
@@ -267,7 +266,7 @@ FLASH2_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_flash_attention_2_stand_in_keeps_no_scores_and_casts_float32_to_bf16(fake_cuda, tmp_path):
+def test_flash_attention_2_stand_in_keeps_no_scores(fake_cuda, tmp_path):
     # prepare_model_for_kbit_training makes the residual stream float32: torch's SDPA then has no
     # flash kernel for the grouped float32 query (the math path: S x S scores per head), while
     # transformers' flash_attention_2 path casts q, k, v to 16 bits and runs flash attention
@@ -278,6 +277,6 @@ def test_flash_attention_2_stand_in_keeps_no_scores_and_casts_float32_to_bf16(fa
     got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     sdpa, flash = got["True-sdpa"], got["True-flash_attention_2"]
     assert sdpa["scores"] > 0 and flash["scores"] == 0, got
-    assert flash["bf16_qkv"] > sdpa["bf16_qkv"] and flash["allocated"] < sdpa["allocated"], got
+    assert flash["allocated"] < sdpa["allocated"], got
     # a bfloat16 stream: SDPA already takes the flash kernel, and the stand-in changes no byte
     assert got["False-sdpa"] == got["False-flash_attention_2"], got
