@@ -55,30 +55,7 @@ def add_parser(sub: Any) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
     )
-    p.add_argument(
-        "--quant",
-        default="none",
-        choices=["none", "4bit", "8bit"],
-        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
-    )
-    p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
-    p.add_argument(
-        "--double-quant",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-        help="with --quant 4bit: quantize the absmax too (bnb_4bit_use_double_quant; default on, as QLoRA)",
-    )
-    p.add_argument(
-        "--compute-dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
-    )
-    p.add_argument(
-        "--kbit-prep",
-        action="store_true",
-        help="with --quant 4bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
-        "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
-    )
+    _quant_options(p)
     p.add_argument(
         "--attn",
         default="sdpa",
@@ -109,6 +86,34 @@ def add_parser(sub: Any) -> None:
     size_arg(p, "config override, e.g. num_hidden_layers=16")
     json_arg(p, "also write the answers as JSON")
     p.set_defaults(func=run, device=DEVICE, budget=None)
+
+
+def _quant_options(p: argparse.ArgumentParser) -> None:
+    """The flags of a quantized base (QLoRA): what bitsandbytes and peft are given."""
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=["none", "4bit", "8bit"],
+        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
+    )
+    p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
+    p.add_argument(
+        "--double-quant",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="with --quant 4bit: quantize the absmax too (bnb_4bit_use_double_quant; default on, as QLoRA)",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="with --quant 4bit: the dtype the weights are dequantized to for each matmul (default: --base-dtype)",
+    )
+    p.add_argument(
+        "--kbit-prep",
+        action="store_true",
+        help="with --quant 4bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
+        "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
+    )
 
 
 @contextlib.contextmanager
