@@ -651,7 +651,7 @@ def _span_labels(lane, t: Track, fontsize: float = 6) -> None:
     char_px = fontsize * 0.62 * lane.figure.dpi / 72
     for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
         free_from = float("-inf")  # pixels: where the last label on this row ended
-        for a, b, name, q in sorted(x for x in t.lane if x[3] is p):
+        for a, b, name, _phase in sorted(x for x in t.lane if x[3] is p):
             label = name.rpartition(".")[2] or name
             width, middle = len(label) * char_px, (a + b) / 2 * px_per_tick
             inside = (b - a) * px_per_tick >= width + 2
