@@ -337,11 +337,7 @@ def fit_trainer(
     if applied_choices(unwrap(model)) is not None:
         raise PlanError("the trainer's model already has a memfit plan applied; call memfit.remove(model) first")
     model_, batch, optimizer, what = trainer_step(trainer)
-    head = " with TRL's fused LM head (fused_lm_head=True, as SFTTrainer.compute_loss calls it)" if batch.get("fused_lm_head") else ""
-    say(
-        f"measuring the trainer's step: {type(unwrap(model_)).__name__}{head}, first batch of its dataloader, "
-        f"loss = outputs.loss, {what}"
-    )
+    say(_measuring(model_, batch, what))
     if mode == "plan":
         callback._fit_plan(args, model, optimizer, [batch], _NoMove())
         callback._fitted = True
@@ -375,6 +371,14 @@ def fit_trainer(
         + (f", measured {format_bytes(measured)} (memfit's ledger of the recipe's step run on the model)" if measured else "")
     )
     return callback
+
+
+def _measuring(model: torch.nn.Module, batch: Mapping[str, Any], what: str) -> str:
+    head = " with TRL's fused LM head (fused_lm_head=True, as SFTTrainer.compute_loss calls it)" if batch.get("fused_lm_head") else ""
+    return (
+        f"measuring the trainer's step: {type(unwrap(model)).__name__}{head}, first batch of its dataloader, "
+        f"loss = outputs.loss, {what}"
+    )
 
 
 class _NoMove:
