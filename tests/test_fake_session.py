@@ -4,17 +4,14 @@ what a warm-up step leaves (issue 27: ``memfit finetune`` under 30 s for a 7-8B 
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.measure import profile as profile_module
 from memfit.measure.checked import checked_step
-from memfit.measure.ledger import START_TICK, Category
-from memfit.measure.profile import fake_session, light_warm_up_held, profile_step
+from memfit.measure.profile import fake_session, light_warm_up_held, live_fake_storages, profile_step
 from memfit.measure.step import StepOptions, first_micro_batches
 from memfit.workload import resize_batch
 
@@ -96,21 +93,22 @@ def test_light_warm_up_profile_is_the_warm_up_steps(monkeypatch, make, light_hol
 
 
 def test_light_warm_up_check_can_fail():
-    """The check itself: other parameters with gradients, or a block born in the step that
-    outlives it, or one alive before it that it frees, is not the warm-up step's."""
+    """The check itself: other parameters with gradients, or a fake storage alive after the
+    step that was not before it, is not the warm-up step's; garbage is collected first."""
     torch.manual_seed(0)
     model = _mlp()
-    prof = profile_step(_step(model, torch.randn(8, 16)))
     params = list(model.parameters())
-    assert light_warm_up_held(params, params, prof.ledger)
-    assert not light_warm_up_held(params, params[:-1], prof.ledger)
-    blocks = prof.ledger.blocks
-    born = next(i for i, b in enumerate(blocks) if b.born != START_TICK and b.died is not None)
-    outlives = [*blocks[:born], dataclasses.replace(blocks[born], died=None), *blocks[born + 1 :]]
-    assert not light_warm_up_held(params, params, SimpleNamespace(blocks=outlives))
-    before = next(i for i, b in enumerate(blocks) if b.born == START_TICK and b.category is Category.PARAMETER)
-    freed = [*blocks[:before], dataclasses.replace(blocks[before], died=3), *blocks[before + 1 :]]
-    assert not light_warm_up_held(params, params, SimpleNamespace(blocks=freed))
+    with FakeTensorMode() as mode:
+        kept = torch.zeros(4)
+        before = live_fake_storages(mode)
+        cycle: list = [torch.zeros(8)]
+        cycle.append(cycle)  # garbage, held by a reference cycle only
+        del cycle
+        assert light_warm_up_held(params, params, before, live_fake_storages(mode))
+        assert not light_warm_up_held(params, params[:-1], before, live_fake_storages(mode))
+        made = torch.zeros(16)
+        assert not light_warm_up_held(params, params, before, live_fake_storages(mode))
+    del kept, made
 
 
 def test_one_session_answers_as_fresh_profiles():

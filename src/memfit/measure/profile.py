@@ -13,6 +13,7 @@ Everything the steps change is put back (see :mod:`memfit.measure.sandbox`).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections import defaultdict
@@ -668,11 +669,13 @@ class FakeSession:
             return None
         box = self.box
         box.use_inputs(at.args, at.kwargs, at.targets)
-        primed = None
+        primed, before = None, {}
         if self.steady is None and not box.optimizer.state:
             primed = light_warm_up(box) if self.light else None
             if primed is None:
                 run_step(box, self.scope, self.step.loss_fn)  # the warm-up step, once, at the first inputs asked for
+            else:
+                before = live_fake_storages(box.fake_mode)
         options, box.options = box.options, at.options
         seen: list[nn.Parameter] = []
         try:
@@ -680,7 +683,7 @@ class FakeSession:
         finally:
             box.options = options
         held = _held_bytes(ledger)
-        if primed is not None and not light_warm_up_held(primed, seen, ledger):
+        if primed is not None and not light_warm_up_held(primed, seen, before, live_fake_storages(box.fake_mode)):
             self.fresh_only = True
             return None
         if self.steady is None:
@@ -745,22 +748,29 @@ def light_warm_up(box: Sandbox) -> list[nn.Parameter] | None:
     return trainable
 
 
-def light_warm_up_held(primed: list[nn.Parameter], seen: list[nn.Parameter], ledger: Ledger) -> bool:
+def live_fake_storages(mode: Any) -> dict[int, Any]:
+    """Every storage of a fake tensor of ``mode`` that is alive, once garbage is collected
+    (reference cycles a step leaves, such as reentrant checkpointing's, included), by id."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    live = (o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode)  # type(): no __class__ lookup
+    return {id(s): s for s in (t.untyped_storage() for t in live)}
+
+
+def light_warm_up_held(
+    primed: list[nn.Parameter], seen: list[nn.Parameter], before: dict[int, Any], after: dict[int, Any]
+) -> bool:
     """Whether the step recorded after :func:`light_warm_up` is the one a warm-up step would
     have given: its backward reached exactly the parameters given gradients (so the same
-    optimizer state was made), and it is steady in the strict sense, no block but its inputs
-    born before it that it freed, none born in it that outlives it (a forward whose first
-    call makes or replaces state a later one keeps: the warm-up step would have made it).
+    optimizer state was made), and every fake storage alive after it (``after``,
+    :func:`live_fake_storages`) was alive before it (``before``): no state made or replaced
+    by a first forward that a later one keeps (the warm-up step would have made it).
     Not caught: a first forward that differs from later ones only in what it frees within
     the step (an initialisation from the data, in place)."""
     if {id(p) for p in primed} != {id(p) for p in seen} or len(primed) != len(seen):
         return False
-    for b in ledger.blocks:
-        if b.category is Category.INPUT:
-            continue
-        if (b.born == START_TICK) != (b.died is None):
-            return False
-    return True
+    return all(key in before for key in after)
 
 
 def _held_bytes(ledger: Ledger) -> tuple[int, int]:
