@@ -657,8 +657,9 @@ def _span_labels(lane, t: Track, fontsize: float = 6) -> None:
             inside = (b - a) * px_per_tick >= width + 2
             if middle - width / 2 < free_from + 3:
                 continue
-            lane.text((a + b) / 2, y + 0.5, label, fontsize=fontsize, ha="center", va="center",
-                      color="white" if inside else "black")
+            lane.text(
+                (a + b) / 2, y + 0.5, label, fontsize=fontsize, ha="center", va="center", color="white" if inside else "black"
+            )
             free_from = middle + width / 2
 
 
