@@ -17,7 +17,7 @@ $(BIN)/python:
 # files it installs takes about 100 CPU s: where PYTHONDONTWRITEBYTECODE=1 is set, nothing would
 # ever write the .pyc files, and every worker and child would compile torch again at import.)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet $(if $(strip $(TORCH)),"$(TORCH)") -e ".[hf,test,8bit,lightning,peft]"
+	$(BIN)/python -m pip install --quiet $(if $(strip $(TORCH)),"$(TORCH)") -e ".[hf,test,8bit,lightning,peft,torchtitan]"
 	@# torch_remat (the [remat] extra, pure Python, a second or two) only beside a torch >= 2.10, and with
 	@# --no-deps: its one requirement is torch, which must never be replaced here. Without it its tests skip.
 	$(BIN)/python -c "import sys, torch; sys.exit(tuple(int(x) for x in torch.__version__.split('.')[:2]) < (2, 10))" \

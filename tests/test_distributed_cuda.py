@@ -1,22 +1,15 @@
 """Per-rank fake CUDA: each rank's step on fake CUDA tensors over the fake process group, its
 ledger replayed through the caching-allocator model. Checked against the same rank on fake CPU
 tensors: the allocated peak is the CPU ledger's in CUDA's terms, every difference named. The
-shim must load before torch, so the steps run in one fresh interpreter (tests/test_fake_cuda.py)."""
+shim must load before torch, so the steps run in the session's fake-CUDA interpreter
+(tests/conftest.py's ``fake_cuda``; tests/test_fake_cuda.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-import memfit
-
-SRC = str(Path(memfit.__file__).resolve().parents[1])
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +49,7 @@ SCRIPT = textwrap.dedent(
         return Ledger([dataclasses.replace(b, stream=0) for b in ledger.blocks], ledger.ticks)
 
     out = {}
-    for arg in sys.argv[1:]:
+    for arg in SCHEMES:
         parallel, n = arg.split(":")
         n = int(n)
         cpu = profile_ranks(work(parallel), world_size=n, ranks=(0,))
@@ -81,17 +74,17 @@ SCRIPT = textwrap.dedent(
     with redirect_stdout(text):
         code = main(["profile", "llama", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2", *sizes,
                      "--world-size", "2", "--ranks", "all", "--device", "fake-cuda", "--gpu", "H100-80GB",
-                     "--json", sys.argv[0] + ".json"])
-    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(sys.argv[0] + ".json"))}
+                     "--json", BASE + ".json"])
+    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(BASE + ".json"))}
     # how many ranks for a GPU's memory: NCCL's estimate comes off the budget at each size tried
     from memfit.cuda.gpu import CUDA_CONTEXT
     capacity = out["cli"]["json"]["reserved_peak_bytes"] + CUDA_CONTEXT.bytes + 544 * 2**20  # just fits 2 ranks
     with redirect_stdout(io.StringIO()):
         code = main(["plan", "llama", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2", *sizes,
                      "--min-world-size", "--world-sizes", "2,4", "--device", "fake-cuda", "--capacity", f"{capacity}B",
-                     "--json", sys.argv[0] + ".mws.json"])
+                     "--json", BASE + ".mws.json"])
     out["mws"] = {"code": code, "capacity": capacity, "context": CUDA_CONTEXT.bytes,
-                  "json": json.load(open(sys.argv[0] + ".mws.json"))}
+                  "json": json.load(open(BASE + ".mws.json"))}
     # a plan per rank whose budget is a GPU's memory (--capacity): less the CUDA context and NCCL estimates
     # (activations large enough for recompute to matter against the 2 x 32 MiB cuBLAS workspaces)
     big = dict(SIZES, hidden_size=256, intermediate_size=1024, vocab_size=256, seq_len=1024)
@@ -101,8 +94,8 @@ SCRIPT = textwrap.dedent(
     with redirect_stdout(io.StringIO()):
         code = main(["plan", "llama", *(a for k, v in big.items() for a in ("--size", f"{k}={v}")), "--batch-size", "4",
                      "--world-size", "2", "--device", "fake-cuda", "--capacity", f"{capacity}B",
-                     "--json", sys.argv[0] + ".plan.json"])
-    plan = json.load(open(sys.argv[0] + ".plan.json"))
+                     "--json", BASE + ".plan.json"])
+    plan = json.load(open(BASE + ".plan.json"))
     # the plan's rank-0 figures (the run that verified it) against rank 0 profiled afresh with it
     from memfit.plan.distributed import planned
     w = memfit.load_target("llama", batch_size=4, sizes=big)
@@ -154,15 +147,13 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def result(shim_cache, tmp_path_factory) -> dict:
+def result(fake_cuda, tmp_path_factory) -> dict:
+    # in the session's fake-CUDA interpreter (conftest; PYTORCH_CUDA_ALLOC_CONF unset there, as
+    # the script needs): not a fresh one, whose start-up of torch, memfit and transformers was
+    # a tenth of this fixture's CPU seconds
     pytest.importorskip("transformers")
-    script = tmp_path_factory.mktemp("ranks") / "ranks.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    done = subprocess.run(
-        [sys.executable, str(script), *SCHEMES], env=env, capture_output=True, text=True, timeout=1200
-    )
+    base = tmp_path_factory.mktemp("ranks") / "ranks"
+    done = fake_cuda.script(f"SCHEMES = {list(SCHEMES)!r}\nBASE = {str(base)!r}\n" + SCRIPT, timeout=1200)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, done.stderr[-3000:]
     return json.loads(line[len("RESULT") :])

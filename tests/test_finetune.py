@@ -7,15 +7,11 @@ fresh profiles one size above and at the answer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-import memfit
 from memfit.cli import main
 
 CONFIG = {
@@ -68,7 +64,6 @@ SCRIPT = textwrap.dedent(
     import peft, transformers
     from memfit.cli import main
     from memfit.measure.ledger import Category
-    cfg, out = sys.argv[1], sys.argv[2]
     common = ["finetune", cfg, "--seq-len", "64", "--batch-size", "2", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
               "--gpu", "T4", "--capacity", "536MiB"]
     assert main([*common, "--max", "batch", "--json", out + ".batch"]) == 0
@@ -100,15 +95,13 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_config_json_answers_as_the_peft_model_built_by_hand(tmp_path, shim_cache):
+def test_config_json_answers_as_the_peft_model_built_by_hand(tmp_path, fake_cuda):
     pytest.importorskip("peft")
     cfg = _config(tmp_path)
     out = tmp_path / "answer.json"
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "MEMFIT_FAKE_CUDA": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(memfit.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(cfg), str(out)], env=env, capture_output=True, text=True, timeout=900
-    )
+    # in the session's fake-CUDA interpreter (conftest), not a fresh one: one start-up of torch,
+    # memfit, transformers and peft less
+    done = fake_cuda.script(f"cfg, out = {str(cfg)!r}, {str(out)!r}\n" + SCRIPT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     answers = {k: json.loads(Path(f"{out}.{k}").read_text()) for k in ("batch", "seq", "over")}

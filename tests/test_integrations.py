@@ -49,32 +49,43 @@ def _one_thread():
 # -- import hygiene ---------------------------------------------------------------------
 
 
-def test_import_memfit_loads_no_framework():
+@pytest.fixture(scope="module")
+def imports() -> list[str]:
+    """What a fresh interpreter prints for the two tests below, from one interpreter: first
+    after ``import memfit, memfit.integrations`` alone, then (where transformers and
+    Lightning are installed) after each integration beside its framework. One start-up of
+    torch and memfit instead of two; the first check runs before any framework is imported."""
+    import importlib.util
+
     code = (
         "import sys, memfit, memfit.integrations\n"
         "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
+    if all(importlib.util.find_spec(m) for m in ("transformers", "lightning")):
+        code += (
+            "import transformers\n"
+            "import memfit.integrations.transformers\n"
+            "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules)\n"
+            "import lightning.pytorch\n"
+            "before = set(sys.modules)\n"
+            "import memfit.integrations.lightning\n"
+            "print(sorted(m for m in set(sys.modules) - before if not m.startswith('memfit')))\n"
+        )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    return out.stdout.split("\n")
 
 
-def test_each_integration_imports_only_its_framework():
+def test_import_memfit_loads_no_framework(imports):
+    assert imports[0].strip() == ""
+
+
+def test_each_integration_imports_only_its_framework(imports):
     """What memfit's integration adds over importing the framework itself (Lightning may
     load transformers on its own, when installed): nothing of the other framework."""
     pytest.importorskip("transformers")
     pytest.importorskip("lightning")
-    code = (
-        "import sys, transformers\n"
-        "import memfit.integrations.transformers\n"
-        "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules)\n"
-        "import lightning.pytorch\n"
-        "before = set(sys.modules)\n"
-        "import memfit.integrations.lightning\n"
-        "print(sorted(m for m in set(sys.modules) - before if not m.startswith('memfit')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["False False", "[]"]
+    assert imports[1:3] == ["False False", "[]"]
 
 
 # -- transformers -----------------------------------------------------------------------

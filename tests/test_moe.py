@@ -11,9 +11,6 @@ import copy
 import importlib.util
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -87,12 +84,13 @@ def test_cli_plans_a_moe_step_without_a_traceback(capsys):
     assert "Traceback" not in out.out + out.err and "predicted peak" in out.out
 
 
-def test_a_moe_step_profiles_and_plans_on_fake_cuda(shim_cache, tmp_path):
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": str(ROOT / "src")}
-    env.pop("MEMFIT_FAKE_CUDA", None)
+def test_a_moe_step_profiles_and_plans_on_fake_cuda(fake_cuda, tmp_path):
+    # in the session's fake-CUDA interpreter (conftest): `python -m memfit ... --device fake-cuda`
+    # relaunching itself with the shim is test_fake_cuda's test_cli_profiles_a_transformer_on_fake_cuda;
+    # a fresh one here cost two more start-ups of torch and memfit for the same step
     prof = tmp_path / "p.json"
-    args = [sys.executable, "-m", "memfit", "plan", f"{WORKLOAD}:qwen_moe", "--device", "fake-cuda", "--budget", "0%"]
-    done = subprocess.run([*args, "--profile", str(prof)], env=env, capture_output=True, text=True, timeout=600)
+    args = ["plan", f"{WORKLOAD}:qwen_moe", "--device", "fake-cuda", "--budget", "0%"]
+    done = fake_cuda.cli([*args, "--profile", str(prof)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr and "fake:cuda:0" in done.stdout
     data = json.loads(prof.read_text())

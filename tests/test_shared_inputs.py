@@ -7,9 +7,6 @@ inputs") after the whole profile had run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +16,6 @@ from memfit.compat import torch_compat as _torch_compat
 from memfit.measure.inputs import input_bytes, map_shared
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = str(ROOT / "src")
 WORKLOAD = str(ROOT / "benchmarks" / "workloads" / "llama_same_ids.py")
 
 
@@ -61,7 +57,7 @@ SCRIPT = textwrap.dedent(
     """
     import importlib.util, json, sys, memfit
     from memfit.measure.ledger import Category
-    spec = importlib.util.spec_from_file_location("wl", sys.argv[1])
+    spec = importlib.util.spec_from_file_location("wl", WORKLOAD)
     wl = importlib.util.module_from_spec(spec); spec.loader.exec_module(wl)
     w = wl.llama_same_ids()
     prof = memfit.profile(w.model, w.inputs, loss_fn=w.loss_fn, fake="cuda")
@@ -73,12 +69,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_same_tensor_twice_plans_on_fake_cuda(shim_cache):
+def test_the_same_tensor_twice_plans_on_fake_cuda(fake_cuda):
     """Fails on the main of 2025-11 (d2092c6): PlanError, 2048 bytes of inputs against 1024."""
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, WORKLOAD], env=env, capture_output=True, text=True, timeout=600
-    )
+    # in the session's fake-CUDA interpreter (conftest), not a fresh one: one start-up of torch
+    # and memfit less for a step of milliseconds
+    done = fake_cuda.script(f"WORKLOAD = {WORKLOAD!r}\n" + SCRIPT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
     assert result["inputs"] == [1024]  # ids (2 x 64 int64) once, as the real step holds them

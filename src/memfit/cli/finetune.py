@@ -17,7 +17,7 @@ from rich.console import Console
 
 import memfit
 from memfit import zoo
-from memfit.cli.common import profile_work, require_device
+from memfit.cli.common import require_device
 from memfit.cli.options import batch_size_arg, gpu_options, json_arg, read_budget, size_arg
 from memfit.errors import TargetError
 
@@ -207,11 +207,11 @@ def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.report.console import render_profile, status
+    from memfit.report.console import status
 
     spec, budget, label = _checked(ns)
     try:
-        from memfit.integrations.finetune import lora_workload
+        from memfit.integrations.finetune import lora_session, lora_workload
     except ImportError as exc:
         raise TargetError(
             f"memfit finetune needs transformers and peft ({exc.name} is missing): pip install 'memfit[hf,peft]'"
@@ -229,8 +229,17 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             optim=ns.optim,
         )
     require_device(DEVICE)
-    spec_gpu, capacity = _gpu(ns)
-    prof = profile_work(work, DEVICE, console, gpu=spec_gpu, capacity=capacity)
+    # one fake copy of the step answers every question (read_budget set the GPU it simulates)
+    with lora_session(work) as session:
+        return _answer(ns, work, session, budget, label, console)
+
+
+def _answer(ns: argparse.Namespace, work: memfit.Workload, session: Any, budget: int, label: str, console: Console) -> int:
+    from memfit.report.console import progress_bar, render_profile
+
+    _, capacity = _gpu(ns)
+    with progress_bar(console, f"profiling {work.name}") as progress:
+        prof = session.profile(progress, capacity=capacity)
     render_profile(prof, console, title=work.name, top=4)
     out: dict[str, Any] = {"workload": work.name, "budget": label, "budget_bytes": budget, "profile": prof.to_dict(ledger=False)}
     paged = work.meta.get("paged_optimizer_state_bytes", 0)
@@ -245,9 +254,11 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         )
     fits = prof.budget_peak_bytes <= budget
     if ns.max:
-        out["max"] = _largest(ns, work, budget, console)
+        # the profile's own peak is the search's first size
+        known = {ns.batch_size if ns.max == "batch" else ns.seq_len: prof.budget_peak_bytes}
+        out["max"] = _largest(ns, work, session, budget, console, known)
     if not fits and not ns.no_levers:
-        out["recipe"] = _levers(ns, work, budget, label, console)
+        out["recipe"] = _levers(ns, work, session, budget, label, console)
     if ns.json:
         Path(ns.json).write_text(json.dumps(out))
         console.print(f"wrote {ns.json}")
@@ -266,21 +277,20 @@ def _gpu(ns: argparse.Namespace) -> tuple[Any, int | None]:
     return gpu_args(ns)
 
 
-def _largest(ns: argparse.Namespace, work: memfit.Workload, budget: int, console: Console) -> dict[str, Any]:
+def _largest(
+    ns: argparse.Namespace, work: memfit.Workload, session: Any, budget: int, console: Console, known: dict[int, int]
+) -> dict[str, Any]:
     """``--max batch|seq``: the largest size whose step, as it is, fits; from exact fake-CUDA reserved peaks."""
-    from memfit.integrations.finetune import largest_seq_len
-    from memfit.levers.max_batch import largest_batch
+    from memfit.integrations.finetune import largest_batch, largest_seq_len
     from memfit.report.console import progress_bar
 
     what = "batch" if ns.max == "batch" else "sequence length"
     with progress_bar(console, f"largest {what}") as progress:
         if ns.max == "batch":
-            found = largest_batch(
-                work.model, work.inputs, budget, optimizer=work.make_optimizer(), multiple_of=ns.multiple_of, fake="cuda"
-            )
+            found = largest_batch(session, work, budget, multiple_of=ns.multiple_of, known=known)
         else:
             limit = getattr(work.model.config, "max_position_embeddings", None)
-            found = largest_seq_len(work, budget, multiple_of=ns.multiple_of, progress=progress, limit=limit)
+            found = largest_seq_len(session, work, budget, multiple_of=ns.multiple_of, progress=progress, limit=limit, known=known)
     at = f"at {ns.seq_len} tokens" if ns.max == "batch" else f"at batch {ns.batch_size}"
     if found.max_batch == 0:
         console.print(f"largest {what} {at} that fits {memfit.format_bytes(budget)}: [bold]none[/] (not even {ns.multiple_of})")
@@ -293,13 +303,15 @@ def _largest(ns: argparse.Namespace, work: memfit.Workload, budget: int, console
     return {"what": ns.max, **found.to_dict()}
 
 
-def _levers(ns: argparse.Namespace, work: memfit.Workload, budget: int, label: str, console: Console) -> dict[str, Any]:
+def _levers(
+    ns: argparse.Namespace, work: memfit.Workload, session: Any, budget: int, label: str, console: Console
+) -> dict[str, Any]:
     """The step does not fit: the cheapest levers that do, on fake CUDA (micro-batches, then a recompute plan)."""
     from memfit.integrations.finetune import levers_that_fit
     from memfit.report.console import progress_bar
 
     with progress_bar(console, "the levers that fit") as progress:
-        found = levers_that_fit(work, budget, progress=progress)
+        found = levers_that_fit(session, work, budget, progress=progress)
     fmt = memfit.format_bytes
     for row in found["tried"]:
         console.print(f"  micro-batches x{row['micro_batches']}: reserved peak {fmt(row['peak_bytes'])}", highlight=False)

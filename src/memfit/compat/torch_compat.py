@@ -145,6 +145,33 @@ def composable_state_keys() -> frozenset[str]:
     return frozenset(k for k in keys if isinstance(k, str))
 
 
+def reset_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2's modules of ``model`` as a finished step leaves them, after a forward or backward
+    that raised part way: torch's own recovery (``reset_iter_state`` on the root: in-flight
+    reduce-scatter buffers and per-iteration trackers dropped), the gradients that backward
+    had left on unsharded parameters dropped (their post-backward, which would have reduced
+    and freed them, never ran; torch's recovery keeps them), every module resharded. Nothing
+    on a model without FSDP2."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if fsdp and hasattr(fsdp[0], "reset_iter_state"):
+        try:
+            fsdp[0].reset_iter_state()  # the outermost: the root, once a forward has run
+        except RuntimeError:
+            pass  # no root yet (the first forward failed before FSDP's lazy init): nothing in flight
+    for module in fsdp:
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+        module.reshard()
+
+
 def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -186,8 +213,19 @@ for _name, _fn in (
 
 
 def _conv_backward_flops(
-    grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed, _output_padding, _groups,
-    output_mask, out_shape=None, **kwargs,
+    grad_out_shape,
+    x_shape,
+    w_shape,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    transposed,
+    _output_padding,
+    _groups,
+    output_mask,
+    out_shape=None,
+    **kwargs,
 ) -> int:
     """FLOPs of a convolution's backward, groups counted. torch's formula counts grad_weight
     as one convolution over every input channel, ignoring groups: ``groups`` times too high,
@@ -454,6 +492,7 @@ class AllocationTrace:
         """For each region whose name starts with ``prefix``: the bytes it allocated on
         ``device_type`` (frees not subtracted)."""
         return {name: sum(s for s in sizes if s > 0) for name, sizes in self._regions(prefix, device_type).items()}
+
 
 def current_autograd_node() -> tuple[int, str] | None:
     """The autograd node whose backward is running on this thread, as (identity, name:

@@ -17,7 +17,8 @@ weights and quantization state in the ledger, and peft wraps them with its 4-bit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +30,22 @@ from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
 from memfit.measure.checked import checked_step
-from memfit.measure.profile import fake_peaks, profile
-from memfit.measure.step import StepOptions
+from memfit.measure.profile import FakeSession, fake_session
+from memfit.measure.step import StepOptions, first_micro_batches
 from memfit.plan.planner import plan as make_plan
-from memfit.workload import Where, Workload
+from memfit.workload import Where, Workload, resize_batch
 
-__all__ = ["LoraSpec", "lora_workload", "largest_seq_len", "levers_that_fit", "BASE_DTYPES", "QUANTS", "PAGED_MIN_NUMEL"]
+__all__ = [
+    "LoraSpec",
+    "lora_workload",
+    "lora_session",
+    "largest_batch",
+    "largest_seq_len",
+    "levers_that_fit",
+    "BASE_DTYPES",
+    "QUANTS",
+    "PAGED_MIN_NUMEL",
+]
 
 PAGED_MIN_NUMEL = optim8bit.PAGED_MIN_NUMEL
 
@@ -275,6 +286,7 @@ def lora_workload(
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
+    meta["checkpointing"] = checkpointing
     meta["optim"] = optim
     adapters = [p for p in model.parameters() if p.requires_grad]
     meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
@@ -301,47 +313,79 @@ def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def lora_session(work: Workload, *, fake: bool | str | Where = Where.FAKE_CUDA) -> Iterator[FakeSession]:
+    """One fake copy of the fine-tune's step for every question asked of it (its profile, the
+    largest batch or sequence, the levers): copied and warmed up once, each answer one
+    recorded step (:class:`memfit.measure.profile.FakeSession`). Warmed up lightly (the
+    optimizer's state made without a forward and backward: :func:`~memfit.measure.profile.light_warm_up`),
+    checked against what a warm-up step leaves; where it is not the same, fresh profiles.
+    A fake step of a 7-8B model is ~10,000 dispatched ops and most of the answer's time.
+    Not with transformers' (reentrant) gradient checkpointing: its steps leave the last layer
+    call's arguments alive after them, which the check cannot tell from state a first forward
+    makes, so a light warm-up would only add a fresh profile; the warm-up step is run there."""
+    step = checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, targets=work.targets)
+    with fake_session(step, light=not work.meta.get("checkpointing", False)) as session:
+        yield session
+
+
+def _seeded(peak: Callable[[int], int], known: Mapping[int, int] | None) -> Callable[[int], int]:
+    """``peak``, answering the sizes already measured (the profile's own) without a step."""
+    seen = dict(known or {})
+    return lambda n: seen[n] if n in seen else peak(n)
+
+
+def largest_batch(
+    session: FakeSession, work: Workload, budget: int, *, multiple_of: int = 1, known: Mapping[int, int] | None = None
+) -> BatchLimit:
+    """The largest batch (at the workload's sequence length) whose step, as it is, peaks within
+    ``budget``: :func:`memfit.levers.max_batch.largest_batch`'s search on ``session``;
+    ``known``: peaks measured already, by batch (the profile's)."""
+    inputs = work.inputs
+    return largest_size(
+        _seeded(lambda b: session.peak(resize_batch(inputs, b)), known), budget, inputs["input_ids"].shape[0], multiple_of
+    )
+
+
 def largest_seq_len(
+    session: FakeSession,
     work: Workload,
     budget: int,
     *,
     multiple_of: int = 1,
-    fake: bool | str | Where = Where.FAKE_CUDA,
     progress: Callable[[str, int, int], None] | None = None,
     limit: int | None = None,
+    known: Mapping[int, int] | None = None,
 ) -> BatchLimit:
     """The longest sequence (a multiple of ``multiple_of``) whose step, as it is, at the
     workload's batch peaks within ``budget`` (on CUDA, real or fake: the reserved peak), from
-    exact fake-tensor peaks: the search of :func:`memfit.levers.max_batch.largest_batch` along
-    the sequence, up to ``limit`` tokens (the model's ``max_position_embeddings``, say).
-    ``max_batch`` of the answer is that length (0: not even ``multiple_of`` fits)."""
+    exact fake-tensor peaks on ``session``: the search of :func:`memfit.levers.max_batch.largest_batch`
+    along the sequence, up to ``limit`` tokens (the model's ``max_position_embeddings``, say).
+    ``max_batch`` of the answer is that length (0: not even ``multiple_of`` fits); ``known``:
+    peaks measured already, by length (the profile's)."""
     inputs = work.inputs
     start = inputs["input_ids"].shape[1]
     report = progress or (lambda desc, done, total: None)
-    optimizer = work.make_optimizer()
-    with fake_peaks(checked_step(work.model, inputs, loss_fn=work.loss_fn, optimizer=optimizer, fake=fake)) as peak_at:
 
-        def peak(n: int) -> int:
-            report(f"fake-tensor profile at {n} tokens", 0, 0)
-            return peak_at(_cut(inputs, n), None)
+    def peak(n: int) -> int:
+        report(f"fake-tensor profile at {n} tokens", 0, 0)
+        return session.peak(_cut(inputs, n))
 
-        if limit is None:
-            return largest_size(peak, budget, start, multiple_of)
-        return largest_size(peak, budget, start, multiple_of, limit=limit)
+    if limit is None:
+        return largest_size(_seeded(peak, known), budget, start, multiple_of)
+    return largest_size(_seeded(peak, known), budget, start, multiple_of, limit=limit)
 
 
 def levers_that_fit(
-    work: Workload,
-    budget: int,
-    *,
-    fake: bool | str | Where = Where.FAKE_CUDA,
-    progress: Callable[[str, int, int], None] | None = None,
+    session: FakeSession, work: Workload, budget: int, *, progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, Any]:
     """The cheapest levers that make the step fit ``budget``, on fake tensors only: micro-batches
-    first (the same compute, in pieces), the fewest that fit; else memfit's recompute plan at
-    the most micro-batches tried (the least extra compute that fits). Not :func:`memfit.fit`:
-    that one probes the loss and times candidates on real tensors, which for a model built from
-    a config would touch weights never written (16 GB for an 8B base) and time garbage.
+    first (the same compute, in pieces), the fewest that fit, each one recorded step on
+    ``session`` (of 4 or more, its first three: :func:`memfit.measure.step.first_micro_batches`,
+    the whole step's peak); else memfit's recompute plan at the most micro-batches tried (the
+    least extra compute that fits). Not :func:`memfit.fit`: that one probes the loss and times
+    candidates on real tensors, which for a model built from a config would touch weights never
+    written (16 GB for an 8B base) and time garbage.
 
     Returns ``{"micro_batches": k, "peak_bytes": ..., "tried": [...]}`` and, with a plan,
     ``"plan"`` (its dict); ``{"fits": False, "why": ...}`` when nothing tried fits."""
@@ -351,14 +395,17 @@ def levers_that_fit(
     k = 1
     for k in (n for n in (2, 4, 8, 16, 32, 64, 128) if n <= batch and batch % n == 0):
         report(f"micro-batches x{k} on fake tensors", 0, 0)
-        prof = profile(work.model, work.inputs, optimizer=work.make_optimizer(), fake=fake, step=StepOptions(micro_batches=k))
-        tried.append({"micro_batches": k, "peak_bytes": prof.budget_peak_bytes})
-        if prof.budget_peak_bytes <= budget:
-            return {"fits": True, "micro_batches": k, "peak_bytes": prof.budget_peak_bytes, "tried": tried}
+        with first_micro_batches(3):
+            peak = session.peak(micro_batches=k)
+        tried.append({"micro_batches": k, "peak_bytes": peak})
+        if peak <= budget:
+            return {"fits": True, "micro_batches": k, "peak_bytes": peak, "tried": tried}
     report("recompute plan on fake tensors", 0, 0)
     step = StepOptions(micro_batches=k) if k > 1 else None
     try:
-        plan = make_plan(work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=fake, step=step)
+        plan = make_plan(
+            work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=session.step.where, step=step
+        )
     except BudgetInfeasibleError as exc:
         return {"fits": False, "why": str(exc), "tried": tried}
     return {"fits": True, "micro_batches": k, "peak_bytes": plan.predicted_peak_bytes, "tried": tried, "plan": plan.to_dict()}

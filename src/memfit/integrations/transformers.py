@@ -50,7 +50,7 @@ from memfit.recompute.checkpoint import applied_choices, unwrap
 from memfit.units import format_bytes
 from memfit.workload import Where
 
-__all__ = ["MemfitCallback", "fit_trainer", "trainer_step"]
+__all__ = ["MemfitCallback", "fit_trainer", "trainer_step", "step_inputs", "fused_lm_head"]
 
 _TRAINER_LEVERS = ("8bit",)
 """Opt-in levers fit_trainer can still set on a built Trainer (``optim``, read when train()
@@ -71,6 +71,50 @@ def _first_batch(trainer: Any, loader: Iterable | None = None) -> dict[str, Any]
             "Trainer.compute_loss runs, model(**batch)"
         )
     return dict(batch)  # a BatchEncoding is a UserDict
+
+
+def fused_lm_head(model: torch.nn.Module) -> bool:
+    """Whether TRL has patched the model's forward with its fused LM head
+    (``trl.trainer.utils.add_fused_lm_head``, which ``SFTTrainer`` applies to the model it
+    trains, under peft's wrapper if any): ``model(..., fused_lm_head=True)`` then scores the
+    labels in chunks of the vocabulary instead of making the logits, which is the step
+    ``SFTTrainer.compute_loss`` runs, and other memory than ``model(**batch).loss``."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    forward = vars(base).get("forward")
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    return code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
+def step_inputs(model: torch.nn.Module, batch: dict[str, Any], trainer: Any = None) -> dict[str, Any]:
+    """The keyword arguments the trainer's ``compute_loss`` calls the model with, from a
+    batch of its dataloader: the batch itself for transformers' Trainer; for TRL's
+    ``SFTTrainer`` (a model with its fused LM head) also ``use_cache=False`` and
+    ``fused_lm_head=True`` (and ``output_router_logits`` for a MoE's auxiliary loss), whose
+    output's ``loss`` is the loss it trains on. ``trainer``, when known, is checked for the
+    SFTTrainer losses that run the model otherwise (a ``compute_loss_func``, label smoothing,
+    ``loss_type="dft"``): refused in one line."""
+    if not fused_lm_head(model):
+        return batch
+    if trainer is not None:
+        kind = type(trainer).__name__
+        if kind != "SFTTrainer":
+            raise WorkloadError(
+                f"{kind} (TRL) runs another step than model(**batch).loss (several forwards, a reference model): memfit "
+                "measures transformers' Trainer and TRL's SFTTrainer"
+            )
+        if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
+            raise WorkloadError(
+                "this SFTTrainer computes its loss from the full logits (compute_loss_func or label_smoothing_factor): "
+                "memfit measures SFTTrainer's default loss, its fused LM head; drop them to measure"
+            )
+        loss_type = getattr(trainer.args, "loss_type", "nll")
+        if loss_type != "nll":
+            raise WorkloadError(f"SFTConfig(loss_type={loss_type!r}): memfit measures SFTTrainer's default loss_type='nll'")
+    out = {**batch, "use_cache": False, "fused_lm_head": True}
+    if getattr(trainer, "aux_loss_enabled", False):
+        out["output_router_logits"] = True
+    return out
 
 
 def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -96,10 +140,11 @@ def _optimizer(trainer: Any) -> tuple[torch.optim.Optimizer, str]:
 
 def trainer_step(trainer: Any) -> tuple[torch.nn.Module, dict[str, Any], torch.optim.Optimizer, str]:
     """The step a Trainer runs, as memfit measures it: the model, the first batch of the
-    train dataloader (on the device), the optimizer and what that optimizer is. The loss
-    is memfit's default, ``output.loss``, as ``Trainer.compute_loss`` takes it."""
+    train dataloader (on the device; for TRL's SFTTrainer with the keywords its
+    ``compute_loss`` adds: :func:`step_inputs`), the optimizer and what that optimizer is.
+    The loss is memfit's default, ``output.loss``, as ``Trainer.compute_loss`` takes it."""
     optimizer, what = _optimizer(trainer)
-    return trainer.model, _first_batch(trainer), optimizer, what
+    return trainer.model, step_inputs(trainer.model, _first_batch(trainer), trainer), optimizer, what
 
 
 def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -187,7 +232,7 @@ class MemfitCallback(TrainerCallback):
         _checkpointing_off(args, model, self.say)
         if applied_choices(unwrap(model)) is not None:
             raise PlanError("the trainer's model already has a memfit plan applied; call memfit.remove(model) first")
-        batch = _first_batch(trainer, loader)
+        batch = step_inputs(model, _first_batch(trainer, loader))
         opt = _plain_optimizer(optimizer)
         found = make_plan(model, batch, self.budget, optimizer=opt, fake=self.where)
         self.plan = found
@@ -294,9 +339,7 @@ def fit_trainer(
     if applied_choices(unwrap(model)) is not None:
         raise PlanError("the trainer's model already has a memfit plan applied; call memfit.remove(model) first")
     model_, batch, optimizer, what = trainer_step(trainer)
-    say(
-        f"measuring the trainer's step: {type(unwrap(model_)).__name__}, first batch of its dataloader, loss = outputs.loss, {what}"
-    )
+    say(_measuring(model_, batch, what))
     if mode == "plan":
         callback._fit_plan(args, model, optimizer, [batch], _NoMove())
         callback._fitted = True
@@ -330,6 +373,14 @@ def fit_trainer(
         + (f", measured {format_bytes(measured)} (memfit's ledger of the recipe's step run on the model)" if measured else "")
     )
     return callback
+
+
+def _measuring(model: torch.nn.Module, batch: Mapping[str, Any], what: str) -> str:
+    head = " with TRL's fused LM head (fused_lm_head=True, as SFTTrainer.compute_loss calls it)" if batch.get("fused_lm_head") else ""
+    return (
+        f"measuring the trainer's step: {type(unwrap(model)).__name__}{head}, first batch of its dataloader, "
+        f"loss = outputs.loss, {what}"
+    )
 
 
 class _NoMove:

@@ -64,7 +64,7 @@ def map_shared(convert: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> An
     leaves, spec = tree_flatten(tree)
     groups = _groups(leaves)
     made: dict[int, Any] = {}
-    for key, ts in groups.items():
+    for ts in groups.values():
         if len(ts) == 1:
             continue  # one tensor met more than once: copied once below
         lo = min(_span(t)[0] for t in ts)

@@ -13,6 +13,7 @@ Everything the steps change is put back (see :mod:`memfit.measure.sandbox`).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections import defaultdict
@@ -41,7 +42,7 @@ from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
 from memfit.workload import Where
 
-__all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT"]
+__all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT", "fake_session", "FakeSession", "fake_peaks"]
 
 PROFILE_FORMAT = "memfit.profile/1"
 
@@ -515,13 +516,20 @@ def _device_fit(prof: Profile, capacity: int | None, spec: gpus.GpuSpec | None =
     )
 
 
-def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = False) -> Profile:
+def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = False, light: bool = False) -> Profile:
     """:func:`profile` of a checked step; with ``warm``, a real profile skips its warm-up step
     when the optimizer has state already and the process has run the step (the planner
-    profiles inside its verifier's sandbox, whose first step was that warm-up)."""
-    model, loss_fn, options, device, step_device = step.model, step.loss_fn, step.options, step.device, step.step_device
+    profiles inside its verifier's sandbox, whose first step was that warm-up). With
+    ``light``, a fake profile warms up as :func:`light_warm_up` does (the same profile, one
+    fake step fewer), and runs again with the whole warm-up step when that cannot be shown
+    to be the same."""
+    if light and step.fake:
+        with fake_session(step, light=True) as session:
+            return session.profile(progress)
+    model, loss_fn, options, device = step.model, step.loss_fn, step.options, step.device
     fake = step.fake
-    settings = allocator_settings_from_env() if step.cuda else None
+    if step.cuda:
+        allocator_settings_from_env()  # a PYTORCH_CUDA_ALLOC_CONF it cannot read is refused before any step runs
     report = progress or (lambda desc, done, total: None)
     total = 2 if fake else 3
 
@@ -566,6 +574,22 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
+    return _profile_of(step, ledger, flops, modules, use_cache_off, (step_time, tuple(step_times)), measured)
+
+
+def _profile_of(
+    step: Step,
+    ledger: Ledger,
+    flops: dict[tuple[Phase, str | None], int],
+    modules: dict[str, ModuleStats],
+    use_cache_off: tuple[str, ...],
+    times: tuple[float | None, tuple[float, ...]] = (None, ()),
+    measured: tuple[int, int] | None = None,
+) -> Profile:
+    """The :class:`Profile` of ``step`` from its recorded step (``times``: the step time and
+    the timed steps' times, real steps only; ``measured``: a real GPU's own peaks)."""
+    fake = step.fake
+    settings = allocator_settings_from_env() if step.cuda else None
     cuda_memory = None
     if settings is not None:
         cuda_memory = model_cuda_memory(ledger, settings)
@@ -581,14 +605,14 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
         workspaces={} if fake else workspace.TABLE.texts(),
         ledger=ledger,
         modules=modules,
-        device=f"fake:{step_device}" if fake else str(device),
+        device=f"fake:{step.step_device}" if fake else str(step.device),
         fake=fake,
         time_source="omitted" if fake else "measured",
-        step_time_s=step_time,
-        step_times_s=tuple(step_times),
-        model_type=type(model).__name__,
+        step_time_s=times[0],
+        step_times_s=times[1],
+        model_type=type(step.model).__name__,
         step_flops=sum(flops.values()),
-        step=options,
+        step=step.options,
         use_cache_off=use_cache_off,
         cuda_memory=cuda_memory,
     )
@@ -597,41 +621,164 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
 
 
 @contextmanager
-def fake_peaks(step: Step) -> Iterator[Callable[[Any, Any], int]]:
+def fake_peaks(step: Step, *, light: bool = False) -> Iterator[Callable[..., int]]:
     """``peak(inputs, targets)``: :attr:`Profile.budget_peak_bytes` of the step at other
-    inputs (another batch size), recorded on one fake copy of the step warmed up once.
+    inputs (another batch size), recorded on one fake copy of the step warmed up once
+    (:class:`FakeSession`; ``light``: as :func:`light_warm_up` warms it)."""
+    with fake_session(step, light=light) as session:
+        yield session.peak
 
-    A batch-size search asks for many peaks of one model; a fresh fake profile each time
-    copies the model again and runs a warm-up step before the recorded one, half its cost.
-    A recorded step leaves the copy as the warm-up would (parameters, gradients, optimizer
-    state do not depend on the batch), so here the steps follow one another. Where that does
-    not hold, a step that leaves behind other bytes than it found or starts from other bytes
-    than the first did (a module keeping a tensor sized by the batch), the answer is a
-    fresh profile's, so it is always what :func:`profile` would say."""
+
+@contextmanager
+def fake_session(step: Step, *, light: bool = False) -> Iterator[FakeSession]:
+    """One fake copy of ``step`` (fake tensors, on its fake device), warmed up once and
+    recorded as often as asked: :class:`FakeSession`."""
     if not step.fake:
         raise WorkloadError("fake_peaks records fake copies of the step: give fake=True or 'cuda', not False")
-    settings = allocator_settings_from_env() if step.cuda else None
-    steady: list[tuple[int, int]] = []  # the first recorded step's held bytes: a fresh profile's
+    if step.cuda:
+        allocator_settings_from_env()  # refused before any step runs
     with ExitStack() as stack:
         box = stack.enter_context(
             step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets)
         )
         scope = stack.enter_context(Scope(box.model))
+        yield FakeSession(step, box, scope, light)
 
-        def peak(batch: Any, labels: Any = None) -> int:
-            at = step.at(batch, labels)
-            box.use_inputs(at.args, at.kwargs, labels)
-            if not steady and not box.optimizer.state:
-                run_step(box, scope, step.loss_fn)  # the warm-up step, once, at the first batch asked for
-            ledger, _ = record_step(box, scope, step.loss_fn)
-            held = _held_bytes(ledger)
-            if not steady:
-                steady.append(held)
-            elif held != steady[0]:  # not the steady step a fresh profile records
-                return profile_step(at).budget_peak_bytes
-            return model_cuda_memory(ledger, settings).reserved_peak_bytes if settings is not None else ledger.peak_bytes
 
-        yield peak
+class FakeSession:
+    """A fake copy of a step recorded at many inputs and micro-batch counts: its profile
+    (:meth:`profile`) and its peaks (:meth:`peak`).
+
+    A batch-size search asks for many peaks of one model; a fresh fake profile each time
+    copies the model again and runs a warm-up step before the recorded one, half its cost.
+    A recorded step leaves the copy as the warm-up would (parameters, gradients, optimizer
+    state do not depend on the batch, nor on how many micro-batches it is cut into), so here
+    the steps follow one another. Where that does not hold, a step that leaves behind other
+    bytes than it found or starts from other bytes than the first did (a module keeping a
+    tensor sized by the batch), the answer is a fresh profile's, so it is always what
+    :func:`profile` would say.
+
+    With ``light``, the first recorded step follows :func:`light_warm_up` instead of a whole
+    warm-up step, and is checked to be the one a warm-up step would have given
+    (:func:`light_warm_up_held`); when it cannot be shown, every answer is a fresh profile's."""
+
+    def __init__(self, step: Step, box: Sandbox, scope: Scope, light: bool) -> None:
+        self.step, self.box, self.scope, self.light = step, box, scope, light
+        self.settings = allocator_settings_from_env() if step.cuda else None
+        self.steady: tuple[int, int] | None = None
+        """The first recorded step's held bytes: a fresh profile's."""
+        self.fresh_only = False
+        """The light warm-up could not be shown to be a warm-up step's: fresh profiles only."""
+
+    def _record(self, at: Step) -> tuple[Ledger, dict[tuple[Phase, str | None], int]] | None:
+        """The recorded step of ``at`` (other inputs or micro-batches) on this copy, or None
+        when only a fresh profile of ``at`` gives what :func:`profile` would."""
+        if self.fresh_only:
+            return None
+        box = self.box
+        box.use_inputs(at.args, at.kwargs, at.targets)
+        primed, before = None, {}
+        if self.steady is None and not box.optimizer.state:
+            primed = light_warm_up(box) if self.light else None
+            if primed is None:
+                run_step(box, self.scope, self.step.loss_fn)  # the warm-up step, once, at the first inputs asked for
+            else:
+                before = live_fake_storages(box.fake_mode)
+        options, box.options = box.options, at.options
+        seen: list[nn.Parameter] = []
+        try:
+            ledger, flops = record_step(box, self.scope, self.step.loss_fn, grads_seen=seen)
+        finally:
+            box.options = options
+        held = _held_bytes(ledger)
+        if primed is not None and not light_warm_up_held(primed, seen, before, live_fake_storages(box.fake_mode)):
+            self.fresh_only = True
+            return None
+        if self.steady is None:
+            self.steady = held
+        elif held != self.steady:  # not the steady step a fresh profile records
+            return None
+        return ledger, flops
+
+    def profile(self, progress: Progress | None = None, *, capacity: int | None = None) -> Profile:
+        """The step's :class:`Profile` at its own inputs: :func:`profile`'s (``capacity``:
+        device bytes to judge it against, as there; on fake CUDA, the GPU it simulates now)."""
+        report = progress or (lambda desc, done, total: None)
+        report("recorded step" if self.steady is not None or self.light else "warm-up step", 0, 2)
+        got = self._record(self.step)
+        if got is None:
+            prof = profile_step(self.step, progress=progress)
+        else:
+            report("done", 2, 2)
+            ledger, flops = got
+            modules = _module_stats(self.box.model, self.scope, ledger, flops, None)
+            prof = _profile_of(self.step, ledger, flops, modules, turned_off(self.box.model))
+        if capacity is not None:
+            prof.device_fit = _device_fit(prof, capacity)
+        return prof
+
+    def peak(self, batch: Any = None, labels: Any = None, *, micro_batches: int | None = None) -> int:
+        """:attr:`Profile.budget_peak_bytes` of the step at inputs ``batch`` (and targets
+        ``labels``; None: the step's own) cut into ``micro_batches`` (None: as the step is)."""
+        at = self.step if batch is None else self.step.at(batch, labels)
+        if micro_batches is not None and micro_batches != at.options.micro_batches:
+            at = at.on(at.where, replace(at.options, micro_batches=micro_batches))
+        got = self._record(at)
+        if got is None:
+            return profile_step(at).budget_peak_bytes
+        ledger = got[0]
+        return model_cuda_memory(ledger, self.settings).reserved_peak_bytes if self.settings is not None else ledger.peak_bytes
+
+
+def light_warm_up(box: Sandbox) -> list[nn.Parameter] | None:
+    """What a warm-up step leaves on a fake copy, without its forward and backward: a zero
+    gradient on every trainable parameter, the optimizer's step (its state made), the
+    gradients set to None. A fake step costs per op dispatched (a 7-8B model: ~10,000 ops),
+    and of the warm-up step only the optimizer's state outlives it on a steady step. Returns
+    the parameters given gradients, for :func:`light_warm_up_held`; None (nothing done)
+    where a warm-up step leaves more or other than that: real tensors, an evaluation step, an
+    output held into the next step, a GradScaler, gradients kept at the start
+    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules."""
+    o = box.options
+    if box.fake_mode is None or o.inference or box.held is not None or box.scaler is not None or not o.set_to_none:
+        return None
+    if box.optimizer.state or any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in box.model.modules()):
+        return None
+    trainable = [p for p in box.model.parameters() if p.requires_grad]
+    stepped = {id(p) for group in box.optimizer.param_groups for p in group["params"]}
+    if not trainable or any(id(p) not in stepped for p in trainable):
+        return None
+    with box.active():
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        box.optimizer.step()
+        box.optimizer.zero_grad(set_to_none=True)
+    return trainable
+
+
+def live_fake_storages(mode: Any) -> dict[int, Any]:
+    """Every storage of a fake tensor of ``mode`` that is alive, once garbage is collected
+    (reference cycles a step leaves, such as reentrant checkpointing's, included), by id."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    live = (o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode)  # type(): no __class__ lookup
+    return {id(s): s for s in (t.untyped_storage() for t in live)}
+
+
+def light_warm_up_held(
+    primed: list[nn.Parameter], seen: list[nn.Parameter], before: dict[int, Any], after: dict[int, Any]
+) -> bool:
+    """Whether the step recorded after :func:`light_warm_up` is the one a warm-up step would
+    have given: its backward reached exactly the parameters given gradients (so the same
+    optimizer state was made), and every fake storage alive after it (``after``,
+    :func:`live_fake_storages`) was alive before it (``before``): no state made or replaced
+    by a first forward that a later one keeps (the warm-up step would have made it).
+    Not caught: a first forward that differs from later ones only in what it frees within
+    the step (an initialisation from the data, in place)."""
+    if {id(p) for p in primed} != {id(p) for p in seen} or len(primed) != len(seen):
+        return False
+    return all(key in before for key in after)
 
 
 def _held_bytes(ledger: Ledger) -> tuple[int, int]:
@@ -647,13 +794,14 @@ _TIMED_STEPS = 2
 
 
 def record_step(
-    box: Sandbox, scope: Scope, loss_fn: Any, *, probe: bool = False
+    box: Sandbox, scope: Scope, loss_fn: Any, *, probe: bool = False, grads_seen: list[nn.Parameter] | None = None
 ) -> tuple[Ledger, dict[tuple[Phase, str | None], int]]:
     """Run one step on ``box`` under the recorder: its ledger and FLOPs by (phase, module).
     ``probe``: a fake CPU step measures the workspace of op kinds no real step measured by
     running each once on real zeros (the recorder's ``probe``). With ``holds_output`` the step
     starts with the output the step before it left (one unrecorded step runs first when none
-    has), frees it as its forward returns, and leaves its own alive (``Ledger.held_output``)."""
+    has), frees it as its forward returns, and leaves its own alive (``Ledger.held_output``).
+    ``grads_seen`` gets the parameters that have a gradient when the optimizer steps."""
     held = box.held
     if held is not None and not held.filled:
         # StepOptions.holds_output: the loop's steady step starts with the output of the step
@@ -677,7 +825,7 @@ def record_step(
         held.on_replace = recorder.held_replaced
     try:
         with recorder:
-            _run_recorded(box, scope, loss_fn, recorder)
+            _run_recorded(box, scope, loss_fn, recorder, grads_seen)
         return recorder.ledger(), dict(recorder.flops)
     finally:
         if held is not None:
@@ -712,7 +860,9 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
-def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) -> None:
+def _run_recorded(
+    box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder, grads_seen: list[nn.Parameter] | None = None
+) -> None:
     """The recorded step. Gradients are recognised when backward is done (zero_grad frees
     them before the step ends); optimizer state it creates, once the step is over."""
 
@@ -720,7 +870,10 @@ def _run_recorded(box: Sandbox, scope: Scope, loss_fn: Any, recorder: Recorder) 
         if scope.phase is Phase.BACKWARD and phase is not Phase.BACKWARD:
             recorder.free_graph()  # train_step dropped output and loss: the graph goes
         if phase is Phase.OPTIMIZER:
-            recorder.mark((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
+            with_grad = [p for p in box.model.parameters() if p.grad is not None]
+            if grads_seen is not None:
+                grads_seen.extend(with_grad)
+            recorder.mark((p.grad for p in with_grad), Category.GRADIENT)
         scope.set_phase(phase)
 
     run_step(box, scope, loss_fn, on_phase)

@@ -61,6 +61,7 @@ def plan_ranks(
     fake: bool | str | Where = True,
     afresh: bool = False,
     settings: AllocatorSettings | None = None,
+    verify_min: bool = False,
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
@@ -79,7 +80,9 @@ def plan_ranks(
     the budget then bounds each rank's reserved peak (the caching-allocator model replaying
     every verified run, as :func:`memfit.plan` does on CUDA), and :attr:`~Plan.rank_peak_bytes`
     holds reserved peaks, judged under the allocator ``settings`` (default the process's).
-    ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`)."""
+    ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`). A budget in bytes:
+    ``P_min`` is priced on the ledger unless the answer needs it run (:attr:`Search.price_min`;
+    ``verify_min=True``: always run, as :func:`memfit.plan` does)."""
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -108,14 +111,11 @@ def plan_ranks(
         _resharded(verifier.model)
         excluded.update(stateful)
         report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
-        if unplanned is not None:
-            prof = unplanned.profiles[planned_rank]
-        else:
-            prof = record_rank_on(verifier, workload)
-        prof = prof.under(settings)
+        recorded = unplanned.profiles[planned_rank] if unplanned is not None else record_rank_on(verifier, workload)
+        prof = recorded.under(settings)
         # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
-        found = search(Search(prof, verifier, workload.model, spec, objective, excluded), report)
+        found = search(Search(prof, verifier, workload.model, spec, objective, excluded, price_min=not verify_min), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # The planned rank's step has run with the plan already (the search's verified run, or the
     # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte).
@@ -213,7 +213,8 @@ class WorldSizeFit:
     rank holds outside the allocator at that size, where that was given); ``ranks``: the ranks profiled (one per distinct
     parallelized layout) and ``worst_rank``; ``none_peak_bytes`` (unplanned, the worst rank's;
     each profiled rank's in ``rank_none_peak_bytes``),
-    ``min_peak_bytes`` (lowest reachable with recompute), ``plan_peak_bytes``: None where not
+    ``min_peak_bytes`` (lowest reachable with recompute; where a plan is made, priced on the
+    ledger when its ``min_peak_verified`` is False), ``plan_peak_bytes``: None where not
     needed or not run; ``lower_bound_bytes`` and ``skipped`` where a bound showed, without
     running that step, that it cannot fit (``"profile"``: the ranks' parameters, buffers and
     inputs alone exceed the budget; ``"plan"``: the unplanned step's start does)."""
@@ -348,6 +349,6 @@ def min_world_size(
         except BudgetInfeasibleError as exc:
             row["min_peak_bytes"] = exc.min_peak_bytes
             continue
-        row["min_peak_bytes"], row["plan_peak_bytes"] = p.min_peak_bytes, p.predicted_peak_bytes
+        row.update(min_peak_bytes=p.min_peak_bytes, min_peak_verified=p.min_peak_verified, plan_peak_bytes=p.predicted_peak_bytes)
         out.with_recompute, out.plan = n, p
     return out

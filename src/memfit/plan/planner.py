@@ -419,6 +419,12 @@ class Search:
     """Seconds selective recompute's dispatch mode adds per op (0 on fake tensors)."""
     costing: Costing | None = None
     """The profile's costing when the caller has made it (for its timing note); else made here."""
+    price_min: bool = False
+    """With a budget in bytes, run the cheapest plan first and verify ``P_min`` only when the
+    answer needs it (the plan does not verify within the budget: the budget may be infeasible);
+    otherwise ``P_min`` is the ledger's price of the lowest plans (:attr:`Plan.min_peak_verified`
+    False). Two steps fewer where a step is dear (a rank's). Off: ``P_min`` is run first, as
+    :func:`plan` does (a fractional budget needs it)."""
 
 
 @dataclass(frozen=True)
@@ -432,13 +438,15 @@ class Found:
     target: int
     cands: Any
     timing_note: str
+    min_verified: bool = True
+    """Whether ``min_peak`` was run (else priced on the ledger: :attr:`Search.price_min`)."""
 
 
 def search(s: Search, report: Progress) -> Found:
     """The cheapest verified plan within ``s.spec`` on ``s.prof``'s step, whose runs
     ``s.verifier`` makes, with ``P_min`` and the budget in bytes. Modules whose recompute fails
     while verifying join ``s.excluded`` (in place) and planning starts over."""
-    prof, verifier, excluded = s.prof, s.verifier, s.excluded
+    prof, excluded = s.prof, s.excluded
     ledger = prof.ledger
     timed = prof.time_source == "measured"
     # (plan() has costed the profile already for its note; a rank's plan has not)
@@ -451,30 +459,16 @@ def search(s: Search, report: Progress) -> Found:
         # the simplest plan (see Problem.min_cost).
         near = _NEAR if timed and not timing_note else 0.0
         problem = Problem(ledger.curve(), ledger.start_bytes, cands.options, _OBJECTIVES[s.objective], near=near)
+        lowest = _Lowest(s, problem, cands.options, none_run, report)
         try:
-            report("lowest reachable peak", 0, 2)
-            lowest = problem.min_peak()
-            low_run = verifier.run(lowest.chosen) if lowest.chosen else none_run
-            # The model of the step is conservative (it keeps a checkpointed module's
-            # activations alive through its whole forward), so its minimum can miss the
-            # plain recipe of recomputing every repeated block: try that too.
-            recipe = _every_block(s.model, cands.options)
-            if recipe and {o.module for o in recipe} != {o.module for o in lowest.chosen}:
-                recipe_run = verifier.run(recipe)
-                if recipe_run.peak_bytes < low_run.peak_bytes:
-                    lowest, low_run = Solution(recipe, problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
-            min_peak = min(low_run.peak_bytes, none_peak)
-            low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_peak else ([], none_run)
-            target = s.spec.resolve(min_peak, none_peak)
-            if target < min_peak:
-                raise BudgetInfeasibleError(
-                    f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
-                    f"P_min = {format_bytes(min_peak)} ({min_peak} bytes); P_none = {format_bytes(none_peak)}",
-                    min_peak_bytes=min_peak,
-                    budget_bytes=target,
-                )
-            report("cheapest plan within the budget", 1, 2)
-            chosen, run = _fit(problem, verifier, target, none_run, low)
+            if s.price_min and s.spec.bytes is not None:
+                chosen, run, min_peak, target, verified = _fit_priced(problem, s.verifier, s.spec.bytes, none_run, lowest)
+            else:
+                min_peak, low = lowest.verified()
+                target = lowest.feasible(min_peak)
+                report("cheapest plan within the budget", 1, 2)
+                chosen, run = _fit(problem, s.verifier, target, none_run, lambda low=low: low)
+                verified = True
         except RecomputeFailed as failed:
             excluded[failed.module] = failed.reason
             continue
@@ -483,7 +477,85 @@ def search(s: Search, report: Progress) -> Found:
         raise PlanError(f"too many modules failed to recompute ({len(excluded)}); last: {list(excluded.items())[-1]}")
     # the note only when plan() costed the profile (its plans say so); a rank's profile has no times
     note = s.costing[3] if s.costing is not None else ""
-    return Found(s, chosen, run, min_peak, target, cands, note)
+    return Found(s, chosen, run, min_peak, target, cands, note, min_verified=verified)
+
+
+@dataclass
+class _Lowest:
+    """``P_min`` of one round of :func:`search`: the lowest-peak plan of the ledger's model and
+    the recipe of recomputing every repeated block, verified by running both (two steps) only
+    when asked: :meth:`verified`; :meth:`priced` is the same two plans' peaks on the ledger."""
+
+    s: Search
+    problem: Problem
+    options: list[Option]
+    none_run: Run
+    report: Progress
+
+    def __post_init__(self) -> None:
+        self.report("lowest reachable peak", 0, 2)
+        self.lowest = self.problem.min_peak()
+        # The model of the step is conservative (it keeps a checkpointed module's
+        # activations alive through its whole forward), so its minimum can miss the
+        # plain recipe of recomputing every repeated block: try that too.
+        recipe = _every_block(self.s.model, self.options)
+        self.recipe = recipe if recipe and {o.module for o in recipe} != {o.module for o in self.lowest.chosen} else []
+
+    def priced(self) -> int:
+        """The lower of the two plans' peaks as the ledger's model prices them (with P_none);
+        on CUDA plus the unplanned step's reserved-over-allocated gap, as :func:`_fit` bounds them."""
+        none = self.none_run
+        peaks = [self.lowest.model_peak_bytes] + ([self.problem.model_peak(self.recipe)] if self.recipe else [])
+        return min(min(peaks) + none.peak_bytes - none.tensor_bytes, none.peak_bytes)
+
+    def verified(self) -> tuple[int, tuple[list[Option], Run]]:
+        """``P_min`` as both plans ran, and the lower plan with its run (the unplanned step if neither is lower)."""
+        lowest, none_run = self.lowest, self.none_run
+        low_run = self.s.verifier.run(lowest.chosen) if lowest.chosen else none_run
+        if self.recipe:
+            recipe_run = self.s.verifier.run(self.recipe)
+            if recipe_run.peak_bytes < low_run.peak_bytes:
+                recipe = self.recipe
+                lowest, low_run = Solution(recipe, self.problem.model_peak(recipe), sum(o.cost_s for o in recipe)), recipe_run
+        min_peak = min(low_run.peak_bytes, none_run.peak_bytes)
+        low = (lowest.chosen, low_run) if low_run.peak_bytes <= none_run.peak_bytes else ([], none_run)
+        return min_peak, low
+
+    def feasible(self, min_peak: int) -> int:
+        """The budget in bytes, refused in one line when it is below ``min_peak``."""
+        none_peak = self.none_run.peak_bytes
+        target = self.s.spec.resolve(min_peak, none_peak)
+        if target < min_peak:
+            raise BudgetInfeasibleError(
+                f"budget {format_bytes(target)} is below the lowest peak memfit can reach for this step, "
+                f"P_min = {format_bytes(min_peak)} ({min_peak} bytes); P_none = {format_bytes(none_peak)}",
+                min_peak_bytes=min_peak,
+                budget_bytes=target,
+            )
+        return target
+
+
+def _fit_priced(
+    problem: Problem, verifier: Verifier, target: int, none: Run, lowest: _Lowest
+) -> tuple[list[Option], Run, int, int, bool]:
+    """:func:`_fit` with ``P_min`` verified only when the answer needs it (a budget in bytes):
+    the cheapest plan is solved and run first; when it verifies within the budget (or none is
+    needed) that run is the answer and ``P_min`` is priced on the ledger (``False`` last);
+    otherwise the lowest plans run as :func:`search` runs them first, and the budget is refused
+    below them or their lower plan is the answer, as there (``True`` last)."""
+    verified: list[int] = []
+
+    def low() -> tuple[list[Option], Run]:
+        min_peak, found = lowest.verified()
+        lowest.feasible(min_peak)
+        verified.append(min_peak)
+        return found
+
+    lowest.report("cheapest plan within the budget", 1, 2)
+    chosen, run = _fit(problem, verifier, target, none, low)
+    if verified:
+        return chosen, run, verified[0], target, True
+    return chosen, run, lowest.priced(), target, False
 
 
 def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, started: float, verify_note: str = "") -> Plan:
@@ -502,6 +574,7 @@ def make_plan(found: Found, *, use_cache_off: tuple[str, ...], budget: Any, star
         start_bytes=prof.start_bytes,
         none_peak_bytes=_none_peak(prof),
         min_peak_bytes=found.min_peak,
+        min_peak_verified=found.min_verified,
         checkpointed={o.module: Choice(o.mode, o.save_ops) for o in sorted(found.chosen, key=lambda o: o.fwd_end)},
         extra_compute_s=sum(o.cost_s for o in found.chosen) if timed else None,
         extra_flops=max(0, run.step_flops - prof.step_flops),
@@ -589,7 +662,9 @@ def _none_allocated(prof: Profile) -> int:
     return _none_peak(prof, "allocated_peak_bytes")
 
 
-def _fit(problem: Problem, verifier: Verifier, target: int, none: Run, low: tuple[list[Option], Run]) -> tuple[list[Option], Run]:
+def _fit(
+    problem: Problem, verifier: Verifier, target: int, none: Run, low: Callable[[], tuple[list[Option], Run]]
+) -> tuple[list[Option], Run]:
     """Cheapest verified plan within ``target``: solve, run it, tighten. The model of the
     step counts tensor bytes; on CUDA the target bounds reserved bytes, so the first bound
     leaves the unplanned step's reserved-over-allocated gap, and each run's overshoot
@@ -605,4 +680,4 @@ def _fit(problem: Problem, verifier: Verifier, target: int, none: Run, low: tupl
         if run.peak_bytes <= target:
             return sol.chosen, run
         bound -= run.peak_bytes - target + _MiB // 4  # the model under-estimated by this much
-    return low  # the lowest-peak plan, which verified within P_min <= target
+    return low()  # the lowest-peak plan, which verified within P_min <= target

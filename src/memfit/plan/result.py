@@ -138,6 +138,11 @@ class Plan:
     rank_peak_bytes: dict[int, int] | None = None
     """Per rank of a distributed step: its peak with the plan applied, each verified on the
     fake process group (:attr:`predicted_peak_bytes` is the highest)."""
+    min_peak_verified: bool = True
+    """Whether :attr:`min_peak_bytes` was measured by running the lowest plans (as every other
+    peak of a plan is); False: priced on the ledger's model of the step instead (MiB-rounded
+    rows, not run), because the cheapest plan verified within a budget in bytes without it
+    (:func:`memfit.plan_ranks`: two steps of a rank fewer)."""
     step: StepOptions = field(default_factory=StepOptions)
     """How the step the plan was verified on runs (micro-batches, accumulation, autocast, ...)."""
     reproducibility_note: str = ""
@@ -168,6 +173,8 @@ class Plan:
                 del data[key]  # one process's plans read as before
         if not self.verify_note:
             del data["verify_note"]  # readable by a memfit from before the field
+        if self.min_peak_verified:
+            del data["min_peak_verified"]  # as verify_note
         if self.rank_peak_bytes is not None:
             data["rank_peak_bytes"] = {str(r): b for r, b in sorted(self.rank_peak_bytes.items())}
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}

@@ -160,6 +160,7 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
         f"budget [bold]{format_bytes(plan.budget_bytes)}[/] ({escape(str(plan.budget))}): predicted peak [bold]{format_bytes(plan.predicted_peak_bytes)}[/] "
         + ("[green]fits[/]" if fits else "[red]over[/]")
         + f"; no plan {format_bytes(plan.none_peak_bytes)}, lowest reachable {format_bytes(plan.min_peak_bytes)}"
+        + ("" if plan.min_peak_verified else " (priced on the ledger, not run)")
     )
     if plan.allocated_peak_bytes is not None:
         console.print(

@@ -651,14 +651,15 @@ def _span_labels(lane, t: Track, fontsize: float = 6) -> None:
     char_px = fontsize * 0.62 * lane.figure.dpi / 72
     for p, y in ((Phase.FORWARD, 1.0), (Phase.BACKWARD, 0.0)):
         free_from = float("-inf")  # pixels: where the last label on this row ended
-        for a, b, name, q in sorted(x for x in t.lane if x[3] is p):
+        for a, b, name, _phase in sorted(x for x in t.lane if x[3] is p):
             label = name.rpartition(".")[2] or name
             width, middle = len(label) * char_px, (a + b) / 2 * px_per_tick
             inside = (b - a) * px_per_tick >= width + 2
             if middle - width / 2 < free_from + 3:
                 continue
-            lane.text((a + b) / 2, y + 0.5, label, fontsize=fontsize, ha="center", va="center",
-                      color="white" if inside else "black")
+            lane.text(
+                (a + b) / 2, y + 0.5, label, fontsize=fontsize, ha="center", va="center", color="white" if inside else "black"
+            )
             free_from = middle + width / 2
 
 
