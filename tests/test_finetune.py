@@ -51,6 +51,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     assert err.startswith("memfit: error:") and says in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("target", ["llama", "{cfg}"])
+def test_a_size_the_config_refuses_is_one_line(tmp_path, capsys, target):
+    """A config field of the wrong type (``--size a=1,b=2`` reads as one string) is memfit's
+    one-line error, not huggingface_hub's traceback (progress lines may come before it)."""
+    pytest.importorskip("peft")
+    args = ["finetune", target.format(cfg=_config(tmp_path)), "--size", "num_hidden_layers=2,hidden_size=64"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("memfit: error:"), err
+    assert "refused the sizes num_hidden_layers='2,hidden_size=64'" in last and "--size a=1 --size b=2" in last, err
+
+
 def test_unknown_target_module_names_the_linear_layers(tmp_path, capsys):
     pytest.importorskip("peft")
     assert main(["finetune", str(_config(tmp_path)), "--lora-targets", "q_proj,qkv"]) == 2

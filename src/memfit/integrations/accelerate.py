@@ -257,15 +257,38 @@ def _config(spec: str, sizes: Mapping[str, Any]) -> Any:
         try:
             with _offline():
                 return tf.AutoConfig.from_pretrained(str(path), **sizes)
+        except _size_errors() as exc:
+            raise _bad_sizes(spec, sizes, exc) from exc
         except (OSError, ValueError, json.JSONDecodeError) as exc:
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise TargetError(f"{spec} is not a transformers config ({type(exc).__name__}: {first})") from exc
     types = tf.models.auto.configuration_auto.CONFIG_MAPPING
     if spec in types:
-        return tf.AutoConfig.for_model(spec, **sizes)
+        try:
+            return tf.AutoConfig.for_model(spec, **sizes)
+        except (*_size_errors(), TypeError, ValueError) as exc:
+            raise _bad_sizes(spec, sizes, exc) from exc
     raise TargetError(
         f"{spec!r} is neither a local config.json (or a folder with one) nor a transformers model type (llama, gpt2, "
         "t5, ...); memfit downloads nothing: save the Hub model's config.json and give its path"
+    )
+
+
+def _size_errors() -> tuple[type[Exception], ...]:
+    """What a config raises for a field of the wrong type: transformers 5's configs are
+    huggingface_hub strict dataclasses (older ones raise nothing of their own)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _bad_sizes(spec: str, sizes: Mapping[str, Any], exc: Exception) -> TargetError:
+    said = " ".join(str(exc).split())[:200]
+    given = ", ".join(f"{k}={v!r}" for k, v in sizes.items())
+    return TargetError(
+        f"{spec}: the config refused the sizes {given} ({said}); give one KEY=VALUE per --size (--size a=1 --size b=2)"
     )
 
 
