@@ -267,6 +267,8 @@ def _config(spec: str, sizes: Mapping[str, Any]) -> Any:
         try:
             return tf.AutoConfig.for_model(spec, **sizes)
         except (*_size_errors(), TypeError, ValueError) as exc:
+            if not sizes:  # the model type's own defaults failed: not the user's sizes
+                raise
             raise _bad_sizes(spec, sizes, exc) from exc
     raise TargetError(
         f"{spec!r} is neither a local config.json (or a folder with one) nor a transformers model type (llama, gpt2, "

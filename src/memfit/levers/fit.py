@@ -677,7 +677,8 @@ def _situation(
 ) -> Situation:
     """fit's arguments checked, once, into the :class:`Situation` its levers are judged in."""
     allowed = parse_allow(allow)
-    if fake_device(fake) is Where.FAKE:
+    where = fake_device(fake)
+    if where is Where.FAKE:
         raise WorkloadError("fit weighs its peaks on fake tensors already: fake takes only 'cuda' (a simulated GPU)")
     exclude = dict(exclude or {})
     unknown = sorted(set(exclude) - {"microbatch", "offload", "set_to_none"})
@@ -685,7 +686,7 @@ def _situation(
         raise PlanError(
             f"fit can exclude the levers 'microbatch', 'offload' and 'set_to_none', not {', '.join(map(repr, unknown))}"
         )
-    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=fake, targets=targets, unwrapped=True)
+    the = checked_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, fake=where, targets=targets, unwrapped=True)
     if applied_choices(the.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before fitting it")
     return Situation(
