@@ -61,6 +61,8 @@ __all__ = [
     "RankProfiles",
     "profile_ranks",
     "profile_rank",
+    "StartOverLimit",
+    "held_at_start",
     "rank_device",
     "mesh_device",
     "nccl_outside",
@@ -172,6 +174,7 @@ def profile_ranks(
     fake: bool | str | Where = True,
     gpu: str | gpus.GpuSpec | None = None,
     capacity: int | str | None = None,
+    start_limit: int | None = None,
 ) -> RankProfiles:
     """Measure the distributed step of ``workload`` as each rank in ``ranks`` (default rank 0:
     FSDP2 and DDP ranks hold the same memory when the shards are even) on the fake process
@@ -184,7 +187,8 @@ def profile_ranks(
     model and ``device_fit`` against ``gpu`` (a name from :data:`memfit.cuda.gpu.GPUS`;
     default the simulated GPU, H100-80GB) or ``capacity`` (bytes, ``"80GiB"``). Each rank's
     ``device_fit`` takes off, besides the CUDA context, an estimate of NCCL's buffers for
-    the communicators its mesh needs (:func:`nccl_outside`), as a line of its own."""
+    the communicators its mesh needs (:func:`nccl_outside`), as a line of its own.
+    ``start_limit``: as :func:`profile_rank`'s (:class:`StartOverLimit` from the first rank over it)."""
     parallel = _parallel_of(workload)
     n = world_size_of(workload, world_size)
     if not ranks:
@@ -197,7 +201,7 @@ def profile_ranks(
     out = RankProfiles(n, parallel.name)
     with _simulated(spec):
         for r in dict.fromkeys(ranks):
-            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress)
+            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress, start_limit=start_limit)
             if capacity_bytes is not None:
                 prof.device_fit = rank_device_fit(prof, parallel, n, capacity_bytes, spec)
             out.profiles[r] = prof
@@ -272,10 +276,26 @@ def _parallel_of(workload: Workload) -> Parallel:
     return workload.parallel
 
 
-def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progress | None = None) -> Profile:
+class StartOverLimit(MemfitError):
+    """:func:`profile_rank` with ``start_limit``: after the warm-up step, what the rank holds at
+    its recorded step's start is over the limit (its peak is too), so that step was not run."""
+
+    def __init__(self, rank: int, start_bytes: int, limit: int) -> None:
+        super().__init__(f"rank {rank} starts its step holding {start_bytes} B, over {limit} B")
+        self.rank, self.start_bytes, self.limit = rank, start_bytes, limit
+
+
+def profile_rank(
+    workload: Workload, group: FakeGroup | str, *, progress: Progress | None = None, start_limit: int | None = None
+) -> Profile:
     """One rank's profile of the distributed step: on the fake process group given by a
     :class:`FakeGroup` (fake tensors), or with :data:`CURRENT_GROUP` on the process group this
-    process has initialised (real tensors: a real multi-process run's rank)."""
+    process has initialised (real tensors: a real multi-process run's rank).
+
+    ``start_limit``: bytes; when what the rank holds after the warm-up step (parameters,
+    buffers, inputs, gradients kept, the optimizer's state: alive at the recorded step's start,
+    counted as the recorder counts them there) is over it, :class:`StartOverLimit` is raised
+    instead of running the recorded step (its peak is at least that start; half the profile)."""
     report = progress or (lambda desc, done, total: None)
     with rank_sandbox(workload, group, progress=report) as box:
         world_size, rank = box_rank(box)
@@ -286,6 +306,10 @@ def profile_rank(workload: Workload, group: FakeGroup | str, *, progress: Progre
             # forward (in gradient-ready order), once; the fake group keeps the first buckets.
             for _ in range(1 if fake else 2):
                 run_step(box, scope, workload.loss_fn)
+            if start_limit is not None:
+                start = held_at_start(box, scope)
+                if start > start_limit:
+                    raise StartOverLimit(rank, start, start_limit)
             report(f"rank {rank} of {world_size}: recorded step", 2, 3)
             prof = record_rank(workload, box, scope)
         report("done", 3, 3)
@@ -329,15 +353,22 @@ def rank_state(workload: Workload, group: FakeGroup) -> RankState:
     """One rank's :class:`RankState`: its step parallelized and materialised on fake tensors,
     about a tenth of the cost of its profile (no warm-up and no recorded step)."""
     with rank_sandbox(workload, group) as box, Scope(box.model) as scope:
-        recorder = Recorder(scope, device=_model_device(box.model), fake=box.fake_mode is not None)
-        try:
-            _register_start(recorder, box)  # no step yet: no gradients, no optimizer state
-            resident = sum(r.nbytes for r in recorder.records)
-        finally:
-            recorder.close()
+        resident = held_at_start(box, scope)  # no step yet: no gradients, no optimizer state
         named = [*box.model.named_parameters(), *box.model.named_buffers()]
         layout = tuple((name, tuple(_distributed.local_tensor(t).shape), str(t.dtype)) for name, t in named)
     return RankState(resident, layout)
+
+
+def held_at_start(box: Sandbox, scope: Scope) -> int:
+    """Bytes a recorded step on ``box`` would find alive at its start, as the recorder counts
+    them there (each storage once; on CUDA as the allocator rounds it): the parameters,
+    buffers, gradients, optimizer state and inputs the sandbox holds now. No step runs."""
+    recorder = Recorder(scope, device=_model_device(box.model), fake=box.fake_mode is not None)
+    try:
+        _register_start(recorder, box)
+        return sum(r.nbytes for r in recorder.records)
+    finally:
+        recorder.close()
 
 
 def box_rank(box: Sandbox) -> tuple[int, int]:

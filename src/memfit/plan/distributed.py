@@ -30,6 +30,7 @@ from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
+    StartOverLimit,
     profile_rank,
     profile_ranks,
     rank_device,
@@ -217,7 +218,9 @@ class WorldSizeFit:
     ledger when its ``min_peak_verified`` is False), ``plan_peak_bytes``: None where not
     needed or not run; ``lower_bound_bytes`` and ``skipped`` where a bound showed, without
     running that step, that it cannot fit (``"profile"``: the ranks' parameters, buffers and
-    inputs alone exceed the budget; ``"plan"``: the unplanned step's start does)."""
+    inputs alone exceed the budget; ``"plan"``: the unplanned step's start does, those and
+    the optimizer's state, which no recompute changes: counted after the warm-up step, when
+    its recorded step is not run and ``none_peak_bytes`` is None, or the recorded step's)."""
     plan: Plan | None = None
     """The plan at :attr:`with_recompute` (empty when the step fits there without one)."""
 
@@ -301,8 +304,9 @@ def min_world_size(
 
     Work is skipped only where a lower bound proves the step cannot fit: a rank's
     parameters, buffers and inputs (alive at its step's start, with or without a plan) over
-    the budget skip that size's profile and plan; the unplanned profile's start (those plus
-    the optimizer state, which no recompute changes) over the budget skips its plan. The
+    the budget skip that size's profile and plan; what a rank holds after its warm-up step
+    (those plus the optimizer state, which no recompute changes) over the budget skips its
+    recorded step and the plan. The
     plan reuses the unplanned profile of the rank it is made for. ``fake="cuda"``: on fake CUDA,
     every peak judged the budget's way there (reserved; :func:`plan_ranks`). ``outside(n)``: bytes a
     rank holds outside the allocator at world size ``n`` (NCCL's buffers, whose communicators
@@ -329,9 +333,17 @@ def min_world_size(
         layouts: dict[tuple, int] = {}
         for r in asked:
             layouts.setdefault(states[r].layout, r)
-        measured = profile_ranks(workload, world_size=n, ranks=list(layouts.values()), fake=fake)
+        row["ranks"] = list(layouts.values())
+        try:
+            # a rank holding more than the budget after its warm-up step (its parameters,
+            # gradients and optimizer state, which no recompute changes) peaks over it with or
+            # without a plan: its recorded step is not run (half its profile)
+            measured = profile_ranks(workload, world_size=n, ranks=row["ranks"], fake=fake, start_limit=budget_n)
+        except StartOverLimit as over:
+            row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
+            continue
         none = measured.budget_peak_bytes
-        row.update(ranks=list(layouts.values()), worst_rank=measured.worst_rank, none_peak_bytes=none)
+        row.update(worst_rank=measured.worst_rank, none_peak_bytes=none)
         row["rank_none_peak_bytes"] = {r: p.budget_peak_bytes for r, p in measured.profiles.items()}
         if none <= budget_n:
             out.without_recompute = n

@@ -247,6 +247,8 @@ def render_world_size_fit(found: WorldSizeFit, console: Console, *, title: str) 
             cells = [f"> {format_bytes(bound)} (state)", "", ""]
         elif row.get("skipped") == "plan":
             cells[1] = f"> {format_bytes(bound)} (start)"
+            if row["none_peak_bytes"] is None:  # its recorded step was not run either
+                cells[0] = cells[1]
         elif row.get("min_peak_verified") is False:
             cells[1] = f"~{cells[1]} (priced)"  # not run: the plan verified within the budget without it
         worst = row.get("worst_rank")
