@@ -12,7 +12,7 @@ if not torch_dist.is_available():
     pytest.skip("torch built without distributed", allow_module_level=True)
 
 from memfit.errors import BudgetInfeasibleError, MemfitError  # noqa: E402
-from memfit.measure.distributed import FakeGroup, profile_ranks, rank_state  # noqa: E402
+from memfit.measure.distributed import FakeGroup, StartOverLimit, profile_rank, profile_ranks, rank_state  # noqa: E402
 from memfit.plan.distributed import min_world_size, plan_ranks, world_size_candidates  # noqa: E402
 
 SIZES = (1, 2, 3)  # 3 shards this model unevenly: its last rank holds less
@@ -176,3 +176,20 @@ def test_cli_min_world_size(tmp_path, capsys):
     ]:
         assert main([*argv, *bad]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_a_start_over_the_budget_skips_the_recorded_step(brute):
+    work, profiles = brute
+    start, peak = profiles[1].profiles[0].ledger.start_bytes, profiles[1].peak_bytes
+    # one byte under what the 1-rank step starts with (parameters, AdamW state): only the
+    # warm-up step runs there; the bound it gives is that start, to the byte
+    found = min_world_size(work, start - 1, world_sizes=(1,))
+    row = found.rows[0]
+    assert (found.without_recompute, found.with_recompute) == (None, None)
+    assert row["skipped"] == "plan" and row["none_peak_bytes"] is None and row["lower_bound_bytes"] == start
+    with pytest.raises(StartOverLimit, match="over"):
+        profile_rank(work, FakeGroup(1, 0), start_limit=start - 1)
+    # at the start: the step is recorded, as it was without the limit
+    found = min_world_size(work, peak, world_sizes=(1,))
+    assert found.rows[0]["none_peak_bytes"] == peak and found.rows[0]["skipped"] is None
+    assert profile_rank(work, FakeGroup(1, 0), start_limit=start).ledger.blocks == profiles[1].profiles[0].ledger.blocks
