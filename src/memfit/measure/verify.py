@@ -99,7 +99,9 @@ class Verifier:
         """On CUDA: the allocator settings each run's ledger is replayed under (set once the
         step's profile is known)."""
 
-    def stateful(self, real_check: SwitchCheck | None = None) -> tuple[dict[str, str], tuple[str, ...]]:
+    def stateful(
+        self, real_check: SwitchCheck | None = None, *, second: Callable[[Scope], None] | None = None
+    ) -> tuple[dict[str, str], tuple[str, ...]]:
         """Modules whose forward changes Python state (:mod:`memfit.recompute.stateful`), and the
         modules whose KV cache goes off (:mod:`memfit.recompute.cache`). The check's first
         forward is the warm-up step that creates the optimizer's state when it has none
@@ -109,7 +111,9 @@ class Verifier:
         the one that counts, runs with it. The switch is used only if the step computes
         bitwise the same with it (:mod:`memfit.measure.cache_check`: on this sandbox if its
         tensors are real, else by ``real_check``); if not, the cache stays on, its writers
-        are excluded as stateful, and their reason says why."""
+        are excluded as stateful, and their reason says why. ``second(scope)``: runs the
+        check's second forward instead of a forward of its own, on the check's scope (a whole
+        step recorded on it: :func:`record_rank_on`'s, which then costs the check nothing)."""
         box = self.box
         kept: list[str] = []
         # The first step of a plan may be this one: a failing forward is named as the
@@ -137,7 +141,8 @@ class Verifier:
                 self._stack.callback(cache.uninstall, self.model, cache.install(self.model, off))
 
             scope.set_phase(Phase.FORWARD)
-            reasons = stateful_modules(self.model, box.args, box.kwargs, first=first)
+            judged = None if second is None else lambda: second(scope)
+            reasons = stateful_modules(self.model, box.args, box.kwargs, first=first, second=judged)
             if kept:
                 hint = f"; memfit keeps transformers' KV cache on: turning it off {kept[0]}, so training would differ"
                 reasons = {n: why.replace(CACHE_HINT, hint) for n, why in reasons.items()}
@@ -260,8 +265,11 @@ def rank_verifier(workload: Workload, group: FakeGroup) -> Verifier:
     return Verifier(rank_sandbox(workload, group), workload.loss_fn)
 
 
-def record_rank_on(verifier: Verifier, workload: Workload) -> Profile:
+def record_rank_on(verifier: Verifier, workload: Workload, scope: Scope | None = None) -> Profile:
     """The profile of one recorded step of ``workload``'s rank on ``verifier``'s sandbox (a
-    :func:`rank_verifier`'s, warmed up by :meth:`Verifier.stateful`)."""
-    with Scope(verifier.model) as scope:
+    :func:`rank_verifier`'s, warmed up by :meth:`Verifier.stateful`), named as ``scope`` (a
+    scope open on ``verifier.model``; None: one of its own) names modules."""
+    if scope is not None:
         return record_rank(workload, verifier.box, scope)
+    with Scope(verifier.model) as own:
+        return record_rank(workload, verifier.box, own)

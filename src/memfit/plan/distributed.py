@@ -39,7 +39,7 @@ from memfit.measure.distributed import (
     world_size_of,
 )
 from memfit.measure.profile import Profile, Progress
-from memfit.measure.verify import Run, rank_verifier, record_rank_on
+from memfit.measure.verify import Run, Verifier, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
 from memfit.plan.result import Plan
@@ -107,13 +107,11 @@ def plan_ranks(
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
-        # The first forward of the check is the warm-up step (the optimizer's state).
-        stateful, use_cache_off = verifier.stateful()
+        recorded = _checked_and_recorded(verifier, workload, unplanned.profiles[planned_rank] if unplanned else None)
         _resharded(verifier.model)
-        excluded.update(stateful)
-        report(f"rank {planned_rank} of {n}: recorded step", 0, 3)
-        recorded = unplanned.profiles[planned_rank] if unplanned is not None else record_rank_on(verifier, workload)
-        prof = recorded.under(settings)
+        excluded.update(recorded[1])
+        use_cache_off = recorded[2]
+        prof = recorded[0].under(settings)
         # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
         verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded, price_min=not verify_min), report)
@@ -130,6 +128,22 @@ def plan_ranks(
         plan.allocated_peak_bytes = max(allocated.values())
     plan.planning_time_s = time.perf_counter() - started
     return plan
+
+
+def _checked_and_recorded(
+    verifier: Verifier, workload: Workload, recorded: Profile | None
+) -> tuple[Profile, dict[str, str], tuple[str, ...]]:
+    """The stateful check on the planned rank (:meth:`Verifier.stateful`: its first forward is
+    the warm-up step, which makes the optimizer's state) and the rank's recorded step, unless
+    ``recorded`` (an unplanned profile given) is it: the unplanned profile, the modules a
+    recompute could not repeat, the modules whose KV cache goes off. The recorded step is the
+    check's second forward (hooked as that forward would be: hooks that read attributes
+    and allocate nothing), not a forward more."""
+    if recorded is not None:
+        return (recorded, *verifier.stateful())
+    got: list[Profile] = []
+    stateful, use_cache_off = verifier.stateful(second=lambda scope: got.append(record_rank_on(verifier, workload, scope)))
+    return got[0], stateful, use_cache_off
 
 
 def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:

@@ -122,13 +122,21 @@ CACHE_HINT = "; transformers models: pass use_cache=False to train"
 when it kept the cache on because turning it off changes the step's numbers)."""
 
 
-def stateful_modules(model: nn.Module, args: tuple, kwargs: dict, *, first: Callable[[], None] | None = None) -> dict[str, str]:
+def stateful_modules(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    first: Callable[[], None] | None = None,
+    second: Callable[[], None] | None = None,
+) -> dict[str, str]:
     """``{module name: reason}`` for the modules a recompute could not repeat safely.
 
     Runs the forward twice on ``model`` as it is (the first time by calling ``first``,
     if given: anything that runs the forward on ``args`` and ``kwargs`` once, such as a
-    whole training step): call it where the step's state is restored afterwards (a
-    sandbox)."""
+    whole training step; the second, the one judged, by calling ``second`` if given, such as
+    the step a caller records next, which then costs no forward of its own): call it where
+    the step's state is restored afterwards (a sandbox)."""
     names: dict[nn.Module, str] = {}
     for name, mod in model.named_modules():
         names.setdefault(mod, name)
@@ -162,8 +170,11 @@ def stateful_modules(model: nn.Module, args: tuple, kwargs: dict, *, first: Call
             with checking_forward(model):
                 model(*args, **kwargs)
         changes.clear()  # the first forward may fill a memo once, which a recompute reuses
-        with checking_forward(model):
-            model(*args, **kwargs)
+        if second is not None:
+            second()
+        else:
+            with checking_forward(model):
+                model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
