@@ -30,6 +30,7 @@ from memfit.errors import BudgetInfeasibleError, PlanError, WorkloadError
 from memfit.measure.distributed import (
     FakeGroup,
     RankProfiles,
+    RankState,
     StartOverLimit,
     profile_rank,
     profile_ranks,
@@ -249,6 +250,31 @@ class WorldSizeFit:
         }
 
 
+def _unplanned(
+    workload: Workload, n: int, states: dict[int, RankState], budget: int, row: dict[str, Any], fake: bool | str | Where
+) -> RankProfiles | None:
+    """The unplanned profiles at world size ``n`` of the asked-for ranks (``states``: each one's
+    :func:`~memfit.measure.distributed.rank_state`), one per layout (ranks of equal layouts
+    take the same step); None where a lower bound shows the step cannot fit ``budget``,
+    said in ``row`` (``skipped``, ``lower_bound_bytes``)."""
+    resident = max(st.resident_bytes for st in states.values())
+    if resident > budget:
+        row.update(lower_bound_bytes=resident, skipped="profile")
+        return None
+    layouts: dict[tuple, int] = {}
+    for r, st in states.items():
+        layouts.setdefault(st.layout, r)
+    row["ranks"] = list(layouts.values())
+    try:
+        # a rank holding more than the budget after its warm-up step (its parameters,
+        # gradients and optimizer state, which no recompute changes) peaks over it with or
+        # without a plan: its recorded step is not run (half its profile)
+        return profile_ranks(workload, world_size=n, ranks=row["ranks"], fake=fake, start_limit=budget)
+    except StartOverLimit as over:
+        row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
+        return None
+
+
 def world_size_candidates(
     workload: Workload,
     *,
@@ -340,21 +366,8 @@ def min_world_size(
         row: dict[str, Any] = {"world_size": n, "budget_bytes": budget_n, "ranks": [], "worst_rank": None}
         row.update(none_peak_bytes=None, min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
-        resident = max(st.resident_bytes for st in states.values())
-        if resident > budget_n:
-            row.update(lower_bound_bytes=resident, skipped="profile")
-            continue
-        layouts: dict[tuple, int] = {}
-        for r in asked:
-            layouts.setdefault(states[r].layout, r)
-        row["ranks"] = list(layouts.values())
-        try:
-            # a rank holding more than the budget after its warm-up step (its parameters,
-            # gradients and optimizer state, which no recompute changes) peaks over it with or
-            # without a plan: its recorded step is not run (half its profile)
-            measured = profile_ranks(workload, world_size=n, ranks=row["ranks"], fake=fake, start_limit=budget_n)
-        except StartOverLimit as over:
-            row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
+        measured = _unplanned(workload, n, states, budget_n, row, fake)
+        if measured is None:
             continue
         none = measured.budget_peak_bytes
         row.update(worst_rank=measured.worst_rank, none_peak_bytes=none)
