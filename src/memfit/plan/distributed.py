@@ -108,6 +108,7 @@ def plan_ranks(
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
+        report(f"rank {planned_rank} of {n}: warm-up and recorded step", 0, 3)
         recorded = _checked_and_recorded(verifier, workload, unplanned.profiles[planned_rank] if unplanned else None)
         _resharded(verifier.model)
         excluded.update(recorded[1])
