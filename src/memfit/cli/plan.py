@@ -180,7 +180,7 @@ def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Where, started: floa
 def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
     """``plan --world-size N`` (one rank's parallelized step, planned on the fake process group)
     or ``plan --min-world-size`` (the smallest world size fitting the per-rank budget)."""
-    from memfit.plan.distributed import min_world_size, plan_ranks
+    from memfit.plan.distributed import min_world_size
     from memfit.report.console import progress_bar, render_plan, render_world_size_fit
 
     if ns.device not in FAKE:
@@ -230,9 +230,9 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
         result: Any = found
     else:
         with progress_bar(console, f"planning {work.name} per rank") as progress:
-            result = plan_ranks(
+            result = memfit.plan(
                 work,
-                raw,
+                budget=raw,
                 world_size=ns.world_size,
                 ranks=read_ranks(ns.ranks, ns.world_size),
                 objective=ns.objective,
