@@ -34,11 +34,19 @@ def _parallel(world_size: int | None = 2) -> memfit.Parallel:
     return memfit.Parallel(fsdp2(lambda m: m.blocks, param_dtype=None, reduce_dtype=None), world_size=world_size, name="fsdp2")
 
 
+def _on_shards(params) -> torch.optim.Optimizer:
+    """An optimizer factory that, like torchtitan's, can only be made over a rank's materialised shards."""
+    params = list(params)
+    if any(p.is_meta for p in params):
+        raise memfit.WorkloadError("made over the model on meta: the optimizer is made per rank only")
+    return torch.optim.AdamW(params)
+
+
 def _workload() -> memfit.Workload:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Blocks()
-    return memfit.Workload(model, torch.randn(BATCH, WIDTH), parallel=_parallel())
+    return memfit.Workload(model, torch.randn(BATCH, WIDTH), optimizer=_on_shards, parallel=_parallel())
 
 
 def _timeless(data):
@@ -53,7 +61,7 @@ def test_profile_per_rank_is_profile_ranks_in_both_forms():
     expected = profile_ranks(work, world_size=2, ranks=(0, 1))
     assert memfit.profile(work, ranks="all", fake=True).to_json() == expected.to_json()
     # the loose parts and parallel=: the same step, the same figures; a real-tensor default means fake ones per rank
-    loose = memfit.profile(work.model, work.inputs, parallel=_parallel(None), world_size=2, ranks=[1])
+    loose = memfit.profile(work.model, work.inputs, optimizer=_on_shards, parallel=_parallel(None), world_size=2, ranks=[1])
     assert isinstance(loose, type(expected)) and sorted(loose.profiles) == [1]
     assert loose.profiles[1].to_json() == expected.profiles[1].to_json()
 

@@ -80,7 +80,6 @@ def world_of(
                 "or pass the model instead of the Workload"
             )
         work = model if parallel is None else dataclasses.replace(model, parallel=parallel)
-        parts = {"loss_fn": work.loss_fn, "targets": work.targets, "optimizer": _made(work)}
         model, inputs = work.model, work.inputs
     elif inputs is None:
         raise WorkloadError(
@@ -98,6 +97,8 @@ def world_of(
                 "world_size and ranks ask about ranks of a distributed step: give parallel=memfit.Parallel(parallelize) "
                 "(or a memfit.Workload with one); without it the step is one device, a world of one"
             )
+        if work is not None:  # made here, for one device only: a rank's optimizer is made over its shards
+            parts = {"loss_fn": work.loss_fn, "targets": work.targets, "optimizer": _made(work)}
         return World(None), model, inputs, dict(parts)
     n = world_size_of(work, world_size)
     asked = list(range(n)) if ranks == "all" else list(dict.fromkeys(ranks if ranks is not None else (0,)))
