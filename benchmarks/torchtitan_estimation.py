@@ -15,6 +15,7 @@ import sys
 import time
 
 os.environ.setdefault("MEMFIT_FAKE_CUDA", "1")
+import memfit  # noqa: E402, F401  (before torch: loads the fake CUDA shim)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads"))
 from torchtitan_toml import workload  # noqa: E402

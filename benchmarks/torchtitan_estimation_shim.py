@@ -33,10 +33,12 @@ import time
 import types
 
 os.environ.setdefault("MEMFIT_FAKE_CUDA", "1")
+import memfit  # noqa: E402, F401  (before torch: loads the fake CUDA shim)
+
+# isort: split
 import torch  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 
-import memfit  # noqa: E402, F401  (before torch: loads the fake CUDA shim)
 from memfit.cuda import fake  # noqa: E402
 
 _ZERO = {"active_bytes.all.peak": 0, "reserved_bytes.all.peak": 0, "num_alloc_retries": 0}
