@@ -38,7 +38,7 @@ from memfit.measure.profile import Profile, Progress
 from memfit.measure.step import StepOptions
 from memfit.plan import planner
 from memfit.plan.distributed import plan_ranks
-from memfit.plan.result import Plan
+from memfit.plan.result import Plan, fingerprint
 from memfit.workload import Parallel, Where, Workload
 
 __all__ = ["profile", "plan", "fit", "max_batch", "World"]
@@ -49,16 +49,33 @@ Ranks = Sequence[int] | str
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """Where a question is asked: one device (``workload is None``: the loose parts go to the
-    single-device function), or ``ranks`` of ``size`` ranks of ``workload``'s parallel step."""
+    """Where a question is asked: one device (the loose parts go to the single-device
+    function), or ``ranks`` of ``size`` ranks of ``workload``'s parallel step. ``workload``:
+    the one given or built (None: loose parts on one device)."""
 
     workload: Workload | None
     size: int = 1
     ranks: tuple[int, ...] = (0,)
+    one_device: bool = True
 
-    @property
-    def one_device(self) -> bool:
-        return self.workload is None
+    def as_held(self, plan: Plan | None) -> Plan | None:
+        """``plan`` for the model the training script holds: a target that wraps it
+        (:attr:`Workload.plan_root`) is planned whole, the plan handed over re-rooted."""
+        work = self.workload
+        if plan is None or work is None or not work.plan_root:
+            return plan
+        return plan.under(work.plan_root, work.model.get_submodule(work.plan_root))
+
+    def recipe_as_held(self, recipe: Any) -> Any:
+        """A recipe's plan (and a single device's recipe's fingerprint) for the model held, as :meth:`as_held`."""
+        work = self.workload
+        if recipe is None or work is None or not work.plan_root:
+            return recipe
+        recipe.plan = self.as_held(recipe.plan)
+        if "fingerprint" in recipe.WHERE:  # a Recipe is checked against the model it is applied to
+            held = work.model.get_submodule(work.plan_root)
+            recipe.fingerprint, recipe.model_type = fingerprint(held), type(held).__name__
+        return recipe
 
 
 def world_of(
@@ -99,13 +116,13 @@ def world_of(
             )
         if work is not None:  # made here, for one device only: a rank's optimizer is made over its shards
             parts = {"loss_fn": work.loss_fn, "targets": work.targets, "optimizer": _made(work)}
-        return World(None), model, inputs, dict(parts)
+        return World(work), model, inputs, dict(parts)
     n = world_size_of(work, world_size)
     asked = list(range(n)) if ranks == "all" else list(dict.fromkeys(ranks if ranks is not None else (0,)))
     bad = [r for r in asked if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n]
     if bad or not asked:
         raise WorkloadError(f"ranks must be ranks of a world of {n} (0 to {n - 1}) or 'all', got {bad[0] if bad else 'none'}")
-    return World(work, n, tuple(asked)), model, inputs, dict(parts)
+    return World(work, n, tuple(asked), one_device=False), model, inputs, dict(parts)
 
 
 def _made(work: Workload) -> torch.optim.Optimizer | None:
@@ -194,25 +211,27 @@ def plan(
     parts = {"loss_fn": loss_fn, "optimizer": optimizer, "targets": targets}
     world, model, inputs, parts = world_of(model, inputs, parts, parallel, world_size, ranks)
     if world.one_device:
-        return planner.plan(
-            model,
-            inputs,
-            budget,
-            **parts,
-            fake=fake,
-            profile=profile,
-            objective=objective,
-            progress=progress,
-            step=step,
-            op_overhead_s=op_overhead_s,
-            on_profile=on_profile,
-            on_planned=on_planned,
+        return world.as_held(
+            planner.plan(
+                model,
+                inputs,
+                budget,
+                **parts,
+                fake=fake,
+                profile=profile,
+                objective=objective,
+                progress=progress,
+                step=step,
+                op_overhead_s=op_overhead_s,
+                on_profile=on_profile,
+                on_planned=on_planned,
+            )
         )
     _one_device_only(
         profile=(profile, None), step=(step, None), op_overhead_s=(op_overhead_s, None),
         on_profile=(on_profile, None), on_planned=(on_planned, None),
     )  # fmt: skip
-    return plan_ranks(
+    planned = plan_ranks(
         world.workload,  # type: ignore[arg-type]
         budget,
         world_size=world.size,
@@ -221,6 +240,7 @@ def plan(
         progress=progress,
         fake=_rank_where(fake),
     )
+    return world.as_held(planned)  # type: ignore[return-value]
 
 
 def fit(
@@ -244,9 +264,9 @@ def fit(
     world, model, inputs, parts = world_of(model, inputs, parts, parallel, world_size, ranks)
     if world.one_device:
         options = dict(allow=allow, set_to_none=set_to_none, progress=progress, exclude=exclude, fake=fake)
-        return single_fit.fit(model, inputs, budget, **parts, **options)
+        return world.recipe_as_held(single_fit.fit(model, inputs, budget, **parts, **options))
     _one_device_only(set_to_none=(set_to_none, True))
-    return fit_ranks(
+    recipe = fit_ranks(
         world.workload,  # type: ignore[arg-type]
         budget,
         world_size=world.size,
@@ -256,6 +276,7 @@ def fit(
         progress=progress,
         fake=_rank_where(fake),
     )
+    return world.recipe_as_held(recipe)
 
 
 def max_batch(
@@ -279,9 +300,11 @@ def max_batch(
     world, model, inputs, parts = world_of(model, inputs, parts, parallel, world_size, ranks)
     if world.one_device:
         options = dict(allow=allow, set_to_none=set_to_none, multiple_of=multiple_of, progress=progress, fake=fake)
-        return single_max_batch.max_batch(model, inputs, budget, **parts, **options)
+        found = single_max_batch.max_batch(model, inputs, budget, **parts, **options)
+        world.recipe_as_held(found.recipe)
+        return found
     _one_device_only(set_to_none=(set_to_none, True))
-    return max_batch_ranks(
+    found = max_batch_ranks(
         world.workload,  # type: ignore[arg-type]
         budget,
         world_size=world.size,
@@ -291,6 +314,8 @@ def max_batch(
         progress=progress,
         fake=_rank_where(fake),
     )
+    world.recipe_as_held(found.recipe)
+    return found
 
 
 _WORLD_DOC = """

@@ -180,6 +180,7 @@ def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Where, started: floa
 def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
     """``plan --world-size N`` (one rank's parallelized step, planned on the fake process group)
     or ``plan --min-world-size`` (the smallest world size fitting the per-rank budget)."""
+    from memfit.api import World
     from memfit.plan.distributed import min_world_size
     from memfit.report.console import progress_bar, render_plan, render_world_size_fit
 
@@ -226,6 +227,7 @@ def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -
                 fake=FAKE[ns.device],
                 outside=outside,
             )
+        found.plan = World(work).as_held(found.plan)
         render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
         result: Any = found
     else:

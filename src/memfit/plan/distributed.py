@@ -106,6 +106,7 @@ def plan_ranks(
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
+        wrapped = _forwards_wrapped(workload.model, verifier.model)
         # The first forward of the check is the warm-up step (the optimizer's state).
         stateful, use_cache_off = verifier.stateful()
         _resharded(verifier.model)
@@ -118,10 +119,23 @@ def plan_ranks(
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded, price_min=not verify_min), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # The planned rank's step has run with the plan already (the search's verified run, or the
-    # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte).
-    done = {} if afresh else {planned_rank: _run_peaks(found.run, prof)}
+    # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte),
+    # unless its parallelize wrapped a planned module's forward (torchtitan's modules wrap theirs
+    # in a redistribution): applied before parallelizing, as the user applies it, the plan's
+    # checkpoint then runs inside that wrapper, and applied to the parallelized model (the
+    # search's runs) around it, so the two steps differ. The user's order is the figure.
+    reordered = sorted(wrapped & set(plan.checkpointed))
+    done = {} if afresh or reordered else {planned_rank: _run_peaks(found.run, prof)}
     groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
-    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings)
+    try:
+        peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings)
+    except PlanError as exc:
+        if not reordered:
+            raise
+        raise PlanError(
+            f"{exc} (the parallelize wraps the forward of {reordered[0]!r} and {len(reordered) - 1} more planned modules, "
+            "so the search ran the plan inside that wrapper and the step applies it under it)"
+        ) from None
     plan.world_size = n
     plan.rank_peak_bytes = {r: peaks[r] for r in ranks}
     plan.predicted_peak_bytes = max(peaks.values())
@@ -141,6 +155,17 @@ def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
     if bad or not listed:
         raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
     return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+
+
+def _forwards_wrapped(before: Any, after: Any) -> set[str]:
+    """Modules whose instance-level ``forward`` parallelizing set or replaced (``before``: the
+    workload's model, ``after``: the rank's parallelized one; names as plans give them)."""
+    own = {name: m.__dict__.get("forward") for name, m in before.named_modules()}
+    return {
+        name
+        for name, m in after.named_modules()
+        if "forward" in m.__dict__ and (name not in own or own[name] is None or type(own[name]) is not type(m.__dict__["forward"]))
+    }
 
 
 def _resharded(model: Any) -> None:
