@@ -120,24 +120,18 @@ def plan_ranks(
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # The planned rank's step has run with the plan already (the search's verified run, or the
     # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte),
-    # unless its parallelize wrapped a planned module's forward (torchtitan's modules wrap theirs
-    # in a redistribution): applied before parallelizing, as the user applies it, the plan's
-    # checkpoint then runs inside that wrapper, and applied to the parallelized model (the
-    # search's runs) around it, so the two steps differ. The user's order is the figure.
+    # unless its parallelize wrapped a planned module's forward (:func:`_verified`).
     reordered = sorted(wrapped & set(plan.checkpointed))
     done = {} if afresh or reordered else {planned_rank: _run_peaks(found.run, prof)}
     groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
-    try:
-        peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings)
-    except PlanError as exc:
-        if not reordered:
-            raise
-        raise PlanError(
-            f"{exc} (the parallelize wraps the forward of {reordered[0]!r} and {len(reordered) - 1} more planned modules, "
-            "so the search ran the plan inside that wrapper and the step applies it under it)"
-        ) from None
+    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings, reordered)
+    return _with_rank_figures(plan, n, {r: peaks[r] for r in ranks}, allocated, started)
+
+
+def _with_rank_figures(plan: Plan, n: int, peaks: dict[int, int], allocated: dict[int, int], started: float) -> Plan:
+    """``plan`` with each asked-for rank's verified peak, the highest as its predicted one."""
     plan.world_size = n
-    plan.rank_peak_bytes = {r: peaks[r] for r in ranks}
+    plan.rank_peak_bytes = peaks
     plan.predicted_peak_bytes = max(peaks.values())
     if plan.allocated_peak_bytes is not None:  # fake CUDA: the reserved peaks' allocated beside
         plan.allocated_peak_bytes = max(allocated.values())
@@ -195,13 +189,20 @@ def _verified(
     report: Progress,
     done: dict[int, tuple[int, int]] | None = None,
     settings: AllocatorSettings | None = None,
+    reordered: Sequence[str] = (),
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Every rank of ``groups`` profiled afresh with the plan applied before parallelizing, as
     it trains, beside the ranks ``done`` already measured it: each rank's budget peak (fake CUDA:
     reserved) and tensor peak; refused in one line when one is over the budget. ``done`` holds
     the planned rank, from the run that verified the plan on its step (the plan applied to the
     parallelized model: the same ledger as applied before ``parallelize``, tested), unless
-    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures)."""
+    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures).
+
+    ``reordered``: planned modules whose forward the parallelize wrapped (torchtitan's modules
+    wrap theirs in a redistribution). Applied before parallelizing, as the user applies it, the
+    plan's checkpoint runs inside that wrapper; applied to the parallelized model (the search's
+    runs), around it (an all-gather then recomputed in backward): two different steps, of which
+    the user's is the figure, so the planned rank is profiled afresh too."""
     peaks = {r: p for r, (p, _) in (done or {}).items()}
     allocated = {r: a for r, (_, a) in (done or {}).items()}
     for i, group in enumerate(groups):
@@ -215,6 +216,12 @@ def _verified(
         raise PlanError(
             f"the plan made on rank {planned_rank} peaks at {format_bytes(over[r])} on rank {r}, over the budget "
             f"{format_bytes(plan.budget_bytes)}: plan for rank {r} (ranks=({r},)) or give a lower budget"
+            + (
+                f" (the parallelize wraps the forward of {reordered[0]!r} and {len(reordered) - 1} more planned modules: the "
+                "search ran their checkpoints around that wrapper, the training step runs them inside it)"
+                if reordered
+                else ""
+            )
         )
     return peaks, allocated
 
