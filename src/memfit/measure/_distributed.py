@@ -35,6 +35,7 @@ __all__ = [
     "ddp_comm_hook",
     "keep_ddp_buckets",
     "no_runtime_stats",
+    "static_pipeline_stages",
 ]
 
 
@@ -316,3 +317,23 @@ def ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def static_pipeline_stages(schedule: Any) -> None:
+    """A ``torch.distributed.pipelining`` schedule on the fake process group: its first step
+    opens with a vote (each stage sends the product of the stages' "my metadata is complete"
+    flags down the pipeline and the answer back up, then reads it with ``.item()``), which on the
+    fake group receives nothing and reads a fake tensor. memfit gives every stage complete
+    metadata, so every real rank votes "static": that answer is set here, on this schedule
+    only, and a stage whose metadata is incomplete is refused in one line."""
+    import types
+
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup_p2p(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} has incomplete input/output metadata")
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = types.MethodType(warmup_p2p, schedule)

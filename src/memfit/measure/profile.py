@@ -36,7 +36,7 @@ from memfit.measure.recorder import BOOKKEEPING_OPS, Recorder
 from memfit.measure.replay import replay_training
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Clock, Scope
-from memfit.measure.step import StepOptions
+from memfit.measure.step import OwnPasses, StepOptions
 from memfit.recompute.cache import turned_off
 from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
@@ -840,6 +840,8 @@ def _register_start(recorder: Recorder, box: Sandbox) -> None:
         recorder.register_start(tensors, category)
     recorder.register_start((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
     recorder.register_start(_state_tensors(box.optimizer), Category.OPTIMIZER)
+    if isinstance(box.model, OwnPasses):
+        recorder.register_start(box.model.held_buffers(), Category.PIPELINE)
     leaves, _ = tree_flatten((box.args, box.kwargs, box.targets))
     recorder.register_start((t for t in leaves if isinstance(t, torch.Tensor)), Category.INPUT)
 
