@@ -869,8 +869,12 @@ def _run_recorded(
     them before the step ends); optimizer state it creates, once the step is over."""
 
     def on_phase(phase: Phase) -> None:
-        if scope.phase is Phase.BACKWARD and phase is not Phase.BACKWARD:
-            recorder.free_graph()  # train_step dropped output and loss: the graph goes
+        if scope.phase is Phase.BACKWARD:
+            # train_step dropped output and loss: the graph goes (a pipeline's next pass,
+            # forward or backward, begins: the graph of the microbatch whose backward ran goes)
+            recorder.free_graph()
+        if phase is Phase.FORWARD:
+            recorder.new_pass()
         if phase is Phase.OPTIMIZER:
             with_grad = [p for p in box.model.parameters() if p.grad is not None]
             if grads_seen is not None:
