@@ -36,6 +36,7 @@ __all__ = [
     "keep_ddp_buckets",
     "no_runtime_stats",
     "static_pipeline_stages",
+    "p2p_works_hold_tensors",
 ]
 
 
@@ -337,3 +338,40 @@ def static_pipeline_stages(schedule: Any) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = types.MethodType(warmup_p2p, schedule)
+
+
+class _HeldWork:
+    """A fake group's point-to-point work that holds its tensors, as gloo's send and receive
+    works do (``ProcessGroupGloo::SendWork`` keeps the tensor) until the work object is
+    dropped, waited or not: a pipeline schedule that keeps the works of its last sends in a
+    list keeps the activations it sent alive that long. The fake group's works hold nothing."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def p2p_works_hold_tensors() -> Iterator[None]:
+    """Within, the works a ``torch.distributed.pipelining`` schedule gets for its sends and
+    receives (its ``_batch_p2p``) hold their tensors (:class:`_HeldWork`). On the fake group only."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
+        works = original(p2p_ops, desc)
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(w, [p.tensor]) for w, p in zip(works, p2p_ops)]
+        return [_HeldWork(w, [p.tensor for p in p2p_ops]) for w in works]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original

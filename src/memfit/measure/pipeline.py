@@ -19,6 +19,7 @@ reaches here (:func:`memfit.measure._distributed.static_pipeline_stages`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,10 +152,12 @@ class PipelineRank(OwnPasses):
         first, last = 0 in self.indices, self.num_stages - 1 in self.indices
         losses: list[torch.Tensor] | None = [] if last else None
         self._on_phase = on_phase
+        fake_group = torch.distributed.get_backend(self._mesh.get_group()) == "fake"
         try:
-            self._schedule.step(
-                *(inputs if first else ()), target=targets if last else None, losses=losses, return_outputs=False
-            )
+            with _distributed.p2p_works_hold_tensors() if fake_group else contextlib.nullcontext():
+                self._schedule.step(
+                    *(inputs if first else ()), target=targets if last else None, losses=losses, return_outputs=False
+                )
         finally:
             self._on_phase = lambda phase: None
         return None
