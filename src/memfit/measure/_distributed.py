@@ -36,7 +36,7 @@ __all__ = [
     "keep_ddp_buckets",
     "no_runtime_stats",
     "static_pipeline_stages",
-    "p2p_works_hold_tensors",
+    "fake_pipeline_step",
 ]
 
 
@@ -357,12 +357,15 @@ class _HeldWork:
 
 
 @contextmanager
-def p2p_works_hold_tensors() -> Iterator[None]:
-    """Within, the works a ``torch.distributed.pipelining`` schedule gets for its sends and
-    receives (its ``_batch_p2p``) hold their tensors (:class:`_HeldWork`). On the fake group only."""
+def fake_pipeline_step() -> Iterator[None]:
+    """Around a ``torch.distributed.pipelining`` schedule's step on the fake group: the works it
+    gets for its sends and receives (its ``_batch_p2p``) hold their tensors (:class:`_HeldWork`);
+    and its first step's RNG fork (around shape inference, which memfit's static stages skip)
+    forks the CPU generator only: fake CUDA has no device generator to read, and a generator's
+    state is no device memory."""
     from torch.distributed.pipelining import schedules
 
-    original = schedules._batch_p2p
+    original, fork_rng = schedules._batch_p2p, torch.random.fork_rng
 
     def batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
         works = original(p2p_ops, desc)
@@ -370,8 +373,13 @@ def p2p_works_hold_tensors() -> Iterator[None]:
             return [_HeldWork(w, [p.tensor]) for w, p in zip(works, p2p_ops)]
         return [_HeldWork(w, [p.tensor for p in p2p_ops]) for w in works]
 
+    def cpu_fork_rng(devices: Any = None, enabled: bool = True, *args: Any, device_type: Any = None, **kwargs: Any) -> Any:
+        return fork_rng([], enabled, *args, device_type="cuda", **kwargs)
+
     schedules._batch_p2p = batch_p2p
+    torch.random.fork_rng = cpu_fork_rng  # type: ignore[assignment]
     try:
         yield
     finally:
         schedules._batch_p2p = original
+        torch.random.fork_rng = fork_rng  # type: ignore[assignment]

@@ -154,7 +154,7 @@ class PipelineRank(OwnPasses):
         self._on_phase = on_phase
         fake_group = torch.distributed.get_backend(self._mesh.get_group()) == "fake"
         try:
-            with _distributed.p2p_works_hold_tensors() if fake_group else contextlib.nullcontext():
+            with _distributed.fake_pipeline_step() if fake_group else contextlib.nullcontext():
                 self._schedule.step(
                     *(inputs if first else ()), target=targets if last else None, losses=losses, return_outputs=False
                 )
