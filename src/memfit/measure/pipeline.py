@@ -116,7 +116,9 @@ class PipelineRank(OwnPasses):
     """One pipeline rank's model: ``module``, the model pruned to this rank's stages (its
     modules keep the whole model's names), run by torch's schedule over its stages."""
 
-    def __init__(self, module: nn.Module, stages: list[nn.Module], indices: list[int], spec: Pipeline, pp: int, whole: nn.Module, mesh: Any) -> None:
+    def __init__(
+        self, module: nn.Module, stages: list[nn.Module], indices: list[int], spec: Pipeline, pp: int, whole: nn.Module, mesh: Any
+    ) -> None:
         super().__init__()
         self.module = module
         # not children: the stages' modules are the pruned model's, named there
@@ -181,7 +183,11 @@ class PipelineRank(OwnPasses):
             _phased(stage, self)
             stages.append(stage)
         cls = getattr(schedules, SCHEDULES[self.spec.schedule][0])
-        one = self.spec.per_rank == 1 and SCHEDULES[self.spec.schedule][2] == "loop" and cls.__name__ in ("ScheduleGPipe", "Schedule1F1B")
+        one = (
+            self.spec.per_rank == 1
+            and SCHEDULES[self.spec.schedule][2] == "loop"
+            and cls.__name__ in ("ScheduleGPipe", "Schedule1F1B")
+        )
         try:
             schedule = cls(stages[0] if one else stages, m, loss_fn=self.spec.loss_fn)
         except ValueError as exc:
@@ -230,3 +236,17 @@ def _stage_metas(whole: nn.Module, inputs: tuple, rows: int, num_stages: int, sp
             out[i] = (x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y))
             x = y
     return out
+
+
+def refuse_pipelined(workload: Any, what: str) -> None:
+    """Planning and fitting are not yet done per pipeline stage (each stage holds other modules,
+    so a plan is the stage's own, and a stage's peak depends on the microbatches in flight there):
+    ``what`` (``plan``, ``fit``, ...) on a pipelined workload is refused in one line."""
+    from memfit.errors import PlanError
+
+    parallel = getattr(workload, "parallel", None)
+    if parallel is not None and isinstance(parallel.parallelize, Pipeline):
+        raise PlanError(
+            f"{what} under pipeline parallelism ({parallel.name}) is not modelled yet: profile its stages "
+            "(memfit profile ... --world-size N --ranks all) and see docs/limitations.md"
+        )

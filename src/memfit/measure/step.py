@@ -256,8 +256,14 @@ class OwnPasses(nn.Module):
 
 
 def _own_passes_step(
-    model: OwnPasses, args: tuple, kwargs: dict, targets: Any, optimizer: torch.optim.Optimizer,
-    on_phase: Callable[[Phase], None], set_to_none: bool, others: dict[str, Any],
+    model: OwnPasses,
+    args: tuple,
+    kwargs: dict,
+    targets: Any,
+    optimizer: torch.optim.Optimizer,
+    on_phase: Callable[[Phase], None],
+    set_to_none: bool,
+    others: dict[str, Any],
 ) -> float:
     """:func:`train_step` for an :class:`OwnPasses` model: its passes, then the optimizer."""
     refused = [k for k, v in others.items() if v]
@@ -316,9 +322,14 @@ def train_step(
     each forward's output is handed to it as the forward returns (:attr:`StepOptions.holds_output`)."""
     if isinstance(model, OwnPasses):
         others = {
-            "micro_batches": micro_batches > 1, "accumulate": accumulate > 1, "loss_scale": loss_scale is not None,
-            "autocast": autocast is not None, "scaler": scaler is not None, "inference": inference,
-            "offload": offload, "holds_output": held is not None,
+            "micro_batches": micro_batches > 1,
+            "accumulate": accumulate > 1,
+            "loss_scale": loss_scale is not None,
+            "autocast": autocast is not None,
+            "scaler": scaler is not None,
+            "inference": inference,
+            "offload": offload,
+            "holds_output": held is not None,
         }
         return _own_passes_step(model, args, kwargs, targets, optimizer, on_phase, set_to_none, others)
     if inference:

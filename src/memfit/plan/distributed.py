@@ -37,6 +37,7 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
+from memfit.measure.pipeline import refuse_pipelined
 from memfit.measure.profile import Profile, Progress
 from memfit.measure.verify import Run, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
@@ -83,6 +84,7 @@ def plan_ranks(
     ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`). A budget in bytes:
     ``P_min`` is priced on the ledger unless the answer needs it run (:attr:`Search.price_min`;
     ``verify_min=True``: always run, as :func:`memfit.plan` does)."""
+    refuse_pipelined(workload, "plan")
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
@@ -307,6 +309,7 @@ def min_world_size(
     every peak judged the budget's way there (reserved; :func:`plan_ranks`). ``outside(n)``: bytes a
     rank holds outside the allocator at world size ``n`` (NCCL's buffers, whose communicators
     grow with it), taken off the budget at that size (each row's ``budget_bytes``)."""
+    refuse_pipelined(workload, "--min-world-size")
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")

@@ -140,7 +140,9 @@ def build_llama(
     pipelined = (("pp", pp, ("pp",)), ("schedule", schedule, ("pp",)), ("microbatches", microbatches, ("pp",)))
     for key, value, scheme in (("tp", tp, ("tp", "fsdp2+tp")), ("replicate", replicate, ("hsdp",)), *pipelined):
         if value is not None and parallel not in scheme:
-            raise TargetError(f"{key}={value} is a degree of parallel={' or '.join(scheme)}, not of parallel={parallel}")
+            raise TargetError(
+                f"{key}={value} is {'a setting' if key in ('schedule', 'microbatches') else 'a degree'} of parallel={' or '.join(scheme)}, not of parallel={parallel}"
+            )
         if key != "schedule" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TargetError(f"{key} must be a positive integer, got {value!r}")
     batch, seq = _LLAMA_SEQ[preset]
