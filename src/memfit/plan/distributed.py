@@ -84,11 +84,10 @@ def plan_ranks(
     ``afresh=True`` profiles the planned rank afresh too (see :func:`_verified`). A budget in bytes:
     ``P_min`` is priced on the ledger unless the answer needs it run (:attr:`Search.price_min`;
     ``verify_min=True``: always run, as :func:`memfit.plan` does)."""
-    refuse_pipelined(workload, "plan")
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
-    n = world_size_of(workload, world_size)
+    n = _world_size(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
     ranks = list(dict.fromkeys(ranks))
@@ -131,6 +130,12 @@ def plan_ranks(
         plan.allocated_peak_bytes = max(allocated.values())
     plan.planning_time_s = time.perf_counter() - started
     return plan
+
+
+def _world_size(workload: Workload, world_size: int | None) -> int:
+    """The world size :func:`plan_ranks` plans at (a pipelined workload refused in one line)."""
+    refuse_pipelined(workload, "plan")
+    return world_size_of(workload, world_size)
 
 
 def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
@@ -309,7 +314,6 @@ def min_world_size(
     every peak judged the budget's way there (reserved; :func:`plan_ranks`). ``outside(n)``: bytes a
     rank holds outside the allocator at world size ``n`` (NCCL's buffers, whose communicators
     grow with it), taken off the budget at that size (each row's ``budget_bytes``)."""
-    refuse_pipelined(workload, "--min-world-size")
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
