@@ -183,11 +183,7 @@ class PipelineRank(OwnPasses):
             _phased(stage, self)
             stages.append(stage)
         cls = getattr(schedules, SCHEDULES[self.spec.schedule][0])
-        one = (
-            self.spec.per_rank == 1
-            and SCHEDULES[self.spec.schedule][2] == "loop"
-            and cls.__name__ in ("ScheduleGPipe", "Schedule1F1B")
-        )
+        one = issubclass(cls, schedules.PipelineScheduleSingle)  # GPipe, 1F1B: one stage, not a list
         try:
             schedule = cls(stages[0] if one else stages, m, loss_fn=self.spec.loss_fn)
         except ValueError as exc:
