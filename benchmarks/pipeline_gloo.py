@@ -81,6 +81,38 @@ def predicted_tensor_rise(ledger) -> int:
     return tensors.peak_bytes - tensors.start_bytes
 
 
+def most_activations(ledger) -> int:
+    """The most saved-activation bytes alive at once over the step (the microbatches in flight)."""
+    from memfit.measure.ledger import START_TICK, Category
+
+    events = []
+    for b in ledger.blocks:
+        if b.category is Category.ACTIVATION:
+            events.append((-1 if b.born == START_TICK else b.born, b.nbytes))
+            if b.died is not None:
+                events.append((b.died, -b.nbytes))
+    live = most = 0
+    for _, n in sorted(events):  # frees (negative) first at a tick
+        live += n
+        most = max(most, live)
+    return most
+
+
+def theory(world_sizes: list[int], schedules: list[str], m: int) -> None:
+    """Fake group only: each stage's peak and the most saved activations it holds at once, in
+    microbatches' worth (the last stage's per-microbatch figure differs: it holds the head's)."""
+    from memfit.measure.distributed import profile_ranks
+
+    for schedule in schedules:
+        for n in world_sizes:
+            profs = profile_ranks(workload(schedule, m), world_size=n, ranks=range(n)).profiles
+            for r, p in profs.items():
+                print(
+                    f"{schedule:16s} pp {n} m {m} rank {r}: peak {p.peak_bytes:,} B, most activations {most_activations(p.ledger):,} B",
+                    flush=True,
+                )
+
+
 def _row(schedule, n, m, r, pred, meas, alloc, t_fake) -> dict:
     from memfit.measure.distributed import without_backend_buffers
     from memfit.measure.ledger import Category, Ledger
@@ -116,7 +148,11 @@ def main() -> int:
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--theory", action="store_true", help="fake group only: peaks and the most activations held at once")
     ns = ap.parse_args()
+    if ns.theory:
+        theory(list(map(int, ns.world_sizes.split(","))), ns.schedules.split(","), ns.microbatches)
+        return 0
     from memfit.measure.distributed import profile_ranks
 
     rows = []
