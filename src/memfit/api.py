@@ -301,7 +301,8 @@ def max_batch(
     if world.one_device:
         options = dict(allow=allow, set_to_none=set_to_none, multiple_of=multiple_of, progress=progress, fake=fake)
         found = single_max_batch.max_batch(model, inputs, budget, **parts, **options)
-        world.recipe_as_held(found.recipe)
+        if world.workload is not None and world.workload.plan_root:
+            world.recipe_as_held(found.recipe)
         return found
     _one_device_only(set_to_none=(set_to_none, True))
     found = max_batch_ranks(
@@ -314,7 +315,8 @@ def max_batch(
         progress=progress,
         fake=_rank_where(fake),
     )
-    world.recipe_as_held(found.recipe)
+    if world.workload is not None and world.workload.plan_root:
+        world.recipe_as_held(found.recipe)
     return found
 
 

@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
     )
     world_size_arg(
         p,
-        "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp) as "
+        "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp|pp) as "
         "one rank of N on torch's fake process group (with --device fake, or fake-cuda: allocated and reserved peaks per rank)",
     )
     ranks_arg(p, "with --world-size: the ranks to measure (default 0)")

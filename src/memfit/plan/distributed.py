@@ -37,6 +37,7 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
+from memfit.measure.pipeline import refuse_pipelined
 from memfit.measure.profile import Profile, Progress
 from memfit.measure.verify import Run, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
@@ -86,7 +87,7 @@ def plan_ranks(
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
-    n = world_size_of(workload, world_size)
+    n = _world_size(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
     ranks = list(dict.fromkeys(ranks))
@@ -137,6 +138,12 @@ def _with_rank_figures(plan: Plan, n: int, peaks: dict[int, int], allocated: dic
         plan.allocated_peak_bytes = max(allocated.values())
     plan.planning_time_s = time.perf_counter() - started
     return plan
+
+
+def _world_size(workload: Workload, world_size: int | None) -> int:
+    """The world size :func:`plan_ranks` plans at (a pipelined workload refused in one line)."""
+    refuse_pipelined(workload, "plan")
+    return world_size_of(workload, world_size)
 
 
 def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
