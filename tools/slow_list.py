@@ -15,7 +15,9 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "slow.txt"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tsv", type=Path, help="the file MEMFIT_TEST_CPU wrote: cpu seconds, wall seconds, node id (worker, start) per line")
+    ap.add_argument(
+        "tsv", type=Path, help="the file MEMFIT_TEST_CPU wrote: cpu seconds, wall seconds, node id (worker, start) per line"
+    )
     ap.add_argument("--over", type=float, default=2.0, help="CPU seconds above which a test is slow (default 2)")
     args = ap.parse_args()
     cpu: dict[str, float] = {}

@@ -63,8 +63,10 @@ def main() -> None:
         last = max(f.end for f in runs.values())
         for worker in sorted({f.worker for f in runs.values()}):
             mine = sorted((f for f in runs.values() if f.worker == worker), key=lambda f: f.start)
-            print(f"worker {worker}: {len(mine)} files, {sum(f.cpu for f in mine):.0f} CPU s, "
-                  f"last test ends at {mine[-1].end - t0:.0f} s, idle {last - mine[-1].end:.0f} s at the end")
+            print(
+                f"worker {worker}: {len(mine)} files, {sum(f.cpu for f in mine):.0f} CPU s, "
+                f"last test ends at {mine[-1].end - t0:.0f} s, idle {last - mine[-1].end:.0f} s at the end"
+            )
             for f in mine:
                 print(f"  {f.start - t0:7.0f} {f.end - t0:7.0f}  {f.cpu:7.1f} CPU s  {f.tests:4d} tests  {f.name}")
     per_file: dict[str, float] = {}
