@@ -32,8 +32,19 @@ _SLOW = Path(__file__).with_name("slow.txt")
 `make slow-list` measures the suite and writes it again)."""
 
 
+def _slow_tests() -> dict[str, float]:
+    """slow.txt's tests and their CPU seconds: a node id a line, then a tab and the seconds
+    (tools/slow_list.py writes them); a line without its seconds counts as the 2 s that made it slow."""
+    out: dict[str, float] = {}
+    for line in _SLOW.read_text().splitlines() if _SLOW.exists() else ():
+        node, _, seconds = line.partition("\t")
+        out[node] = float(seconds or 2.0)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests listed in slow.txt `slow`, and orders the test files most slow tests first.
+    """Marks the tests listed in slow.txt `slow`, and orders the test files by the CPU seconds of
+    their slow tests, the most first.
 
     Under xdist, a module- or session-scoped fixture a test module defines (a real profile, a
     brute-force search) would be built once per worker that runs one of its tests: `make test`
@@ -42,13 +53,14 @@ def pytest_collection_modifyitems(config, items):
     to ``item._nodeid``, which pytest 9.2 no longer reads, so every group was split over both
     workers and its fixture built twice.) The files are handed out in the order they are
     collected (``--no-loadscope-reorder``): the costly ones first, so that a long file does
-    not start last and leave the other worker idle while it runs."""
-    slow = set(_SLOW.read_text().splitlines()) if _SLOW.exists() else set()
+    not start last and leave the other worker idle while it runs (by seconds, not by how many
+    slow tests a file has: one 70 s test outweighs five of 3 s)."""
+    slow = _slow_tests()
     groups: dict[str, list] = {}
-    weight: dict[str, int] = {}
+    weight: dict[str, float] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
-        weight[path] = weight.get(path, 0) + (item.nodeid in slow)
+        weight[path] = weight.get(path, 0.0) + slow.get(item.nodeid, 0.0)
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
         info = getattr(item, "_fixtureinfo", None)
@@ -80,7 +92,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 def pytest_runtest_protocol(item, nextitem):
     """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
     for) and wall seconds are appended to FILE: on a shared 2-core host wall times say more about
-    the neighbours than about the test, CPU times do not (how the tiers were sized)."""
+    the neighbours than about the test, CPU times do not (how the tiers were sized). Then the
+    xdist worker that ran it and when it started (Unix time): which file ran where, and how
+    long a worker sat idle at the end (``tools/test_timeline.py FILE``)."""
     out = os.environ.get("MEMFIT_TEST_CPU")
     if not out:
         yield
@@ -93,10 +107,11 @@ def pytest_runtest_protocol(item, nextitem):
         shared = _CHILD_CPU["reported"] - _CHILD_CPU["reaped"]  # the fake-CUDA child's, not reaped yet
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + shared
 
-    cpu0, wall0 = cpu(), time.perf_counter()
+    cpu0, wall0, start = cpu(), time.perf_counter(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(out, "a") as f:
-        f.write(f"{cpu() - cpu0:.2f}\t{time.perf_counter() - wall0:.2f}\t{item.nodeid}\n")
+        f.write(f"{cpu() - cpu0:.2f}\t{time.perf_counter() - wall0:.2f}\t{item.nodeid}\t{worker}\t{start:.2f}\n")
 
 
 class LazyModule:

@@ -502,3 +502,21 @@ def test_fake_is_read_once_into_where(step):
     for bad in ("gpu", 1, "True"):
         err = _refused(step, WorkloadError, r"fake takes False \(real tensors\), True or 'cpu'.*got", fake=bad)
         assert "\n" not in str(err)
+
+
+def test_remove_refuses_a_checkpoint_another_wrapper_covers():
+    """A plan applied before parallelizing, whose parallelize then wraps the module's forward
+    (torchtitan's redistribution does): memfit.remove refuses in one line and changes nothing,
+    rather than removing that wrapper with its own."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    plan = memfit.Plan.from_dict(
+        {**memfit.plan(model, torch.randn(8, 4), 1.0).to_dict(), "checkpointed": {"0": {"mode": "full", "save_ops": []}}}
+    )
+    memfit.apply(model, plan)
+    ours = model[0].forward
+    model[0].forward = lambda *a, **k: ours(*a, **k)  # a parallelize's wrapper around memfit's forward
+    wrapper = model[0].forward
+    with pytest.raises(PlanError, match="removing the plan would remove that wrapper too") as info:
+        memfit.remove(model)
+    assert "\n" not in str(info.value)
+    assert model[0].forward is wrapper and memfit.mechanisms(model)  # nothing changed

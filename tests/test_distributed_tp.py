@@ -136,8 +136,9 @@ def test_wait_tensor_output_is_its_input():
 # -- bad input -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["pp", "ep"])
-def test_pipeline_and_expert_parallel_refused(scheme, capsys):
+@pytest.mark.parametrize("scheme", ["ep", "moe"])
+def test_expert_parallel_refused(scheme, capsys):
+    # (pipeline parallelism is measured: tests/test_pipeline.py)
     from memfit.cli import main
 
     with pytest.raises(MemfitError, match="parallelism is not modeled by memfit") as info:

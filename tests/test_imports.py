@@ -45,10 +45,12 @@ LAYERS: dict[str, set[str]] = {
     "integrations": _BASE | {"compat", "workload", "recompute", "measure", "plan", "levers", "apply"},
     "report": _BASE | {"cuda", "measure", "plan", "levers", "integrations"},
     # the edges
-    "memfit": _BASE | {"cuda", "workload", "measure", "plan", "levers", "apply", "target"},  # __init__: the public API
-    "bench": _BASE | {"memfit", "compat", "workload", "recompute", "measure", "plan", "levers", "apply", "zoo", "target"},
+    # the four questions, for one device or each rank of a world: a dispatch over measure, plan and levers
+    "api": _BASE | {"cuda", "workload", "measure", "plan", "levers"},
+    "memfit": _BASE | {"api", "cuda", "workload", "measure", "plan", "levers", "apply", "target"},  # __init__: the public API
+    "bench": _BASE | {"memfit", "api", "compat", "workload", "recompute", "measure", "plan", "levers", "apply", "zoo", "target"},
     # the top: the memfit command (cli/, a module per command); nothing but __main__ imports it
-    "cli": _BASE | {"memfit", "cuda", "workload", "measure", "plan", "levers", "zoo", "integrations", "report", "bench"},
+    "cli": _BASE | {"memfit", "api", "cuda", "workload", "measure", "plan", "levers", "zoo", "integrations", "report", "bench"},
     "__main__": {"cli"},
 }
 """Each folder of ``src/memfit`` and each module beside them (``"memfit"``: the package's own

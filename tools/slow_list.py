@@ -1,5 +1,6 @@
 """Write tests/slow.txt: the tests whose CPU seconds (recorded by tests/conftest.py under
-MEMFIT_TEST_CPU=FILE) exceed a threshold. `make slow-list` runs the suite and then this.
+MEMFIT_TEST_CPU=FILE) exceed a threshold, each with its seconds (tests/conftest.py hands the
+files out to the xdist workers by them, the most first). `make slow-list` runs the suite and then this.
 
     python tools/slow_list.py CPU.tsv [--over 2.0]
 """
@@ -14,15 +15,17 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "slow.txt"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tsv", type=Path, help="the file MEMFIT_TEST_CPU wrote: cpu seconds, wall seconds, node id per line")
+    ap.add_argument(
+        "tsv", type=Path, help="the file MEMFIT_TEST_CPU wrote: cpu seconds, wall seconds, node id (worker, start) per line"
+    )
     ap.add_argument("--over", type=float, default=2.0, help="CPU seconds above which a test is slow (default 2)")
     args = ap.parse_args()
     cpu: dict[str, float] = {}
     for line in args.tsv.read_text().splitlines():
-        seconds, _, node = line.split("\t", 2)
+        seconds, _, node = line.split("\t")[:3]  # then the worker and the start, where written
         cpu[node] = max(cpu.get(node, 0.0), float(seconds))
     slow = sorted(node for node, s in cpu.items() if s > args.over)
-    OUT.write_text("".join(f"{node}\n" for node in slow))
+    OUT.write_text("".join(f"{node}\t{cpu[node]:.1f}\n" for node in slow))
     total = sum(cpu.values())
     print(f"{len(slow)} of {len(cpu)} tests over {args.over} CPU s ({sum(cpu[n] for n in slow):.0f} of {total:.0f} s): {OUT}")
 

@@ -17,6 +17,7 @@ from memfit.cuda import fake as _fake_cuda
 
 _fake_cuda.preload()
 
+from memfit.api import fit, max_batch, plan, profile
 from memfit.apply import apply, mechanisms, remove
 from memfit.apply.recipe import apply_recipe
 from memfit.errors import (
@@ -29,15 +30,13 @@ from memfit.errors import (
     TargetError,
     WorkloadError,
 )
-from memfit.levers.fit import fit
-from memfit.levers.max_batch import BatchLimit, MaxBatch, max_batch
+from memfit.levers.max_batch import BatchLimit, MaxBatch
 from memfit.levers.recipe import Recipe
 from memfit.measure.compiled import CompiledProfile, fit_memory_budget, profile_compiled
 from memfit.measure.ledger import Block, Category, Ledger, Phase, Tick
-from memfit.measure.profile import ModuleStats, Profile, profile
+from memfit.measure.profile import ModuleStats, Profile
 from memfit.measure.step import StepOptions
 from memfit.plan.budget import Budget, parse_budget
-from memfit.plan.planner import plan
 from memfit.plan.result import Choice, Plan
 from memfit.target import load_target
 from memfit.units import format_bytes, parse_bytes

@@ -167,6 +167,11 @@ class Workload:
     parallel: Parallel | None = None
     """How the step is parallelized over ranks (:class:`Parallel`), measured per rank by
     :func:`memfit.measure.distributed.profile_ranks`; None: one process."""
+    plan_root: str = ""
+    """The submodule of :attr:`model` that the training script holds as its model, where a
+    target wraps it to run its loss in ``forward`` (torchtitan's job: ``"model"``). Plans are
+    made and verified on the whole; the ones handed to the user name modules relative to this
+    one and carry its fingerprint (:meth:`memfit.Plan.under`). ``""``: the model itself."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -177,6 +182,13 @@ class Workload:
         check_loss_targets(self.loss_fn, self.targets)
         if self.optimizer is not None and not callable(self.optimizer):
             raise WorkloadError(f"Workload.optimizer must be a factory params -> optimizer, got {type(self.optimizer).__name__}")
+        if not isinstance(self.plan_root, str):
+            raise WorkloadError(f"Workload.plan_root must be a module name (str), got {type(self.plan_root).__name__}")
+        if self.plan_root:
+            try:
+                self.model.get_submodule(self.plan_root)
+            except AttributeError:
+                raise WorkloadError(f"Workload.plan_root {self.plan_root!r} names no submodule of the model") from None
         if self.parallel is not None and not isinstance(self.parallel, Parallel):
             raise WorkloadError(f"Workload.parallel must be a memfit.Parallel, got {type(self.parallel).__name__}")
 

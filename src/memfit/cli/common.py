@@ -4,6 +4,7 @@ profile with a progress bar, and the pictures (``--plot``, ``--html``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,25 +73,24 @@ def profile_work(
     step: memfit.StepOptions | None = None,
     gpu: Any = None,
     capacity: int | None = None,
-) -> memfit.Profile:
+    world_size: int | None = None,
+    ranks: list[int] | None = None,
+) -> Any:
+    """``memfit.profile`` of the target's step on ``device``: one device's
+    :class:`~memfit.Profile`, or with ``world_size`` each of ``ranks``'
+    (:class:`~memfit.measure.distributed.RankProfiles`; the workload, built on meta to be
+    parallelized, stays where it is)."""
     from memfit.report.console import progress_bar
 
     require_device(device)
     fake = where_of(device)
-    model, inputs = on_device(work, "cpu" if fake.fake else device)
-    optimizer = work.make_optimizer()
-    with progress_bar(console, f"profiling {work.name}") as progress:
+    if world_size is None:
+        model, inputs = on_device(work, "cpu" if fake.fake else device)
+        work = dataclasses.replace(work, model=model, inputs=inputs)
+    what = f"profiling {work.name}" + (" per rank" if world_size is not None else "")
+    with progress_bar(console, what) as progress:
         return memfit.profile(
-            model,
-            inputs,
-            loss_fn=work.loss_fn,
-            optimizer=optimizer,
-            fake=fake,
-            progress=progress,
-            step=step,
-            targets=work.targets,
-            gpu=gpu,
-            capacity=capacity,
+            work, fake=fake, progress=progress, step=step, gpu=gpu, capacity=capacity, world_size=world_size, ranks=ranks
         )
 
 

@@ -79,112 +79,85 @@ def add_parser(sub: Any) -> None:
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
+    """One path for one device and for ranks of a world (``--world-size``): the budget read,
+    ``memfit.fit`` (or ``memfit.max_batch``) asked, the recipe drawn and written."""
     from memfit.levers.fit import fit_budget, parse_allow
-    from memfit.report.console import progress_bar, render_fit
+    from memfit.levers.rank_fit import parse_rank_allow
+    from memfit.report.console import progress_bar, render_fit, render_max_batch, render_rank_fit
 
     raw, label = read_budget(ns)
     budget = fit_budget(raw)  # bad budgets and lever names fail before any work
     if ns.multiple_of < 1:
         raise MemfitError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
-    if ns.world_size is not None:
-        return _run_ranks(ns, console, raw, label)
-    if ns.ranks is not None:
-        raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
-    if ns.device == "fake":
-        raise TargetError(
-            "fit weighs its peaks on fake tensors already: --device fake is for a distributed step (--world-size N); "
-            "on one device give cpu, cuda or fake-cuda"
-        )
-    parse_allow(ns.allow)
+    per_rank = ns.world_size is not None
+    _check_world(ns)
+    (parse_rank_allow if per_rank else parse_allow)(ns.allow)
     fake = where_of(ns.device)
     require_device(ns.device)
-    work = workload(ns)
-    model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
-    common = dict(
-        loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), allow=ns.allow, set_to_none=not ns.keep_grads
-    )
+    work = workload(ns, per_rank=per_rank)
+    if per_rank:
+        raw, label = rank_budget(ns, work, raw, label)
+        budget = fit_budget(raw)
+        model, inputs, asked = work, None, dict(world_size=ns.world_size, ranks=read_ranks(ns.ranks, ns.world_size))
+    else:
+        model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
+        optimizer = work.make_optimizer()
+        asked = dict(loss_fn=work.loss_fn, targets=work.targets, optimizer=optimizer, set_to_none=not ns.keep_grads)
+    common = dict(budget=budget, allow=ns.allow, fake=fake, **asked)
+    per = " per rank" if per_rank else ""
     if ns.max_batch:
-        from memfit.report.console import render_max_batch
-
-        with progress_bar(console, f"largest batch of {work.name}") as progress:
-            found = memfit.max_batch(model, inputs, budget, multiple_of=ns.multiple_of, progress=progress, fake=fake, **common)
+        with progress_bar(console, f"largest batch{per} of {work.name}") as progress:
+            found = memfit.max_batch(model, inputs, multiple_of=ns.multiple_of, progress=progress, **common)
         render_max_batch(found, console, title=work.name)
         if found.recipe is None:  # fake CUDA: predicted peaks, no recipe timed
             if ns.json:
                 Path(ns.json).write_text(json.dumps({**found.to_dict(), "budget": label}))
                 console.print(f"wrote {ns.json}")
             return 0
-        found.recipe.budget = label
         recipe = found.recipe
     else:
-        with progress_bar(console, f"fitting {work.name}") as progress:
-            recipe = memfit.fit(model, inputs, budget, progress=progress, fake=fake, **common)
-        recipe.budget = label
-    render_fit(recipe, console, title=work.name, path=ns.json)
+        with progress_bar(console, f"fitting {work.name}{per}") as progress:
+            recipe = memfit.fit(model, inputs, progress=progress, **common)
+    recipe.budget = label
+    (render_rank_fit if per_rank else render_fit)(recipe, console, title=work.name, path=ns.json)  # type: ignore[operator]
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
         console.print(f"wrote {ns.json}")
     if ns.plot or ns.html:
-        from memfit.report.timeline import recipe_timeline
-
-        # the recipe's batch (--max-batch) is the workload rebuilt at that size
-        after_work = work if recipe.batch_size in (None, work.meta.get("batch_size")) else workload_at(ns, recipe.batch_size)
-        after_model, after_inputs = (model, inputs) if after_work is work else on_device(after_work, ns.device)
-        title = f"memfit fit {ns.target}, budget {label}, on {recipe.device}"
-
-        def both(progress: Any) -> tuple[memfit.Profile, memfit.Profile]:
-            before = applied_profile(
-                work, model, inputs, None, Where.REAL, memfit.StepOptions(set_to_none=not ns.keep_grads), progress
-            )
-            return before, applied_profile(after_work, after_model, after_inputs, recipe.plan, Where.REAL, recipe.step, progress)
-
-        write_pictures(ns, console, lambda pair: recipe_timeline(*pair, recipe, title), profile=both)
+        _pictures(ns, console, work, model, inputs, recipe, label)
     return 0
 
 
-def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
-    """``fit --world-size N``: the fastest configuration of one rank's step (recompute,
-    FSDP2's reshard_after_forward, expandable segments on fake CUDA, opt-in reduce dtype) on
-    the fake process group; with ``--max-batch``, the largest per-rank batch first."""
-    from memfit.levers.fit import fit_budget
-    from memfit.levers.rank_fit import fit_ranks, max_batch_ranks, parse_rank_allow
-    from memfit.report.console import progress_bar, render_max_batch, render_rank_fit
-
+def _check_world(ns: argparse.Namespace) -> None:
+    """What a fit on one device, or per rank, cannot take: refused before any work."""
+    if ns.world_size is None:
+        if ns.ranks is not None:
+            raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+        if ns.device == "fake":
+            raise TargetError(
+                "fit weighs its peaks on fake tensors already: --device fake is for a distributed step (--world-size N); "
+                "on one device give cpu, cuda or fake-cuda"
+            )
+        return
     if ns.device not in FAKE:
         raise TargetError(
             f"fit per rank runs each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
         )
-    require_device(ns.device)
     if ns.plot or ns.html or ns.keep_grads:
         raise TargetError("fit per rank does not take --plot, --html or --keep-grads yet; drop them")
-    parse_rank_allow(ns.allow)
-    ranks = read_ranks(ns.ranks, ns.world_size)
-    work = workload(ns, per_rank=True)
-    raw, label = rank_budget(ns, work, raw, label)
-    budget = fit_budget(raw)
-    if ns.max_batch:
-        with progress_bar(console, f"largest batch per rank of {work.name}") as progress:
-            found = max_batch_ranks(
-                work,
-                budget,
-                world_size=ns.world_size,
-                ranks=ranks,
-                multiple_of=ns.multiple_of,
-                allow=ns.allow,
-                progress=progress,
-                fake=FAKE[ns.device],
-            )
-        render_max_batch(found, console, title=work.name)
-        recipe = found.recipe
-        assert recipe is not None
-    else:
-        with progress_bar(console, f"fitting {work.name} per rank") as progress:
-            recipe = fit_ranks(
-                work, budget, world_size=ns.world_size, ranks=ranks, allow=ns.allow, progress=progress, fake=FAKE[ns.device]
-            )
-    recipe.budget = label
-    render_rank_fit(recipe, console, title=work.name, path=ns.json)  # type: ignore[arg-type]
-    if ns.json:
-        Path(ns.json).write_text(recipe.to_json())
-        console.print(f"wrote {ns.json}")
-    return 0
+
+
+def _pictures(ns: argparse.Namespace, console: Console, work: Any, model: Any, inputs: Any, recipe: Any, label: str) -> None:
+    """``--plot``/``--html``: the step as it is and with the recipe, each profiled again for real."""
+    from memfit.report.timeline import recipe_timeline
+
+    # the recipe's batch (--max-batch) is the workload rebuilt at that size
+    after_work = work if recipe.batch_size in (None, work.meta.get("batch_size")) else workload_at(ns, recipe.batch_size)
+    after_model, after_inputs = (model, inputs) if after_work is work else on_device(after_work, ns.device)
+    title = f"memfit fit {ns.target}, budget {label}, on {recipe.device}"
+
+    def both(progress: Any) -> tuple[memfit.Profile, memfit.Profile]:
+        before = applied_profile(work, model, inputs, None, Where.REAL, memfit.StepOptions(set_to_none=not ns.keep_grads), progress)
+        return before, applied_profile(after_work, after_model, after_inputs, recipe.plan, Where.REAL, recipe.step, progress)
+
+    write_pictures(ns, console, lambda pair: recipe_timeline(*pair, recipe, title), profile=both)

@@ -85,6 +85,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
+    """One path for one device and for ranks of a world (``--world-size``): the budget read,
+    ``memfit.plan`` asked, the plan drawn and written. ``--min-world-size`` asks another
+    question (how many ranks), :func:`_run_min_world_size`."""
     from memfit.report.console import progress_bar, render_plan
 
     read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
@@ -92,72 +95,102 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     if ns.compile:
         return run_compiled(ns, console, _compile_budget(raw))
     step = step_options(ns)
-    if ns.world_size is not None or ns.min_world_size:
-        memfit.parse_budget(raw)  # bad budgets fail before any work
-        if step is not None:
-            raise TargetError("plans per rank do not take step options (--micro-batches, --accumulate, ...) yet; drop them")
-        return _run_ranks(ns, console, raw, label)
-    if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.node_size)):
-        raise TargetError(
-            "--ranks, --max-world-size, --world-sizes and --node-size plan a distributed step: "
-            "give --world-size N or --min-world-size"
-        )
+    _check_world(ns, step)
     budget = memfit.parse_budget(raw)  # bad budgets fail before any work
     require_device(ns.device)
-    # --profile PATH that does not exist yet: measured here and written there, so the next
-    # plan of this step (another budget) runs no profiling steps
-    missing = bool(ns.profile) and not Path(ns.profile).exists()
-    if missing and not Path(ns.profile).parent.is_dir():
-        raise TargetError(f"--profile: cannot write {ns.profile}: no directory {Path(ns.profile).parent}; give an existing one")
-    saved = _saved_profile(ns.profile, ns.device) if ns.profile and not missing else None
-    work = workload(ns)
+    if ns.min_world_size:
+        return _run_min_world_size(ns, console, raw, label)
+    per_rank = ns.world_size is not None
+    missing, saved = _profile_file(ns) if not per_rank else (False, None)
+    work = workload(ns, per_rank=per_rank)
     fake = where_of(ns.device)
-    model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
-    pictures = bool(ns.plot or ns.html)
-    started = time.perf_counter()
     # The pictures show the profile the plan was made from, as the plan hands it over
-    # (on_profile): measuring one first for them cost a whole profile more, and for a model
-    # with transformers' KV cache the plan measured again anyway (its step runs the cache off).
-    before = saved
+    # (on_profile), and the step with the plan applied as the run that verified it recorded it
+    # (on_planned): profiling either again cost a whole profile more.
     measured: list[memfit.Profile] = []
     planned: list[memfit.Profile] = []
-    with progress_bar(console, f"planning {work.name}") as progress:
-        plan = memfit.plan(
-            model,
-            inputs,
-            budget,
-            loss_fn=work.loss_fn,
-            targets=work.targets,
-            optimizer=work.make_optimizer(),
-            fake=fake,
-            objective=ns.objective,
-            progress=progress,
-            profile=before,
-            step=step,
-            # the profile the plan was made from: the step as its plans run it (KV cache off)
-            on_profile=measured.append,
-            # the step with the plan applied, as the run that verified it recorded it: what the
-            # pictures draw beside it (profiling it again doubled a large step's planning time)
-            on_planned=planned.append,
-        )
-    before = measured[0] if measured else before
+    if per_rank:
+        raw, label = rank_budget(ns, work, raw, label)
+        model, inputs, asked = work, None, dict(budget=raw, world_size=ns.world_size, ranks=read_ranks(ns.ranks, ns.world_size))
+    else:
+        model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
+        asked = dict(budget=budget, loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), profile=saved,
+                     step=step, on_profile=measured.append, on_planned=planned.append)  # fmt: skip
+    started = time.perf_counter()
+    with progress_bar(console, f"planning {work.name}" + (" per rank" if per_rank else "")) as progress:
+        plan = memfit.plan(model, inputs, fake=fake, objective=ns.objective, progress=progress, **asked)
+    before = measured[0] if measured else saved
     if missing:
         Path(ns.profile).write_text(before.to_json())
         console.print(f"wrote {ns.profile}: `--profile {ns.profile}` plans this step again without measuring it")
     plan.budget = label
-    console.print(f"[bold]{work.name}[/]{step_label(step)} on [bold]{plan.device}[/]", highlight=False)
+    console.print(f"[bold]{work.name}[/]{_where_words(plan, step)} on [bold]{plan.device}[/]", highlight=False)
     render_plan(plan, console)
-    _notes(ns, plan, fake, started, console)
+    if not per_rank:
+        _notes(ns, plan, fake, started, console)
     if ns.json:
         Path(ns.json).write_text(plan.to_json())
         console.print(f"wrote {ns.json}")
-    if pictures:
+    if ns.plot or ns.html:
         from memfit.plan.planner import profile_candidates
         from memfit.report.timeline import plan_timeline
 
         title = f"memfit plan {ns.target}, budget {label}, on {plan.device}"
         write_pictures(ns, console, plan_timeline(before, planned[0], plan, profile_candidates(before, plan.excluded), title))
     return 0
+
+
+def _where_words(plan: memfit.Plan, step: memfit.StepOptions | None) -> str:
+    """What the plan is for, after the target's name: its step options, or the ranks it was verified on."""
+    if plan.rank_peak_bytes is None:
+        return step_label(step)
+    seen = ", ".join(str(r) for r in sorted(plan.rank_peak_bytes))
+    return f", {'rank' if len(plan.rank_peak_bytes) == 1 else 'ranks'} {seen} of {plan.world_size}"
+
+
+def _profile_file(ns: argparse.Namespace) -> tuple[bool, memfit.Profile | None]:
+    """``--profile PATH``: (whether PATH is to be written, the profile it holds). A PATH that
+    does not exist yet is measured and written there, so the next plan of this step (another
+    budget) runs no profiling steps."""
+    if not ns.profile:
+        return False, None
+    if not Path(ns.profile).exists():
+        if not Path(ns.profile).parent.is_dir():
+            raise TargetError(f"--profile: cannot write {ns.profile}: no directory {Path(ns.profile).parent}; give an existing one")
+        return True, None
+    return False, _saved_profile(ns.profile, ns.device)
+
+
+def _check_world(ns: argparse.Namespace, step: memfit.StepOptions | None) -> None:
+    """What a plan on one device, per rank, or for the smallest world size cannot take: refused before any work."""
+    if ns.world_size is None and not ns.min_world_size:
+        if any(v is not None for v in (ns.ranks, ns.max_world_size, ns.world_sizes, ns.node_size)):
+            raise TargetError(
+                "--ranks, --max-world-size, --world-sizes and --node-size plan a distributed step: "
+                "give --world-size N or --min-world-size"
+            )
+        return
+    if step is not None:
+        raise TargetError("plans per rank do not take step options (--micro-batches, --accumulate, ...) yet; drop them")
+    if ns.device not in FAKE:
+        raise TargetError(
+            f"plans per rank run each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
+        )
+    if ns.plot or ns.html:
+        raise TargetError("plans per rank do not take --plot or --html yet; drop them")
+    if ns.profile:
+        raise TargetError("plans per rank measure each rank's step: drop --profile")
+    if ns.min_world_size and ns.world_size is not None:
+        raise TargetError("give --world-size N (plan for N ranks) or --min-world-size (find N), not both")
+    for flag, value in (
+        ("--max-world-size", ns.max_world_size),
+        ("--world-sizes", ns.world_sizes),
+        ("--node-size", ns.node_size),
+    ):
+        if value is not None and not ns.min_world_size:
+            raise TargetError(f"{flag} shapes --min-world-size's search: give --min-world-size too")
+    if ns.world_sizes is not None and (ns.node_size is not None or ns.max_world_size is not None):
+        raise TargetError("--world-sizes lists the sizes to try: drop --node-size and --max-world-size")
 
 
 def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Where, started: float, console: Console) -> None:
@@ -177,75 +210,37 @@ def _notes(ns: argparse.Namespace, plan: memfit.Plan, fake: Where, started: floa
         )
 
 
-def _run_ranks(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
-    """``plan --world-size N`` (one rank's parallelized step, planned on the fake process group)
-    or ``plan --min-world-size`` (the smallest world size fitting the per-rank budget)."""
-    from memfit.plan.distributed import min_world_size, plan_ranks
-    from memfit.report.console import progress_bar, render_plan, render_world_size_fit
+def _run_min_world_size(ns: argparse.Namespace, console: Console, raw: Any, label: str) -> int:
+    """``plan --min-world-size``: the smallest world size at which the worst of ``--ranks`` fits the per-rank budget."""
+    from memfit.api import World
+    from memfit.plan.distributed import min_world_size
+    from memfit.report.console import progress_bar, render_world_size_fit
 
-    if ns.device not in FAKE:
-        raise TargetError(
-            f"plans per rank run each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
-        )
-    require_device(ns.device)
-    if ns.plot or ns.html:
-        raise TargetError("plans per rank do not take --plot or --html yet; drop them")
-    if ns.min_world_size and ns.world_size is not None:
-        raise TargetError("give --world-size N (plan for N ranks) or --min-world-size (find N), not both")
-    for flag, value in (
-        ("--max-world-size", ns.max_world_size),
-        ("--world-sizes", ns.world_sizes),
-        ("--node-size", ns.node_size),
-    ):
-        if value is not None and not ns.min_world_size:
-            raise TargetError(f"{flag} shapes --min-world-size's search: give --min-world-size too")
-    if ns.world_sizes is not None and (ns.node_size is not None or ns.max_world_size is not None):
-        raise TargetError("--world-sizes lists the sizes to try: drop --node-size and --max-world-size")
-    if ns.min_world_size:
-        sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
-        ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
+    sizes = int_list("--world-sizes", ns.world_sizes, "8,16,24,32") if ns.world_sizes is not None else None
+    ranks: Any = (0, -1) if ns.ranks is None else "all" if ns.ranks == "all" else int_list("--ranks", ns.ranks, "0,-1")
     work = workload(ns, per_rank=True)
     outside = None
-    if ns.world_size is not None:
-        raw, label = rank_budget(ns, work, raw, label)
-    elif ns.device == "fake-cuda" and ns.budget is None:
+    if ns.device == "fake-cuda" and ns.budget is None:
         # the GPU's memory: NCCL's buffers come off it at each size tried (its communicators grow)
         from memfit.measure.distributed import nccl_outside
 
         outside, label = (lambda n: nccl_outside(work.parallel, n).bytes), f"{label} - NCCL estimate at each size"
-    if ns.min_world_size:
-        with progress_bar(console, f"world sizes for {work.name}") as progress:
-            found = min_world_size(
-                work,
-                raw,
-                world_sizes=sizes,
-                node_size=ns.node_size,
-                max_world_size=ns.max_world_size or 1024,
-                ranks=ranks,
-                progress=progress,
-                fake=FAKE[ns.device],
-                outside=outside,
-            )
-        render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
-        result: Any = found
-    else:
-        with progress_bar(console, f"planning {work.name} per rank") as progress:
-            result = plan_ranks(
-                work,
-                raw,
-                world_size=ns.world_size,
-                ranks=read_ranks(ns.ranks, ns.world_size),
-                objective=ns.objective,
-                progress=progress,
-                fake=FAKE[ns.device],
-            )
-        result.budget = label
-        ranks_seen = ", ".join(str(r) for r in sorted(result.rank_peak_bytes or {}))
-        what = f"rank {ranks_seen}" if len(result.rank_peak_bytes or {}) == 1 else f"ranks {ranks_seen}"
-        console.print(f"[bold]{work.name}[/], {what} of {result.world_size} on [bold]{result.device}[/]")
-        render_plan(result, console)
+    with progress_bar(console, f"world sizes for {work.name}") as progress:
+        found = min_world_size(
+            work,
+            raw,
+            world_sizes=sizes,
+            node_size=ns.node_size,
+            max_world_size=ns.max_world_size or 1024,
+            ranks=ranks,
+            progress=progress,
+            fake=FAKE[ns.device],
+            outside=outside,
+        )
+    found.plan = World(work).as_held(found.plan)
+    render_world_size_fit(found, console, title=f"{work.name}, {label} per rank")
     if ns.json:
-        Path(ns.json).write_text(json.dumps(result.to_dict(), indent=1))
+        Path(ns.json).write_text(json.dumps(found.to_dict(), indent=1))
         console.print(f"wrote {ns.json}")
     return 0
 

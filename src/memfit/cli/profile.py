@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
     )
     world_size_arg(
         p,
-        "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp) as "
+        "measure the target's distributed step (its Workload.parallel; zoo llama: --size parallel=fsdp2|ddp|tp|fsdp2+tp|hsdp|pp) as "
         "one rank of N on torch's fake process group (with --device fake, or fake-cuda: allocated and reserved peaks per rank)",
     )
     ranks_arg(p, "with --world-size: the ranks to measure (default 0)")
@@ -55,38 +55,46 @@ def add_parser(sub: Any) -> None:
 
 
 def run(ns: argparse.Namespace, console: Console) -> int:
-    from memfit.report.console import render_profile
+    """One path for one device and for ranks of a world (``--world-size``): the target built,
+    ``memfit.profile`` asked, its answer drawn and written."""
+    from memfit.report.console import render_profile, render_ranks
 
     read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
     if ns.compile:
         return run_compiled(ns, console, None)
-    if ns.world_size is not None:
-        return _run_ranks(ns, console)
-    if ns.ranks is not None:
-        raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    _check_world(ns)
     step = step_options(ns)
     gpu, capacity = gpu_args(ns)
     require_device(ns.device)  # before building the model
-    work = workload(ns)
-    prof = profile_work(work, ns.device, console, step=step, gpu=gpu, capacity=capacity)
-    prof.meta.update({"target": ns.target, **work.meta})
-    title = work.name + step_label(step)
-    render_profile(prof, console, title=title, top=ns.top)
+    per_rank = ns.world_size is not None
+    work = workload(ns, per_rank=per_rank)
+    ranks = read_ranks(ns.ranks, ns.world_size) if per_rank else None
+    result = profile_work(work, ns.device, console, step=step, gpu=gpu, capacity=capacity, world_size=ns.world_size, ranks=ranks)
+    shown = result.profiles[result.worst_rank] if per_rank else result
+    for prof in result.profiles.values() if per_rank else (result,):
+        prof.meta.update({"target": ns.target, **({} if per_rank else work.meta)})
+    if per_rank:
+        render_ranks(result, console, title=work.name, top=ns.top)
+        title = f"{work.name}, rank {result.worst_rank} of {ns.world_size}"
+    else:
+        title = work.name + step_label(step)
+        render_profile(result, console, title=title, top=ns.top)
     if ns.json:
-        Path(ns.json).write_text(prof.to_json())
+        Path(ns.json).write_text(result.to_json())
         console.print(f"wrote {ns.json}")
     if ns.plot or ns.html:
         from memfit.report.timeline import profile_timeline
 
-        write_pictures(ns, console, profile_timeline(prof, f"memfit profile {ns.target}: {title} on {prof.device}"))
+        write_pictures(ns, console, profile_timeline(shown, f"memfit profile {ns.target}: {title} on {shown.device}"))
     return 0
 
 
-def _run_ranks(ns: argparse.Namespace, console: Console) -> int:
-    """``profile --world-size N``: each asked-for rank of the parallelized step on the fake process group."""
-    from memfit.measure.distributed import profile_ranks
-    from memfit.report.console import progress_bar, render_ranks
-
+def _check_world(ns: argparse.Namespace) -> None:
+    """What a profile per rank cannot take, refused before any work."""
+    if ns.world_size is None:
+        if ns.ranks is not None:
+            raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+        return
     if ns.device not in FAKE:
         raise TargetError(
             "--world-size runs each rank on torch's fake process group and fake tensors: give --device fake or fake-cuda, "
@@ -94,24 +102,3 @@ def _run_ranks(ns: argparse.Namespace, console: Console) -> int:
         )
     if ns.eval or step_options(ns) is not None:
         raise TargetError("--world-size does not take --eval or step options yet; drop them")
-    gpu, capacity = gpu_args(ns)
-    require_device(ns.device)
-    ranks = read_ranks(ns.ranks, ns.world_size)
-    work = workload(ns, per_rank=True)
-    with progress_bar(console, f"profiling {work.name} per rank") as progress:
-        result = profile_ranks(
-            work, world_size=ns.world_size, ranks=ranks, progress=progress, fake=FAKE[ns.device], gpu=gpu, capacity=capacity
-        )
-    for prof in result.profiles.values():
-        prof.meta["target"] = ns.target
-    render_ranks(result, console, title=work.name, top=ns.top)
-    if ns.json:
-        Path(ns.json).write_text(result.to_json())
-        console.print(f"wrote {ns.json}")
-    if ns.plot or ns.html:
-        from memfit.report.timeline import profile_timeline
-
-        worst = result.profiles[result.worst_rank]
-        title = f"memfit profile {ns.target}: {work.name}, rank {result.worst_rank} of {ns.world_size} on {worst.device}"
-        write_pictures(ns, console, profile_timeline(worst, title))
-    return 0

@@ -50,6 +50,7 @@ from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_resha
 from memfit.levers.ties import Candidate, simplest_of_fastest, what_if_order
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
+from memfit.measure.pipeline import refuse_pipelined
 from memfit.measure.profile import Progress, allocator_settings_from_env
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
@@ -384,6 +385,7 @@ def fit_ranks(
         BudgetInfeasibleError: nothing weighed fits; the message states the lowest peak reached.
         PlanError: an ``allow`` name that is not an opt-in lever here, or one this workload cannot use.
     """
+    refuse_pipelined(workload, "fit")
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)
@@ -655,6 +657,7 @@ def max_batch_ranks(
     ``recompute=False`` leaves the recompute limits out (each batch tried is then one
     profile, not a plan: minutes less on an 8B model). ``fake="cuda"``: each rank on fake CUDA,
     the budget bounding its reserved peak (as :func:`fit_ranks`)."""
+    refuse_pipelined(workload, "--max-batch")
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)

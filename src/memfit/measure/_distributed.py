@@ -35,6 +35,8 @@ __all__ = [
     "ddp_comm_hook",
     "keep_ddp_buckets",
     "no_runtime_stats",
+    "static_pipeline_stages",
+    "fake_pipeline_step",
 ]
 
 
@@ -316,3 +318,68 @@ def ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def static_pipeline_stages(schedule: Any) -> None:
+    """A ``torch.distributed.pipelining`` schedule on the fake process group: its first step
+    opens with a vote (each stage sends the product of the stages' "my metadata is complete"
+    flags down the pipeline and the answer back up, then reads it with ``.item()``), which on the
+    fake group receives nothing and reads a fake tensor. memfit gives every stage complete
+    metadata, so every real rank votes "static": that answer is set here, on this schedule
+    only, and a stage whose metadata is incomplete is refused in one line."""
+    import types
+
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup_p2p(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} has incomplete input/output metadata")
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = types.MethodType(warmup_p2p, schedule)
+
+
+class _HeldWork:
+    """A fake group's point-to-point work that holds its tensors, as gloo's send and receive
+    works do (``ProcessGroupGloo::SendWork`` keeps the tensor) until the work object is
+    dropped, waited or not: a pipeline schedule that keeps the works of its last sends in a
+    list keeps the activations it sent alive that long. The fake group's works hold nothing."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def fake_pipeline_step() -> Iterator[None]:
+    """Around a ``torch.distributed.pipelining`` schedule's step on the fake group: the works it
+    gets for its sends and receives (its ``_batch_p2p``) hold their tensors (:class:`_HeldWork`);
+    and its first step's RNG fork (around shape inference, which memfit's static stages skip)
+    forks the CPU generator only: fake CUDA has no device generator to read, and a generator's
+    state is no device memory."""
+    from torch.distributed.pipelining import schedules
+
+    original, fork_rng = schedules._batch_p2p, torch.random.fork_rng
+
+    def batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
+        works = original(p2p_ops, desc)
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(w, [p.tensor]) for w, p in zip(works, p2p_ops)]
+        return [_HeldWork(w, [p.tensor for p in p2p_ops]) for w in works]
+
+    def cpu_fork_rng(devices: Any = None, enabled: bool = True, *args: Any, device_type: Any = None, **kwargs: Any) -> Any:
+        return fork_rng([], enabled, *args, device_type="cuda", **kwargs)
+
+    schedules._batch_p2p = batch_p2p
+    torch.random.fork_rng = cpu_fork_rng  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+        torch.random.fork_rng = fork_rng  # type: ignore[assignment]

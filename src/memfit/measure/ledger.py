@@ -74,6 +74,9 @@ class Category(str, Enum):
     """Distributed steps: FSDP's reduce-scatter input (the full gradients, concatenated) and output."""
     DDP_BUCKET = "ddp_buckets"
     """Distributed steps: the gradient buckets DDP all-reduces."""
+    PIPELINE = "pipeline_buffers"
+    """Pipelined steps: a stage's receive buffers (the activations the stage before sends, the
+    gradients the stage after sends back), one per microbatch, made at the first step and kept."""
     GRAPH = "autograd_graph"
     """CPU steps only: autograd's nodes and saved-tensor records in host memory, which are
     not tensor storages. Estimated (counted nodes and saved tensors times a per-item

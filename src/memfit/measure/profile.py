@@ -36,7 +36,7 @@ from memfit.measure.recorder import BOOKKEEPING_OPS, Recorder
 from memfit.measure.replay import replay_training
 from memfit.measure.sandbox import Sandbox, fake_device, step_sandbox
 from memfit.measure.scope import Clock, Scope
-from memfit.measure.step import StepOptions
+from memfit.measure.step import OwnPasses, StepOptions
 from memfit.recompute.cache import turned_off
 from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
@@ -840,6 +840,8 @@ def _register_start(recorder: Recorder, box: Sandbox) -> None:
         recorder.register_start(tensors, category)
     recorder.register_start((p.grad for p in box.model.parameters() if p.grad is not None), Category.GRADIENT)
     recorder.register_start(_state_tensors(box.optimizer), Category.OPTIMIZER)
+    if isinstance(box.model, OwnPasses):
+        recorder.register_start(box.model.held_buffers(), Category.PIPELINE)
     leaves, _ = tree_flatten((box.args, box.kwargs, box.targets))
     recorder.register_start((t for t in leaves if isinstance(t, torch.Tensor)), Category.INPUT)
 
@@ -867,8 +869,12 @@ def _run_recorded(
     them before the step ends); optimizer state it creates, once the step is over."""
 
     def on_phase(phase: Phase) -> None:
-        if scope.phase is Phase.BACKWARD and phase is not Phase.BACKWARD:
-            recorder.free_graph()  # train_step dropped output and loss: the graph goes
+        if scope.phase is Phase.BACKWARD:
+            # train_step dropped output and loss: the graph goes (a pipeline's next pass,
+            # forward or backward, begins: the graph of the microbatch whose backward ran goes)
+            recorder.free_graph()
+        if phase is Phase.FORWARD:
+            recorder.new_pass()
         if phase is Phase.OPTIMIZER:
             with_grad = [p for p in box.model.parameters() if p.grad is not None]
             if grads_seen is not None:

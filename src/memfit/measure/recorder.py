@@ -271,6 +271,12 @@ class Recorder(TorchDispatchMode):
         self._held_graph_start: int | None = None
         self._pass_nodes: list[int] = []
         self._output_nodes: list[int] = []
+        # which forward pass made each graph record, and the passes the running backward has
+        # unpacked saved records of: a pipeline schedule runs other microbatches' forwards and
+        # backwards between one microbatch's, and only that one's graph goes after its backward
+        self._pass = 0
+        self._pass_of: dict[int, int] = {}
+        self._unpacked: set[int] = set()
         self._held_nodes: list[int] = []
         self._held_end: list[int | None] = []
         self._recording = False
@@ -399,7 +405,12 @@ class Recorder(TorchDispatchMode):
         if saver is not None:
             self.records[-1].savers[saver] = None
         self._graph_live.append(len(self.records) - 1)
+        self._pass_of[len(self.records) - 1] = self._pass
         return len(self.records) - 1
+
+    def new_pass(self) -> None:
+        """A forward pass starts (a micro-batch's, a pipeline microbatch's): its graph is its own."""
+        self._pass += 1
 
     def _add_node(self) -> None:
         """An autograd node for the op just run (under a checkpoint, with its bookkeeping)."""
@@ -425,7 +436,13 @@ class Recorder(TorchDispatchMode):
     def free_graph(self) -> None:
         """The step let go of the graph (after backward): its nodes and any saved record
         backward did not use die now, but the nodes of a model output the loop holds
-        (:meth:`held_replaced`), which live until the next forward returns."""
+        (:meth:`held_replaced`), which live until the next forward returns. Where other forward
+        passes' graphs are alive too (a pipeline schedule's microbatches in flight), only the
+        graphs this backward ran through go (:meth:`_free_passes`)."""
+        passes, self._unpacked = self._unpacked, set()
+        if passes and any(self._pass_of.get(i) not in passes for i in self._graph_live):
+            self._free_passes(passes)
+            return
         keep = set(self._output_nodes)
         if self._graph_live and (not keep or any(i not in keep for i in self._graph_live)):
             tick = self._tick()
@@ -437,6 +454,16 @@ class Recorder(TorchDispatchMode):
         self._saved.clear()
         self._pass_nodes.clear()
         self._output_nodes = []
+
+    def _free_passes(self, passes: set[int]) -> None:
+        dying = {i for i in self._graph_live if self._pass_of.get(i) in passes}
+        tick = self._tick()
+        for idx in dying:
+            if self.records[idx].died is None:
+                self.records[idx].died = tick
+        self._graph_live = [i for i in self._graph_live if i not in dying]
+        self._saved = {k: v for k, v in self._saved.items() if v not in dying}
+        self._pass_nodes = [i for i in self._pass_nodes if i not in dying]
 
     def register_held(self, output: Any) -> None:
         """:attr:`memfit.StepOptions.holds_output`: ``output``, what the model returned in the
@@ -522,6 +549,7 @@ class Recorder(TorchDispatchMode):
         idx = self._saved.pop(id(t), None)
         if idx is not None and not self._closed:
             self.records[idx].died = self._tick()
+            self._unpacked.add(self._pass_of.get(idx, -1))
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -37,6 +37,7 @@ __all__ = [
     "eval_mode",
     "offload_saved",
     "first_micro_batches",
+    "OwnPasses",
 ]
 
 _RUN_MICRO_BATCHES: ContextVar[int | None] = ContextVar("memfit_run_micro_batches", default=None)
@@ -237,6 +238,52 @@ class FakeGradScaler:
             self._found_inf = None
 
 
+class OwnPasses(nn.Module):
+    """A model whose forward and backward passes run together, in an order of its own: a
+    pipeline rank, whose schedule runs its microbatches' forwards and backwards interleaved
+    (:class:`memfit.measure.pipeline.PipelineRank`). :func:`train_step` hands it the batch,
+    the targets and the phase callback (it says which pass runs as it goes) in place of
+    calling it, its loss and the loss's backward; the optimizer step is the step's as usual."""
+
+    def passes(self, args: tuple, kwargs: dict, targets: Any, on_phase: Callable[[Phase], None]) -> torch.Tensor | None:
+        """Run every forward and backward of the step; the loss, or None where this rank has none."""
+        raise NotImplementedError
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """Tensors it keeps from step to step besides parameters and buffers (a pipeline
+        stage's receive buffers): alive at a step's start."""
+        return []
+
+
+def _own_passes_step(
+    model: OwnPasses,
+    args: tuple,
+    kwargs: dict,
+    targets: Any,
+    optimizer: torch.optim.Optimizer,
+    on_phase: Callable[[Phase], None],
+    set_to_none: bool,
+    others: dict[str, Any],
+) -> float:
+    """:func:`train_step` for an :class:`OwnPasses` model: its passes, then the optimizer."""
+    refused = [k for k, v in others.items() if v]
+    if refused:
+        # the schedule cuts the batch into its own microbatches and runs the passes itself:
+        # memfit's step variants (micro-batches, autocast, a GradScaler, offload) do not reach in
+        raise WorkloadError(
+            f"a pipelined step runs its schedule's microbatches and passes itself: {refused[0]} is not measured on it; "
+            "measure it with the step's defaults"
+        )
+    loss = model.passes(args, kwargs, targets, on_phase)
+    on_phase(Phase.OPTIMIZER)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    try:
+        return float(loss)  # type: ignore[arg-type]
+    except Exception:  # no loss on this rank, or fake tensors
+        return float("nan")
+
+
 def offload_saved() -> contextlib.AbstractContextManager:
     """What the ``offload`` lever puts around forward and loss: torch's own
     ``save_on_cpu(pin_memory=True)`` (it pins only where a CUDA device is present)."""
@@ -273,6 +320,18 @@ def train_step(
     mean, by default); each micro-batch's loss sees its own slice of ``targets``.
     With ``inference``, an evaluation step (see :attr:`StepOptions.inference`). With ``held``,
     each forward's output is handed to it as the forward returns (:attr:`StepOptions.holds_output`)."""
+    if isinstance(model, OwnPasses):
+        others = {
+            "micro_batches": micro_batches > 1,
+            "accumulate": accumulate > 1,
+            "loss_scale": loss_scale is not None,
+            "autocast": autocast is not None,
+            "scaler": scaler is not None,
+            "inference": inference,
+            "offload": offload,
+            "holds_output": held is not None,
+        }
+        return _own_passes_step(model, args, kwargs, targets, optimizer, on_phase, set_to_none, others)
     if inference:
         return _inference_step(model, args, kwargs, loss_fn, on_phase, autocast, targets, held)
     if loss_scale is None and micro_batches * accumulate > 1:

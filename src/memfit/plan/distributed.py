@@ -39,6 +39,7 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
+from memfit.measure.pipeline import refuse_pipelined
 from memfit.measure.profile import Profile, Progress
 from memfit.measure.verify import Run, Verifier, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
@@ -88,7 +89,7 @@ def plan_ranks(
     started = time.perf_counter()
     spec = parse_budget(budget)
     check_objective(objective)
-    n = world_size_of(workload, world_size)
+    n = _world_size(workload, world_size)
     if applied_choices(workload.model) is not None:
         raise PlanError("this model already has a plan applied; call memfit.remove(model) before planning again")
     ranks = list(dict.fromkeys(ranks))
@@ -108,6 +109,7 @@ def plan_ranks(
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
+        wrapped = _forwards_wrapped(workload.model, verifier.model)
         report(f"rank {planned_rank} of {n}: warm-up and recorded step", 0, 3)
         recorded = _checked_and_recorded(verifier, workload, unplanned.profiles[planned_rank] if unplanned else None)
         _resharded(verifier.model)
@@ -119,12 +121,19 @@ def plan_ranks(
         found = search(Search(prof, verifier, workload.model, spec, objective, excluded, price_min=not verify_min), report)
         plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
     # The planned rank's step has run with the plan already (the search's verified run, or the
-    # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte).
-    done = {} if afresh else {planned_rank: _run_peaks(found.run, prof)}
+    # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte),
+    # unless its parallelize wrapped a planned module's forward (:func:`_verified`).
+    reordered = sorted(wrapped & set(plan.checkpointed))
+    done = {} if afresh or reordered else {planned_rank: _run_peaks(found.run, prof)}
     groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
-    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings)
+    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings, reordered)
+    return _with_rank_figures(plan, n, {r: peaks[r] for r in ranks}, allocated, started)
+
+
+def _with_rank_figures(plan: Plan, n: int, peaks: dict[int, int], allocated: dict[int, int], started: float) -> Plan:
+    """``plan`` with each asked-for rank's verified peak, the highest as its predicted one."""
     plan.world_size = n
-    plan.rank_peak_bytes = {r: peaks[r] for r in ranks}
+    plan.rank_peak_bytes = peaks
     plan.predicted_peak_bytes = max(peaks.values())
     if plan.allocated_peak_bytes is not None:  # fake CUDA: the reserved peaks' allocated beside
         plan.allocated_peak_bytes = max(allocated.values())
@@ -148,6 +157,12 @@ def _checked_and_recorded(
     return got[0], stateful, use_cache_off
 
 
+def _world_size(workload: Workload, world_size: int | None) -> int:
+    """The world size :func:`plan_ranks` plans at (a pipelined workload refused in one line)."""
+    refuse_pipelined(workload, "plan")
+    return world_size_of(workload, world_size)
+
+
 def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
     """The ranks to measure at each world size: ``"all"``, or integers (negative ones count
     from the last); checked once, before any work."""
@@ -158,6 +173,17 @@ def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
     if bad or not listed:
         raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
     return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+
+
+def _forwards_wrapped(before: Any, after: Any) -> set[str]:
+    """Modules whose instance-level ``forward`` parallelizing set or replaced (``before``: the
+    workload's model, ``after``: the rank's parallelized one; names as plans give them)."""
+    own = {name: m.__dict__.get("forward") for name, m in before.named_modules()}
+    return {
+        name
+        for name, m in after.named_modules()
+        if "forward" in m.__dict__ and (name not in own or own[name] is None or type(own[name]) is not type(m.__dict__["forward"]))
+    }
 
 
 def _resharded(model: Any) -> None:
@@ -187,13 +213,20 @@ def _verified(
     report: Progress,
     done: dict[int, tuple[int, int]] | None = None,
     settings: AllocatorSettings | None = None,
+    reordered: Sequence[str] = (),
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Every rank of ``groups`` profiled afresh with the plan applied before parallelizing, as
     it trains, beside the ranks ``done`` already measured it: each rank's budget peak (fake CUDA:
     reserved) and tensor peak; refused in one line when one is over the budget. ``done`` holds
     the planned rank, from the run that verified the plan on its step (the plan applied to the
     parallelized model: the same ledger as applied before ``parallelize``, tested), unless
-    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures)."""
+    ``plan_ranks(afresh=True)`` (a ``parallelize`` and two steps more, the same figures).
+
+    ``reordered``: planned modules whose forward the parallelize wrapped (torchtitan's modules
+    wrap theirs in a redistribution). Applied before parallelizing, as the user applies it, the
+    plan's checkpoint runs inside that wrapper; applied to the parallelized model (the search's
+    runs), around it (an all-gather then recomputed in backward): two different steps, of which
+    the user's is the figure, so the planned rank is profiled afresh too."""
     peaks = {r: p for r, (p, _) in (done or {}).items()}
     allocated = {r: a for r, (_, a) in (done or {}).items()}
     for i, group in enumerate(groups):
@@ -207,6 +240,12 @@ def _verified(
         raise PlanError(
             f"the plan made on rank {planned_rank} peaks at {format_bytes(over[r])} on rank {r}, over the budget "
             f"{format_bytes(plan.budget_bytes)}: plan for rank {r} (ranks=({r},)) or give a lower budget"
+            + (
+                f" (the parallelize wraps the forward of {reordered[0]!r} and {len(reordered) - 1} more planned modules: the "
+                "search ran their checkpoints around that wrapper, the training step runs them inside it)"
+                if reordered
+                else ""
+            )
         )
     return peaks, allocated
 

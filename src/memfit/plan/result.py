@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from torch import nn
@@ -156,6 +156,29 @@ class Plan:
         if self.extra_compute_s is None or not self.step_time_s:
             return None
         return self.extra_compute_s / self.step_time_s
+
+    def under(self, prefix: str, module: nn.Module) -> Plan:
+        """This plan for ``module``, the submodule ``prefix`` of the model it was made on: the
+        names relative to it, its fingerprint and type. A target that wraps the user's model
+        (to run its loss in ``forward``) is planned whole; the user applies the plan to the
+        model they hold. Modules outside it (the loss) are dropped from ``excluded``; a plan
+        recomputing one, or ``prefix`` itself, is refused (the user's model could not run it)."""
+        lead = prefix + "."
+        outside = [n for n in self.checkpointed if not n.startswith(lead)]
+        if outside:
+            raise PlanError(f"the plan recomputes {outside[0]!r}, outside {prefix!r}: it cannot be applied to {prefix!r} alone")
+
+        def inside(names: Any) -> dict[str, Any]:
+            return {n[len(lead) :]: v for n, v in names.items() if n.startswith(lead)}
+
+        return replace(
+            self,
+            checkpointed=inside(self.checkpointed),
+            excluded=inside(self.excluded),
+            use_cache_off=tuple(n[len(lead) :] for n in self.use_cache_off if n.startswith(lead)),
+            model_type=type(module).__name__,
+            fingerprint=fingerprint(module),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

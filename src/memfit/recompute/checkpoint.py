@@ -50,6 +50,9 @@ under a checkpoint (a mapping keyed by qualified name): the recorder reads it, t
 the checkpoint's bookkeeping instead of saved records (checkpointed regions cost host memory
 on CPU)."""
 _APPLIED = CHECKPOINTED
+_OURS = "_memfit_checkpointed"
+"""The model's ``{module name: memfit's forward}``: found there when something wrapped a module's
+forward after the plan was applied (torchtitan's parallelize wraps each module's)."""
 
 RECOMPUTE_WATCHERS: list[Any] = []
 """What is told as a checkpointed module's recompute starts and ends (its
@@ -326,8 +329,8 @@ def mechanisms(model: nn.Module) -> dict[str, tuple[str, str]] | None:
     applied = unwrap(model).__dict__.get(_APPLIED)
     if applied is None:
         return None
-    inner = unwrap(model)
-    return {name: (inner.get_submodule(name).forward.mechanism, inner.get_submodule(name).forward.why) for name in applied}
+    ours = unwrap(model).__dict__[_OURS]
+    return {name: (ours[name].mechanism, ours[name].why) for name in applied}
 
 
 def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] | None:
@@ -335,7 +338,7 @@ def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] 
     applied = model.__dict__.get(_APPLIED)
     if applied is None:
         return None
-    return {name: model.get_submodule(name).forward.choice for name in applied}
+    return {name: model.__dict__[_OURS][name].choice for name in applied}
 
 
 def apply_choices(
@@ -388,6 +391,7 @@ def apply_choices(
         if nested and mode == "selective" and mechanism != "sac":
             mod.forward.why = "another chosen module is nested in it or around it (torch_remat nests no checkpoints)"
     model.__dict__[_APPLIED] = originals
+    model.__dict__[_OURS] = {name: modules[name].forward for name in choices}
     if switched:
         model.__dict__[cache.CACHE_OFF] = switched
     return model
@@ -423,6 +427,14 @@ def remove(model: nn.Module) -> nn.Module:
     originals = inner.__dict__.get(_APPLIED)
     if originals is None:
         raise PlanError("no memfit plan is applied to this model, so there is nothing to remove")
+    covered = [n for n in originals if not isinstance(inner.get_submodule(n).__dict__.get("forward"), _CheckpointedForward)]
+    if covered:
+        # (torchtitan's parallelize wraps each module's forward, memfit's included): taking
+        # memfit's out would take the wrapper with it, and the model would compute otherwise
+        raise PlanError(
+            f"module {covered[0]!r}'s forward was wrapped after the plan was applied (by parallelizing?): removing the "
+            "plan would remove that wrapper too; build the model again without the plan instead"
+        )
     for name, original in originals.items():
         mod = inner.get_submodule(name)
         mod.forward.uninstall()
@@ -431,5 +443,6 @@ def remove(model: nn.Module) -> nn.Module:
         else:
             mod.forward = original
     del inner.__dict__[_APPLIED]
+    del inner.__dict__[_OURS]
     cache.uninstall(inner, inner.__dict__.pop(cache.CACHE_OFF, {}))
     return model

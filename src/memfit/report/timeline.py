@@ -62,6 +62,7 @@ _ORDER = (
     Category.BUFFER,
     Category.OPTIMIZER,
     Category.DDP_BUCKET,
+    Category.PIPELINE,
     Category.GRADIENT,
     Category.INPUT,
     Category.OTHER,
@@ -88,6 +89,7 @@ COLORS = {
     Category.ALL_GATHER: "#59a14f",
     Category.REDUCE_SCATTER: "#edc948",
     Category.DDP_BUCKET: "#d4a6c8",
+    Category.PIPELINE: "#a6c8d4",
 }
 _LINE_STYLES = {"allocated": ("#222222", (0, ())), "reserved": ("#6a3d9a", (0, (5, 2)))}
 """Colour and dash of the CUDA lines, by the first word of their name."""

@@ -98,8 +98,8 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 _LLAMA_SEQ = {"tiny": (4, 256), "8b": (1, 4096), "70b": (1, 4096)}
-LLAMA_PARALLEL = ("fsdp2", "ddp", "tp", "fsdp2+tp", "hsdp", "none")
-NOT_MODELED = {"pp": "pipeline", "pipeline": "pipeline", "ep": "expert", "expert": "expert", "moe": "expert"}
+LLAMA_PARALLEL = ("fsdp2", "ddp", "tp", "fsdp2+tp", "hsdp", "pp", "none")
+NOT_MODELED = {"ep": "expert", "expert": "expert", "moe": "expert"}
 """Schemes memfit does not measure (issue 15): asked for, they are refused by name."""
 
 
@@ -111,6 +111,9 @@ def build_llama(
     gradient_checkpointing: bool = False,
     tp: int | None = None,
     replicate: int | None = None,
+    pp: int | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
     **config: Any,
 ) -> Workload:
     """Llama from transformers. ``preset``: ``tiny`` (8 x 512, built on the CPU), ``8b`` or
@@ -120,7 +123,10 @@ def build_llama(
     torchtitan), ``ddp``, ``tp`` (tensor parallel over all ranks, torchtitan's Llama plan
     without sequence parallelism), ``fsdp2+tp`` (a (dp, tp) mesh: ``tp``-way tensor parallel,
     default 2, then FSDP2 over dp), ``hsdp`` (a (replicate, shard) mesh: FSDP2 sharding
-    within groups, ``replicate`` of them, default 2), or ``none``."""
+    within groups, ``replicate`` of them, default 2), ``pp`` (pipeline parallel over ``pp``
+    ranks, default all: the decoder layers split evenly into stages, the embedding on the
+    first, norm, head and loss on the last; ``schedule`` gpipe, 1f1b (default),
+    interleaved1f1b, ...; ``microbatches``, default ``pp``), or ``none``."""
     tf = _transformers()
     if preset not in LLAMA_PRESETS:
         raise TargetError(f"llama has no preset {preset!r}; choose one of {', '.join(LLAMA_PRESETS)}")
@@ -131,11 +137,14 @@ def build_llama(
         )
     if parallel not in LLAMA_PARALLEL:
         raise TargetError(f"llama has no parallel={parallel!r}; choose one of {', '.join(LLAMA_PARALLEL)}")
-    for key, value, scheme in (("tp", tp, ("tp", "fsdp2+tp")), ("replicate", replicate, ("hsdp",))):
+    pipelined = (("pp", pp, ("pp",)), ("schedule", schedule, ("pp",)), ("microbatches", microbatches, ("pp",)))
+    for key, value, scheme in (("tp", tp, ("tp", "fsdp2+tp")), ("replicate", replicate, ("hsdp",)), *pipelined):
         if value is not None and parallel not in scheme:
-            raise TargetError(f"{key}={value} is a degree of parallel={' or '.join(scheme)}, not of parallel={parallel}")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise TargetError(f"{key} must be a positive integer (ranks), got {value!r}")
+            raise TargetError(
+                f"{key}={value} is {'a setting' if key in ('schedule', 'microbatches') else 'a degree'} of parallel={' or '.join(scheme)}, not of parallel={parallel}"
+            )
+        if key != "schedule" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TargetError(f"{key} must be a positive integer, got {value!r}")
     batch, seq = _LLAMA_SEQ[preset]
     batch_size = batch if batch_size is None else batch_size
     seq_len = seq if seq_len is None else seq_len
@@ -153,12 +162,24 @@ def build_llama(
         "hidden": cfg.hidden_size,
         "preset": preset,
     }
-    scheme = _llama_parallel(parallel, tp=tp, replicate=replicate)
+    scheme = _llama_parallel(parallel, tp=tp, replicate=replicate, pp=pp, schedule=schedule, microbatches=microbatches)
+    if scheme is not None and scheme.name == "pp":
+        meta.update(schedule=schedule or "1f1b", microbatches=microbatches or "pp")
     return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=scheme)
 
 
-def _llama_parallel(parallel: str, *, tp: int | None = None, replicate: int | None = None) -> Parallel | None:
+def _llama_parallel(
+    parallel: str,
+    *,
+    tp: int | None = None,
+    replicate: int | None = None,
+    pp: int | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+) -> Parallel | None:
+    from memfit.errors import MemfitError
     from memfit.measure import distributed
+    from memfit.measure.pipeline import Pipeline
 
     layers = lambda m: m.model.layers  # noqa: E731
     if parallel == "fsdp2":
@@ -176,7 +197,69 @@ def _llama_parallel(parallel: str, *, tp: int | None = None, replicate: int | No
         # fully_shard over the whole 2-D mesh: replicated over its first dimension, sharded over its second
         shape = (replicate or 2, -1)
         return Parallel(distributed.fsdp2(layers), mesh_shape=shape, mesh_dim_names=("replicate", "shard"), name="hsdp")
+    if parallel == "pp":
+        try:
+            spec = Pipeline(llama_stages, llama_loss, schedule=schedule or "1f1b", microbatches=microbatches, target="labels")
+        except MemfitError as exc:
+            raise TargetError(str(exc)) from exc
+        return Parallel(spec, mesh_shape=(pp,) if pp else None, name="pp")
     return None
+
+
+class LlamaStage(torch.nn.Module):
+    """Decoder layers of one pipeline stage of transformers' Llama, run as ``LlamaModel.forward``
+    runs them: the embedding first on the first stage, positions and rotary embeddings on each
+    stage (every stage computes its own, as torchtitan's stages do), norm and head on the last.
+    The causal mask is SDPA's own (``attention_mask=None``: what ``create_causal_mask`` gives
+    SDPA for a batch without padding)."""
+
+    def __init__(self, model: Any, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = torch.nn.ModuleList(inner.layers[str(i)] for i in layers)
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = self.rotary_emb(h, position_ids=positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
+
+
+def llama_stages(model: Any, indices: list[int], num_stages: int) -> list[LlamaStage]:
+    """transformers' Llama pruned to the pipeline stages ``indices`` of ``num_stages`` (its
+    decoder layers split evenly; the embedding on stage 0; norm and head on the last), as
+    torchtitan's manual split prunes its model: the modules kept keep their names
+    (``model.layers.3``); one :class:`LlamaStage` per index."""
+    n = len(model.model.layers)
+    if n % num_stages:
+        raise TargetError(
+            f"parallel=pp: {num_stages} pipeline stages do not split the {n} decoder layers evenly; "
+            f"give pp (times the schedule's stages per rank) dividing {n}"
+        )
+    per = n // num_stages
+    keep = [i for s in indices for i in range(s * per, (s + 1) * per)]
+    inner = model.model
+    if not isinstance(inner.layers, torch.nn.ModuleDict):
+        inner.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in keep})
+    if 0 not in indices:
+        inner.embed_tokens = None
+    if num_stages - 1 not in indices:
+        inner.norm = None
+        model.lm_head = None
+    return [LlamaStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == num_stages - 1) for s in indices]
+
+
+def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss, as ``LlamaForCausalLM`` computes it from its logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
 def llama_tp_plan(model: Any, tp: int) -> dict[str, Any]:

@@ -401,4 +401,5 @@ def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
         name=f"torchtitan {spec.name} {spec.flavor}",
         meta=meta,
         parallel=Parallel(job, mesh_shape=shape, mesh_dim_names=names, name="torchtitan"),
+        plan_root="model",  # the Trainer's model: plans name torchtitan's modules, not TitanStep's
     )
