@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import zoo
 from memfit.measure.sandbox import step_sandbox
-from memfit.measure.step import StepOptions, eval_mode
+from memfit.measure.step import eval_mode
 from memfit.workload import Workload, call_loss, split_inputs
 
 MODES = ("train", "no_grad", "inference")

@@ -14,6 +14,7 @@ compiled step's allocated and reserved peaks through the caching allocator model
 eager fake-CUDA profile's (no GPU here: nothing measured to compare with).
 """
 
+# ruff: noqa: I001 (memfit is imported before _table, which imports torch: fake CUDA must load first)
 from __future__ import annotations
 
 import argparse

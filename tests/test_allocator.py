@@ -501,11 +501,11 @@ def test_start_state_is_placed_in_program_order():
 
     model = Scaled()
     prof = memfit.profile(model, torch.randn(4, 3))
-    P, B, I = Category.PARAMETER, Category.BUFFER, Category.INPUT
+    P, B, IN = Category.PARAMETER, Category.BUFFER, Category.INPUT
     start = [b for b in sorted(prof.ledger.blocks, key=lambda b: b.id) if b.born == START_TICK]
-    got = [(b.category, b.nbytes) for b in start if b.category in (P, B, I)]
+    got = [(b.category, b.nbytes) for b in start if b.category in (P, B, IN)]
     # lin.weight, lin.bias, bn.weight, bn.bias, bn.running_mean, running_var, num_batches_tracked, scale, x
-    assert got == [(P, 60), (P, 20), (P, 20), (P, 20), (B, 20), (B, 20), (B, 8), (P, 28), (I, 48)]
+    assert got == [(P, 60), (P, 20), (P, 20), (P, 20), (B, 20), (B, 20), (B, 8), (P, 28), (IN, 48)]
     # and the allocator model makes them before the first step in that order
     before, _ = _start_placement(prof.ledger)
-    assert [b.id for b in before] == [b.id for b in start if b.category in (P, B, I)]
+    assert [b.id for b in before] == [b.id for b in start if b.category in (P, B, IN)]
