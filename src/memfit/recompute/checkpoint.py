@@ -50,9 +50,9 @@ under a checkpoint (a mapping keyed by qualified name): the recorder reads it, t
 the checkpoint's bookkeeping instead of saved records (checkpointed regions cost host memory
 on CPU)."""
 _APPLIED = CHECKPOINTED
-_OURS = "_memfit_checkpointed"
-"""The model's ``{module name: memfit's forward}``: found there when something wrapped a module's
-forward after the plan was applied (torchtitan's parallelize wraps each module's)."""
+"""Its values: ``(the instance forward memfit replaced, memfit's forward)`` per module. memfit's
+forward is read there, not off the module, whose forward something may have wrapped since
+(torchtitan's parallelize wraps each module's)."""
 
 RECOMPUTE_WATCHERS: list[Any] = []
 """What is told as a checkpointed module's recompute starts and ends (its
@@ -329,8 +329,7 @@ def mechanisms(model: nn.Module) -> dict[str, tuple[str, str]] | None:
     applied = unwrap(model).__dict__.get(_APPLIED)
     if applied is None:
         return None
-    ours = unwrap(model).__dict__[_OURS]
-    return {name: (ours[name].mechanism, ours[name].why) for name in applied}
+    return {name: (ours.mechanism, ours.why) for name, (_, ours) in applied.items()}
 
 
 def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] | None:
@@ -338,7 +337,7 @@ def applied_choices(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]] 
     applied = model.__dict__.get(_APPLIED)
     if applied is None:
         return None
-    return {name: model.__dict__[_OURS][name].choice for name in applied}
+    return {name: ours.choice for name, (_, ours) in applied.items()}
 
 
 def apply_choices(
@@ -378,11 +377,10 @@ def apply_choices(
             )
     # The switch first: a checkpoint on the same module then replays the switched forward.
     switched = cache.install(model, cache_off)
-    originals: dict[str, Any] = {}
+    applied: dict[str, tuple[Any, _CheckpointedForward]] = {}
     for name, (mode, save_ops) in choices.items():
         mod = modules[name]
         original = mod.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-        originals[name] = original
         own = None if original is _NO_INSTANCE_FORWARD else original
         # torch_remat refuses a checkpoint inside another: a choice nested in or around
         # another stays on the policy.
@@ -390,8 +388,8 @@ def apply_choices(
         mod.forward = _CheckpointedForward(mod, name, own, mode, tuple(save_ops), "sac" if nested else mechanism)
         if nested and mode == "selective" and mechanism != "sac":
             mod.forward.why = "another chosen module is nested in it or around it (torch_remat nests no checkpoints)"
-    model.__dict__[_APPLIED] = originals
-    model.__dict__[_OURS] = {name: modules[name].forward for name in choices}
+        applied[name] = (original, mod.forward)
+    model.__dict__[_APPLIED] = applied
     if switched:
         model.__dict__[cache.CACHE_OFF] = switched
     return model
@@ -424,10 +422,10 @@ def remove(model: nn.Module) -> nn.Module:
 
     Takes the model or a wrapper of it (see :func:`unwrap`); returns what it was given."""
     inner = unwrap(model)
-    originals = inner.__dict__.get(_APPLIED)
-    if originals is None:
+    applied = inner.__dict__.get(_APPLIED)
+    if applied is None:
         raise PlanError("no memfit plan is applied to this model, so there is nothing to remove")
-    covered = [n for n in originals if not isinstance(inner.get_submodule(n).__dict__.get("forward"), _CheckpointedForward)]
+    covered = [n for n, (_, ours) in applied.items() if inner.get_submodule(n).__dict__.get("forward") is not ours]
     if covered:
         # (torchtitan's parallelize wraps each module's forward, memfit's included): taking
         # memfit's out would take the wrapper with it, and the model would compute otherwise
@@ -435,14 +433,13 @@ def remove(model: nn.Module) -> nn.Module:
             f"module {covered[0]!r}'s forward was wrapped after the plan was applied (by parallelizing?): removing the "
             "plan would remove that wrapper too; build the model again without the plan instead"
         )
-    for name, original in originals.items():
+    for name, (original, ours) in applied.items():
         mod = inner.get_submodule(name)
-        mod.forward.uninstall()
+        ours.uninstall()
         if original is _NO_INSTANCE_FORWARD:
             mod.__dict__.pop("forward", None)
         else:
             mod.forward = original
     del inner.__dict__[_APPLIED]
-    del inner.__dict__[_OURS]
     cache.uninstall(inner, inner.__dict__.pop(cache.CACHE_OFF, {}))
     return model
