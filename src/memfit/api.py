@@ -56,7 +56,10 @@ class World:
     workload: Workload | None
     size: int = 1
     ranks: tuple[int, ...] = (0,)
-    one_device: bool = True
+
+    @property
+    def one_device(self) -> bool:
+        return self.workload is None or self.workload.parallel is None
 
     def as_held(self, plan: Plan | None) -> Plan | None:
         """``plan`` for the model the training script holds: a target that wraps it
@@ -122,7 +125,7 @@ def world_of(
     bad = [r for r in asked if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n]
     if bad or not asked:
         raise WorkloadError(f"ranks must be ranks of a world of {n} (0 to {n - 1}) or 'all', got {bad[0] if bad else 'none'}")
-    return World(work, n, tuple(asked), one_device=False), model, inputs, dict(parts)
+    return World(work, n, tuple(asked)), model, inputs, dict(parts)
 
 
 def _made(work: Workload) -> torch.optim.Optimizer | None:
@@ -301,8 +304,7 @@ def max_batch(
     if world.one_device:
         options = dict(allow=allow, set_to_none=set_to_none, multiple_of=multiple_of, progress=progress, fake=fake)
         found = single_max_batch.max_batch(model, inputs, budget, **parts, **options)
-        if world.workload is not None and world.workload.plan_root:
-            world.recipe_as_held(found.recipe)
+        world.recipe_as_held(found.recipe)
         return found
     _one_device_only(set_to_none=(set_to_none, True))
     found = max_batch_ranks(
@@ -315,8 +317,7 @@ def max_batch(
         progress=progress,
         fake=_rank_where(fake),
     )
-    if world.workload is not None and world.workload.plan_root:
-        world.recipe_as_held(found.recipe)
+    world.recipe_as_held(found.recipe)
     return found
 
 

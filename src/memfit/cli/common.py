@@ -20,6 +20,27 @@ FAKE = {"fake": Where.FAKE, "fake-cuda": Where.FAKE_CUDA}
 """``--device`` values that run on fake tensors, and the tensors each names."""
 
 
+def check_world(ns: argparse.Namespace, what: str) -> bool:
+    """Read ``--world-size`` once for a command: whether the step is measured per rank. Refused
+    before any work: ``--ranks`` without it, and with it a real ``--device`` (``what``: the
+    command's words for a per-rank run), since each rank runs on the fake process group."""
+    if ns.world_size is None:
+        if ns.ranks is not None:
+            raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+        return False
+    fake_ranks(ns, what)
+    return True
+
+
+def fake_ranks(ns: argparse.Namespace, what: str) -> None:
+    """Each rank runs on the fake process group and fake tensors: a real ``--device`` is refused."""
+    if ns.device not in FAKE:
+        raise TargetError(
+            f"{what} runs each rank on torch's fake process group and fake tensors: give --device fake or fake-cuda, "
+            f"not {ns.device}"
+        )
+
+
 def where_of(device: str) -> Where:
     """The tensors ``--device`` names: fake ones for fake and fake-cuda, real ones for cpu and cuda."""
     return FAKE.get(device, Where.REAL)

@@ -12,8 +12,8 @@ from rich.console import Console
 
 import memfit
 from memfit.cli.common import (
-    FAKE,
     applied_profile,
+    check_world,
     on_device,
     require_device,
     where_of,
@@ -130,19 +130,13 @@ def run(ns: argparse.Namespace, console: Console) -> int:
 
 def _check_world(ns: argparse.Namespace) -> None:
     """What a fit on one device, or per rank, cannot take: refused before any work."""
-    if ns.world_size is None:
-        if ns.ranks is not None:
-            raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    if not check_world(ns, "fit per rank"):
         if ns.device == "fake":
             raise TargetError(
                 "fit weighs its peaks on fake tensors already: --device fake is for a distributed step (--world-size N); "
                 "on one device give cpu, cuda or fake-cuda"
             )
         return
-    if ns.device not in FAKE:
-        raise TargetError(
-            f"fit per rank runs each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
-        )
     if ns.plot or ns.html or ns.keep_grads:
         raise TargetError("fit per rank does not take --plot, --html or --keep-grads yet; drop them")
 

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 import memfit
-from memfit.cli.common import FAKE, on_device, require_device, run_compiled, where_of, workload, write_pictures
+from memfit.cli.common import FAKE, fake_ranks, on_device, require_device, run_compiled, where_of, workload, write_pictures
 from memfit.cli.options import (
     budget_arg,
     compile_args,
@@ -172,10 +172,7 @@ def _check_world(ns: argparse.Namespace, step: memfit.StepOptions | None) -> Non
         return
     if step is not None:
         raise TargetError("plans per rank do not take step options (--micro-batches, --accumulate, ...) yet; drop them")
-    if ns.device not in FAKE:
-        raise TargetError(
-            f"plans per rank run each rank on torch's fake process group: give --device fake or fake-cuda, not {ns.device}"
-        )
+    fake_ranks(ns, "a plan per rank")
     if ns.plot or ns.html:
         raise TargetError("plans per rank do not take --plot or --html yet; drop them")
     if ns.profile:

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from memfit.cli.common import FAKE, profile_work, require_device, run_compiled, workload, write_pictures
+from memfit.cli.common import check_world, profile_work, require_device, run_compiled, workload, write_pictures
 from memfit.cli.options import (
     compile_args,
     device_arg,
@@ -91,14 +91,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
 
 def _check_world(ns: argparse.Namespace) -> None:
     """What a profile per rank cannot take, refused before any work."""
-    if ns.world_size is None:
-        if ns.ranks is not None:
-            raise TargetError("--ranks picks ranks of a distributed step: give --world-size N too")
+    if not check_world(ns, "--world-size"):
         return
-    if ns.device not in FAKE:
-        raise TargetError(
-            "--world-size runs each rank on torch's fake process group and fake tensors: give --device fake or fake-cuda, "
-            f"not {ns.device}"
-        )
     if ns.eval or step_options(ns) is not None:
         raise TargetError("--world-size does not take --eval or step options yet; drop them")
