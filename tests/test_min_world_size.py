@@ -193,3 +193,26 @@ def test_a_start_over_the_budget_skips_the_recorded_step(brute):
     found = min_world_size(work, peak, world_sizes=(1,))
     assert found.rows[0]["none_peak_bytes"] == peak and found.rows[0]["skipped"] is None
     assert profile_rank(work, FakeGroup(1, 0), start_limit=start).ledger.blocks == profiles[1].profiles[0].ledger.blocks
+
+
+def test_the_first_ranks_state_read_off_its_profile(brute):
+    """min_world_size reads the first rank's state (resident bytes, layout) off its own
+    profile's parallelized step before the warm-up, not from a parallelize of its own: the
+    same state as rank_state's, and the same profile to the byte as without the read."""
+    import json
+
+    work, profiles = brute
+    for n, r in ((2, 0), (3, 2)):
+        got = []
+        prof = profile_rank(work, FakeGroup(n, r), on_state=got.append)
+        assert got == [rank_state(work, FakeGroup(n, r))]
+        assert json.dumps(prof.to_dict(), sort_keys=True) == json.dumps(profiles[n].profiles[r].to_dict(), sort_keys=True)
+
+    class Stop(Exception):
+        pass
+
+    def stop(state):  # what on_state raises ends the profile before its warm-up step
+        raise Stop
+
+    with pytest.raises(Stop):
+        profile_rank(work, FakeGroup(2, 0), on_state=stop)

@@ -175,6 +175,7 @@ def profile_ranks(
     gpu: str | gpus.GpuSpec | None = None,
     capacity: int | str | None = None,
     start_limit: int | None = None,
+    on_state: Callable[[RankState], None] | None = None,
 ) -> RankProfiles:
     """Measure the distributed step of ``workload`` as each rank in ``ranks`` (default rank 0:
     FSDP2 and DDP ranks hold the same memory when the shards are even) on the fake process
@@ -188,7 +189,8 @@ def profile_ranks(
     default the simulated GPU, H100-80GB) or ``capacity`` (bytes, ``"80GiB"``). Each rank's
     ``device_fit`` takes off, besides the CUDA context, an estimate of NCCL's buffers for
     the communicators its mesh needs (:func:`nccl_outside`), as a line of its own.
-    ``start_limit``: as :func:`profile_rank`'s (:class:`StartOverLimit` from the first rank over it)."""
+    ``start_limit``: as :func:`profile_rank`'s (:class:`StartOverLimit` from the first rank over it);
+    ``on_state``: as :func:`profile_rank`'s, for the first of ``ranks``."""
     parallel = _parallel_of(workload)
     n = world_size_of(workload, world_size)
     if not ranks:
@@ -200,8 +202,9 @@ def profile_ranks(
     capacity_bytes = None if capacity is None else parse_bytes(capacity)
     out = RankProfiles(n, parallel.name)
     with _simulated(spec):
-        for r in dict.fromkeys(ranks):
-            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress, start_limit=start_limit)
+        for i, r in enumerate(dict.fromkeys(ranks)):
+            hook = on_state if i == 0 else None
+            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress, start_limit=start_limit, on_state=hook)
             if capacity_bytes is not None:
                 prof.device_fit = rank_device_fit(prof, parallel, n, capacity_bytes, spec)
             out.profiles[r] = prof
@@ -286,7 +289,12 @@ class StartOverLimit(MemfitError):
 
 
 def profile_rank(
-    workload: Workload, group: FakeGroup | str, *, progress: Progress | None = None, start_limit: int | None = None
+    workload: Workload,
+    group: FakeGroup | str,
+    *,
+    progress: Progress | None = None,
+    start_limit: int | None = None,
+    on_state: Callable[[RankState], None] | None = None,
 ) -> Profile:
     """One rank's profile of the distributed step: on the fake process group given by a
     :class:`FakeGroup` (fake tensors), or with :data:`CURRENT_GROUP` on the process group this
@@ -295,11 +303,16 @@ def profile_rank(
     ``start_limit``: bytes; when what the rank holds after the warm-up step (parameters,
     buffers, inputs, gradients kept, the optimizer's state: alive at the recorded step's start,
     counted as the recorder counts them there) is over it, :class:`StartOverLimit` is raised
-    instead of running the recorded step (its peak is at least that start; half the profile)."""
+    instead of running the recorded step (its peak is at least that start; half the profile).
+    ``on_state``: called with the rank's :func:`rank_state`, read off this profile's own
+    parallelized step before its warm-up (no ``parallelize`` of its own); what it raises
+    stops the profile there."""
     report = progress or (lambda desc, done, total: None)
     with rank_sandbox(workload, group, progress=report) as box:
         world_size, rank = box_rank(box)
         fake = box.fake_mode is not None
+        if on_state is not None:
+            on_state(_state_of(box))
         with Scope(named_model(box.model)) as scope:
             report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
             # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
@@ -355,10 +368,16 @@ class RankState:
 def rank_state(workload: Workload, group: FakeGroup) -> RankState:
     """One rank's :class:`RankState`: its step parallelized and materialised on fake tensors,
     about a tenth of the cost of its profile (no warm-up and no recorded step)."""
-    with rank_sandbox(workload, group) as box, Scope(box.model) as scope:
+    with rank_sandbox(workload, group) as box:
+        return _state_of(box)
+
+
+def _state_of(box: Sandbox) -> RankState:
+    """The :class:`RankState` of an open :func:`rank_sandbox` on which no step has run."""
+    with Scope(box.model) as scope:
         resident = held_at_start(box, scope)  # no step yet: no gradients, no optimizer state
-        named = [*box.model.named_parameters(), *box.model.named_buffers()]
-        layout = tuple((name, tuple(_distributed.local_tensor(t).shape), str(t.dtype)) for name, t in named)
+    named = [*box.model.named_parameters(), *box.model.named_buffers()]
+    layout = tuple((name, tuple(_distributed.local_tensor(t).shape), str(t.dtype)) for name, t in named)
     return RankState(resident, layout)
 
 

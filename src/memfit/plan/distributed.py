@@ -290,29 +290,47 @@ class WorldSizeFit:
         }
 
 
+class _Bounded(Exception):
+    """A lower bound, read off the first rank's parallelized step, shows the size cannot fit."""
+
+
 def _unplanned(
-    workload: Workload, n: int, states: dict[int, RankState], budget: int, row: dict[str, Any], fake: bool | str | Where
+    workload: Workload, n: int, asked: list[int], budget: int, row: dict[str, Any], fake: bool | str | Where
 ) -> RankProfiles | None:
-    """The unplanned profiles at world size ``n`` of the asked-for ranks (``states``: each one's
-    :func:`~memfit.measure.distributed.rank_state`), one per layout (ranks of equal layouts
-    take the same step); None where a lower bound shows the step cannot fit ``budget``,
-    said in ``row`` (``skipped``, ``lower_bound_bytes``)."""
-    resident = max(st.resident_bytes for st in states.values())
-    if resident > budget:
-        row.update(lower_bound_bytes=resident, skipped="profile")
-        return None
-    layouts: dict[tuple, int] = {}
-    for r, st in states.items():
-        layouts.setdefault(st.layout, r)
-    row["ranks"] = list(layouts.values())
+    """The unplanned profiles at world size ``n`` of the ``asked`` ranks, one per layout (ranks
+    of equal layouts take the same step; each rank's :func:`~memfit.measure.distributed.rank_state`
+    says its layout); None where a lower bound shows the step cannot fit ``budget``, said in
+    ``row`` (``skipped``, ``lower_bound_bytes``). The first rank's state is read off its own
+    profile's parallelized step, before its warm-up (one ``parallelize`` less a size)."""
+    device = rank_device(fake)
+    states = {r: rank_state(workload, FakeGroup(n, r, device)) for r in asked[1:]}
+    first = asked[0]
+
+    def judged(state: RankState) -> None:  # the first rank parallelized, no step run yet
+        every = {first: state, **states}
+        resident = max(st.resident_bytes for st in every.values())
+        if resident > budget:
+            row.update(lower_bound_bytes=resident, skipped="profile")
+            raise _Bounded
+        layouts: dict[tuple, int] = {}
+        for r, st in every.items():
+            layouts.setdefault(st.layout, r)
+        row["ranks"] = list(layouts.values())
+
     try:
         # a rank holding more than the budget after its warm-up step (its parameters,
         # gradients and optimizer state, which no recompute changes) peaks over it with or
         # without a plan: its recorded step is not run (half its profile)
-        return profile_ranks(workload, world_size=n, ranks=row["ranks"], fake=fake, start_limit=budget)
+        out = profile_ranks(workload, world_size=n, ranks=[first], fake=fake, start_limit=budget, on_state=judged)
+        rest = [r for r in row["ranks"] if r != first]
+        if rest:
+            out.profiles.update(profile_ranks(workload, world_size=n, ranks=rest, fake=fake, start_limit=budget).profiles)
+    except _Bounded:
+        return None
     except StartOverLimit as over:
         row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
         return None
+    return out
 
 
 def world_size_candidates(
@@ -400,13 +418,11 @@ def min_world_size(
     out = WorldSizeFit(spec.bytes, None, None)
     for i, n in enumerate(sizes):
         report(f"world size {n}", i, len(sizes))
-        asked = asked_at(n)
-        states = {r: rank_state(workload, FakeGroup(n, r, rank_device(fake))) for r in asked}
         budget_n = spec.bytes - (outside(n) if outside is not None else 0)
         row: dict[str, Any] = {"world_size": n, "budget_bytes": budget_n, "ranks": [], "worst_rank": None}
         row.update(none_peak_bytes=None, min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
-        measured = _unplanned(workload, n, states, budget_n, row, fake)
+        measured = _unplanned(workload, n, asked_at(n), budget_n, row, fake)
         if measured is None:
             continue
         none = measured.budget_peak_bytes
