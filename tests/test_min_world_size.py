@@ -216,3 +216,29 @@ def test_the_first_ranks_state_read_off_its_profile(brute):
 
     with pytest.raises(Stop):
         profile_rank(work, FakeGroup(2, 0), on_state=stop)
+
+
+def test_a_size_planned_on_its_profiles_verifier_answers_as_apart(brute, monkeypatch):
+    """Where a plan may be needed, a size's unplanned step is recorded on the verifier the plan
+    then runs on (one parallelize and warm-up, not two): every row, bound and the plan equal,
+    to the byte of the JSON but the planning time, the search made apart (the unplanned profile
+    on its own, then plan_ranks from it on a verifier of its own)."""
+    import json
+
+    from memfit.plan import distributed
+
+    work, profiles = brute
+
+    def answer(budget, sizes):
+        out = min_world_size(work, budget, world_sizes=sizes).to_dict()
+        if out["plan"] is not None:
+            out["plan"].pop("planning_time_s")
+        return json.dumps(out, sort_keys=True)
+
+    # a plan at 2 ranks (1 rank over the budget); one byte under the 1-rank start: its
+    # recorded step is not run
+    asked = [(profiles[3].peak_bytes, (1, 2)), (profiles[1].profiles[0].ledger.start_bytes - 1, (1,))]
+    folded = [answer(*a) for a in asked]
+    monkeypatch.setattr(distributed, "_size", lambda *a: distributed._planned_apart(*a, None))
+    assert folded == [answer(*a) for a in asked]
+    assert json.loads(folded[0])["plan"]["checkpointed"] and json.loads(folded[1])["rows"][0]["skipped"] == "plan"

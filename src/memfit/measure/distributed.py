@@ -71,6 +71,7 @@ __all__ = [
     "named_model",
     "RankState",
     "rank_state",
+    "box_state",
     "rank_sandbox",
     "record_rank",
     "fsdp2",
@@ -312,7 +313,7 @@ def profile_rank(
         world_size, rank = box_rank(box)
         fake = box.fake_mode is not None
         if on_state is not None:
-            on_state(_state_of(box))
+            on_state(box_state(box))
         with Scope(named_model(box.model)) as scope:
             report(f"rank {rank} of {world_size}: warm-up step", 1, 3)
             # Real ranks: two warm-up steps, as DDP rebuilds its buckets in the second step's
@@ -369,11 +370,11 @@ def rank_state(workload: Workload, group: FakeGroup) -> RankState:
     """One rank's :class:`RankState`: its step parallelized and materialised on fake tensors,
     about a tenth of the cost of its profile (no warm-up and no recorded step)."""
     with rank_sandbox(workload, group) as box:
-        return _state_of(box)
+        return box_state(box)
 
 
-def _state_of(box: Sandbox) -> RankState:
-    """The :class:`RankState` of an open :func:`rank_sandbox` on which no step has run."""
+def box_state(box: Sandbox) -> RankState:
+    """The :class:`RankState` of an open :func:`rank_sandbox` (a verifier's too) on which no step has run."""
     with Scope(box.model) as scope:
         resident = held_at_start(box, scope)  # no step yet: no gradients, no optimizer state
     named = [*box.model.named_parameters(), *box.model.named_buffers()]

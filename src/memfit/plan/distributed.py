@@ -32,6 +32,9 @@ from memfit.measure.distributed import (
     RankProfiles,
     RankState,
     StartOverLimit,
+    box_rank,
+    box_state,
+    held_at_start,
     profile_rank,
     profile_ranks,
     rank_device,
@@ -41,6 +44,7 @@ from memfit.measure.distributed import (
 )
 from memfit.measure.pipeline import refuse_pipelined
 from memfit.measure.profile import Profile, Progress
+from memfit.measure.scope import Scope
 from memfit.measure.verify import Run, Verifier, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
@@ -105,29 +109,65 @@ def plan_ranks(
     if len(ranks) > 1:
         measured = unplanned or profile_ranks(workload, world_size=n, ranks=ranks, fake=fake)
         planned_rank = max(ranks, key=lambda r: (measured.profiles[r].budget_peak_bytes, -r))
-    excluded: dict[str, str] = {}
+    how = _How(spec, budget, objective, settings, verify_min, afresh, started)
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
         wrapped = _forwards_wrapped(workload.model, verifier.model)
         report(f"rank {planned_rank} of {n}: warm-up and recorded step", 0, 3)
         recorded = _checked_and_recorded(verifier, workload, unplanned.profiles[planned_rank] if unplanned else None)
-        _resharded(verifier.model)
-        excluded.update(recorded[1])
-        use_cache_off = recorded[2]
-        prof = recorded[0].under(settings)
-        # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
-        verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
-        found = search(Search(prof, verifier, workload.model, spec, objective, excluded, price_min=not verify_min), report)
-        plan = make_plan(found, use_cache_off=use_cache_off, budget=budget, started=started)
+        searched = _searched_on(verifier, recorded, workload, how, report)
+    return _verified_plan(workload, searched, wrapped, FakeGroup(n, planned_rank, device), ranks, how, report)
+
+
+@dataclass(frozen=True)
+class _How:
+    """What :func:`plan_ranks` was asked, as its parts take it."""
+
+    spec: Any
+    budget: Any
+    objective: str
+    settings: AllocatorSettings | None
+    verify_min: bool
+    afresh: bool
+    started: float
+
+
+def _searched_on(
+    verifier: Verifier,
+    recorded: tuple[Profile, dict[str, str], tuple[str, ...]],
+    workload: Workload,
+    how: _How,
+    report: Progress,
+) -> tuple[Plan, Any, Profile, AllocatorSettings | None]:
+    """The plan searched on an open verifier of the planned rank, checked and with its
+    unplanned step ``recorded`` (:func:`_checked_and_recorded`): the plan, the search's
+    answer, the unplanned profile it was made from, the settings its runs were judged under."""
+    _resharded(verifier.model)
+    excluded = dict(recorded[1])
+    prof = recorded[0].under(how.settings)
+    # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
+    verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
+    found = search(Search(prof, verifier, workload.model, how.spec, how.objective, excluded, price_min=not how.verify_min), report)
+    plan = make_plan(found, use_cache_off=recorded[2], budget=how.budget, started=how.started)
+    return plan, found, prof, verifier.settings
+
+
+def _verified_plan(
+    workload: Workload, searched: tuple, wrapped: set[str], planned: FakeGroup, ranks: list[int], how: _How, report: Progress
+) -> Plan:
+    """The searched plan with each of ``ranks``' verified figure (the planned rank's group
+    ``planned``; its verifier closed: each other rank opens a group of its own)."""
+    plan, found, prof, settings = searched
+    n, device = planned.world_size, planned.device
     # The planned rank's step has run with the plan already (the search's verified run, or the
     # unplanned step itself): profiling it afresh repeats that step (checked equal to the byte),
     # unless its parallelize wrapped a planned module's forward (:func:`_verified`).
     reordered = sorted(wrapped & set(plan.checkpointed))
-    done = {} if afresh or reordered else {planned_rank: _run_peaks(found.run, prof)}
+    done = {} if how.afresh or reordered else {planned.rank: _run_peaks(found.run, prof)}
     groups = [FakeGroup(n, r, device) for r in ranks if r not in done]
-    peaks, allocated = _verified(workload, plan, groups, planned_rank, report, done, verifier.settings, reordered)
-    return _with_rank_figures(plan, n, {r: peaks[r] for r in ranks}, allocated, started)
+    peaks, allocated = _verified(workload, plan, groups, planned.rank, report, done, settings, reordered)
+    return _with_rank_figures(plan, n, {r: peaks[r] for r in ranks}, allocated, how.started)
 
 
 def _with_rank_figures(plan: Plan, n: int, peaks: dict[int, int], allocated: dict[int, int], started: float) -> Plan:
@@ -142,18 +182,27 @@ def _with_rank_figures(plan: Plan, n: int, peaks: dict[int, int], allocated: dic
 
 
 def _checked_and_recorded(
-    verifier: Verifier, workload: Workload, recorded: Profile | None
+    verifier: Verifier, workload: Workload, recorded: Profile | None, start_limit: int | None = None
 ) -> tuple[Profile, dict[str, str], tuple[str, ...]]:
     """The stateful check on the planned rank (:meth:`Verifier.stateful`: its first forward is
     the warm-up step, which makes the optimizer's state) and the rank's recorded step, unless
     ``recorded`` (an unplanned profile given) is it: the unplanned profile, the modules a
     recompute could not repeat, the modules whose KV cache goes off. The recorded step is the
     check's second forward (hooked as that forward would be: hooks that read attributes
-    and allocate nothing), not a forward more."""
+    and allocate nothing), not a forward more. ``start_limit``: as :func:`profile_rank`'s
+    (:class:`StartOverLimit` instead of the recorded step)."""
     if recorded is not None:
         return (recorded, *verifier.stateful())
     got: list[Profile] = []
-    stateful, use_cache_off = verifier.stateful(second=lambda scope: got.append(record_rank_on(verifier, workload, scope)))
+
+    def second(scope: Scope) -> None:
+        if start_limit is not None:  # as profile_rank's: the warm-up step has run, the recorded one not yet
+            start = held_at_start(verifier.box, scope)
+            if start > start_limit:
+                raise StartOverLimit(box_rank(verifier.box)[1], start, start_limit)
+        got.append(record_rank_on(verifier, workload, scope))
+
+    stateful, use_cache_off = verifier.stateful(second=second)
     return got[0], stateful, use_cache_off
 
 
@@ -295,33 +344,35 @@ class _Bounded(Exception):
 
 
 def _unplanned(
-    workload: Workload, n: int, asked: list[int], budget: int, row: dict[str, Any], fake: bool | str | Where
+    workload: Workload,
+    n: int,
+    asked: list[int],
+    budget: int,
+    row: dict[str, Any],
+    fake: bool | str | Where,
+    states: dict[int, RankState] | None = None,
 ) -> RankProfiles | None:
     """The unplanned profiles at world size ``n`` of the ``asked`` ranks, one per layout (ranks
     of equal layouts take the same step; each rank's :func:`~memfit.measure.distributed.rank_state`
     says its layout); None where a lower bound shows the step cannot fit ``budget``, said in
     ``row`` (``skipped``, ``lower_bound_bytes``). The first rank's state is read off its own
-    profile's parallelized step, before its warm-up (one ``parallelize`` less a size)."""
+    profile's parallelized step, before its warm-up (one ``parallelize`` less a size), unless
+    ``states`` holds every asked rank's already (then ``row`` has its ranks)."""
     device = rank_device(fake)
-    states = {r: rank_state(workload, FakeGroup(n, r, device)) for r in asked[1:]}
     first = asked[0]
+    if states is None:
+        states = {r: rank_state(workload, FakeGroup(n, r, device)) for r in asked[1:]}
+    given = first in states
 
     def judged(state: RankState) -> None:  # the first rank parallelized, no step run yet
-        every = {first: state, **states}
-        resident = max(st.resident_bytes for st in every.values())
-        if resident > budget:
-            row.update(lower_bound_bytes=resident, skipped="profile")
-            raise _Bounded
-        layouts: dict[tuple, int] = {}
-        for r, st in every.items():
-            layouts.setdefault(st.layout, r)
-        row["ranks"] = list(layouts.values())
+        _judged(first, state, states, budget, row)
 
     try:
         # a rank holding more than the budget after its warm-up step (its parameters,
         # gradients and optimizer state, which no recompute changes) peaks over it with or
         # without a plan: its recorded step is not run (half its profile)
-        out = profile_ranks(workload, world_size=n, ranks=[first], fake=fake, start_limit=budget, on_state=judged)
+        hook = None if given else judged
+        out = profile_ranks(workload, world_size=n, ranks=[first], fake=fake, start_limit=budget, on_state=hook)
         rest = [r for r in row["ranks"] if r != first]
         if rest:
             out.profiles.update(profile_ranks(workload, world_size=n, ranks=rest, fake=fake, start_limit=budget).profiles)
@@ -331,6 +382,104 @@ def _unplanned(
         row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
         return None
     return out
+
+
+def _judged(first: int, state: RankState, others: dict[int, RankState], budget: int, row: dict[str, Any]) -> None:
+    """The size's ranks judged by their states (``state``: the first rank's): :class:`_Bounded`
+    when one's parameters, buffers and inputs alone exceed ``budget``; else ``row``'s
+    ``ranks``, one per layout."""
+    every = {first: state, **{r: st for r, st in others.items() if r != first}}
+    others[first] = state
+    resident = max(st.resident_bytes for st in every.values())
+    if resident > budget:
+        row.update(lower_bound_bytes=resident, skipped="profile")
+        raise _Bounded
+    layouts: dict[tuple, int] = {}
+    for r, st in every.items():
+        layouts.setdefault(st.layout, r)
+    row["ranks"] = list(layouts.values())
+
+
+def _size(
+    workload: Workload, n: int, asked: list[int], budget: int, row: dict[str, Any], fake: bool | str | Where
+) -> tuple[RankProfiles | None, Plan | BudgetInfeasibleError | None]:
+    """The unplanned profiles at world size ``n`` (as :func:`_unplanned`) and, where the step
+    does not fit but may with recompute, :func:`plan_ranks`'s plan or why there is none.
+    With one layout, the first rank's unplanned step is recorded on the verifier the plan
+    then runs on (the stateful check's warm-up and second forward, as :func:`plan_ranks`
+    records it): one ``parallelize`` and one warm-up step for both, not two."""
+    if _pipelined(workload) or applied_choices(workload.model) is not None:
+        # plan_ranks refuses these, after the unplanned profiles (which may fit: an answer)
+        return _planned_apart(workload, n, asked, budget, row, fake, None)
+    device = rank_device(fake)
+    first = asked[0]
+    states = {r: rank_state(workload, FakeGroup(n, r, device)) for r in asked[1:]}
+    how = _How(parse_budget(budget), budget, "time", None, False, False, time.perf_counter())
+    with ExitStack() as closing:
+        verifier = rank_verifier(workload, FakeGroup(n, first, device))
+        closing.callback(verifier.close)
+        wrapped = _forwards_wrapped(workload.model, verifier.model)
+        try:
+            _judged(first, box_state(verifier.box), states, budget, row)
+        except _Bounded:
+            return None, None
+        if len(row["ranks"]) == 1:
+            try:
+                recorded = _checked_and_recorded(verifier, workload, None, start_limit=budget)
+            except StartOverLimit as over:
+                row.update(lower_bound_bytes=over.start_bytes, skipped="plan")
+                return None, None
+            measured = RankProfiles(n, workload.parallel.name, {first: recorded[0]})  # type: ignore[union-attr]
+            if not _plan_needed(measured, budget, row):
+                return measured, None
+            try:
+                searched = _searched_on(verifier, recorded, workload, how, lambda desc, done, total: None)
+            except BudgetInfeasibleError as exc:
+                return measured, exc
+    if len(row["ranks"]) == 1:
+        return measured, _verified_plan(workload, searched, wrapped, FakeGroup(n, first, device), [first], how, lambda *a: None)
+    # uneven shards: each layout profiled on its own, the plan made for the worst (plan_ranks)
+    return _planned_apart(workload, n, asked, budget, row, fake, states)
+
+
+def _pipelined(workload: Workload) -> bool:
+    try:
+        refuse_pipelined(workload, "plan")
+    except PlanError:
+        return True
+    return False
+
+
+def _planned_apart(
+    workload: Workload,
+    n: int,
+    asked: list[int],
+    budget: int,
+    row: dict[str, Any],
+    fake: bool | str | Where,
+    states: dict[int, RankState] | None,
+) -> tuple[RankProfiles | None, Plan | BudgetInfeasibleError | None]:
+    """:func:`_size` as two steps: the unplanned profiles (:func:`_unplanned`), then, where
+    needed, :func:`plan_ranks` from them on a verifier of its own."""
+    measured = _unplanned(workload, n, asked, budget, row, fake, states)
+    if measured is None or not _plan_needed(measured, budget, row):
+        return measured, None
+    try:
+        return measured, plan_ranks(workload, budget, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
+    except BudgetInfeasibleError as exc:
+        return measured, exc
+
+
+def _plan_needed(measured: RankProfiles, budget: int, row: dict[str, Any]) -> bool:
+    """Whether the unplanned step over ``budget`` may fit with a plan: not where it fits, nor
+    where it starts over the budget (said in ``row``: no recompute changes its start)."""
+    if measured.budget_peak_bytes <= budget:
+        return False
+    start = max(p.ledger.start_bytes for p in measured.profiles.values())
+    if start > budget:
+        row.update(lower_bound_bytes=start, skipped="plan")
+        return False
+    return True
 
 
 def world_size_candidates(
@@ -422,7 +571,10 @@ def min_world_size(
         row: dict[str, Any] = {"world_size": n, "budget_bytes": budget_n, "ranks": [], "worst_rank": None}
         row.update(none_peak_bytes=None, min_peak_bytes=None, plan_peak_bytes=None, lower_bound_bytes=None, skipped=None)
         out.rows.append(row)
-        measured = _unplanned(workload, n, asked_at(n), budget_n, row, fake)
+        if out.with_recompute is None:
+            measured, p = _size(workload, n, asked_at(n), budget_n, row, fake)
+        else:
+            measured, p = _unplanned(workload, n, asked_at(n), budget_n, row, fake), None
         if measured is None:
             continue
         none = measured.budget_peak_bytes
@@ -433,17 +585,9 @@ def min_world_size(
             if out.with_recompute is None:
                 out.with_recompute = n
             break
-        if out.with_recompute is not None:
-            continue
-        start = max(p.ledger.start_bytes for p in measured.profiles.values())
-        if start > budget_n:
-            row.update(lower_bound_bytes=start, skipped="plan")
-            continue
-        try:
-            p = plan_ranks(workload, budget_n, world_size=n, ranks=row["ranks"], unplanned=measured, fake=fake)
-        except BudgetInfeasibleError as exc:
-            row["min_peak_bytes"] = exc.min_peak_bytes
-            continue
-        row.update(min_peak_bytes=p.min_peak_bytes, min_peak_verified=p.min_peak_verified, plan_peak_bytes=p.predicted_peak_bytes)
-        out.with_recompute, out.plan = n, p
+        if isinstance(p, BudgetInfeasibleError):
+            row["min_peak_bytes"] = p.min_peak_bytes
+        elif p is not None:
+            row.update(min_peak_bytes=p.min_peak_bytes, min_peak_verified=p.min_peak_verified, plan_peak_bytes=p.predicted_peak_bytes)
+            out.with_recompute, out.plan = n, p
     return out
