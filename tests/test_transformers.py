@@ -209,13 +209,15 @@ def _trains_alike(model: nn.Module, inputs: Any, loss_fn: Callable, plans: list[
 def test_plan_apply_and_train_like_without_a_plan(name):
     torch.manual_seed(0)
     model, inputs, loss_fn = MODELS[name]()
+    rounds = name in CACHED and _cache_rounds(model, inputs, loss_fn)
     plans = _plans(model, inputs, loss_fn)
     for plan in plans:
         # the cache off, as transformers' checkpointing does, where that changes no bit: its
-        # layers can be recomputed. T5's would change: its cache stays on, its writers out.
-        assert plan.use_cache_off == (("",) if name in set(CACHED) - ROUNDS else ())
+        # layers can be recomputed. Where it would change (T5 on some CPUs): its cache stays on,
+        # its writers out.
+        assert plan.use_cache_off == (("",) if name in CACHED and not rounds else ())
         stuck = [n for n, why in plan.excluded.items() if "not reproducible" in why]
-        assert bool(stuck) == (name in ROUNDS), stuck
+        assert bool(stuck) == rounds, stuck
     # the reference trains as it is, cache on: the plan computes the same
     _trains_alike(model, inputs, loss_fn, plans)
 
@@ -241,10 +243,27 @@ def _cache_of(model: nn.Module, inputs: Any, **kwargs: Any) -> Any:
         return model(**inputs, **kwargs).past_key_values
 
 
-# Whose loss and gradients the cache changes by float rounding: its keys and values are
-# contiguous copies (torch.cat), whose matmuls round differently from the views they copy.
-# memfit keeps their cache on (memfit.measure.cache_check), so their writers are not recomputed.
+# Whose loss and gradients the cache may change by float rounding: its keys and values are
+# contiguous copies (torch.cat), whose matmuls can round differently from the views they copy.
+# Whether they do depends on the CPU's kernels (they did on the AVX2 machines this was found on,
+# and do not on an AVX-512 one), so each test asks this machine (_cache_rounds); where they do,
+# memfit keeps the cache on (memfit.measure.cache_check) and their writers are not recomputed.
 ROUNDS = {"t5", "bart"}
+
+
+def _cache_rounds(model: nn.Module, inputs: Any, loss_fn: Callable) -> bool:
+    """Whether turning the KV cache off changes the loss or a gradient by a bit on this machine:
+    the truth memfit's own check is held to (one step of copies, the same dropout masks; the
+    model and the generator left as they were)."""
+    seen = []
+    with torch.random.fork_rng(devices=[]):
+        for x in (inputs, {**inputs, "use_cache": False}):
+            m = copy.deepcopy(model)
+            torch.manual_seed(0)
+            loss = loss_fn(m(**x))
+            loss.backward()
+            seen.append([loss.detach(), *(p.grad for p in m.parameters())])
+    return not all(a is b is None or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(*seen))
 
 
 @pytest.mark.parametrize("name", CACHE_MODELS)
@@ -308,18 +327,20 @@ def test_the_switch_mirrors_transformers_and_remove_restores_the_model():
 
 def test_t5_keeps_its_cache_and_plans_below_transformers_checkpointing_without_it():
     """The issue: a T5 with its default use_cache=True could not be planned below its
-    decoder blocks. Turning its cache off changes its gradients (ROUNDS), so memfit keeps
-    it on and says why in each decoder block's reason; planning leaves no trace. Trained
+    decoder blocks. Where turning its cache off changes its gradients (ROUNDS, on some CPUs),
+    memfit keeps it on and says why in each decoder block's reason, else turns it off;
+    planning leaves no trace. Trained
     with use_cache=False, the user's choice (as under transformers' own
     gradient_checkpointing_enable()), P_min is at or below that checkpointing's peak."""
     torch.manual_seed(0)
     model, inputs, loss_fn = _t5()
     ids = _ids(64)
     inputs = {"input_ids": ids, "labels": _ids(64)}  # long enough that activations dominate
+    rounds = _cache_rounds(model, inputs, loss_fn)
     (kept,) = _plans(model, inputs, loss_fn, budgets=(0.0,))
-    assert kept.use_cache_off == ()
-    why = kept.excluded["decoder.block.0"]
-    assert "memfit keeps transformers' KV cache on: turning it off changes the gradient of" in why, why
+    assert kept.use_cache_off == (() if rounds else ("",))
+    why = kept.excluded.get("decoder.block.0", "")
+    assert ("memfit keeps transformers' KV cache on: turning it off changes the gradient of" in why) == rounds, why
     assert model.config.use_cache and not [n for n, m in model.named_modules() if "forward" in vars(m)]
 
     off = {**inputs, "use_cache": False}
@@ -366,7 +387,8 @@ ENCODER_DECODERS = {"whisper-speech": _speech, "t5": _t5, "bart": _bart}
 def test_a_plan_turns_the_cache_off_only_where_no_bit_changes(name):
     """Issue 24: encoder-decoders trained with the KV cache on, as configured. A plan turns
     it off only where the step computes bitwise the same without it (Whisper, which copies
-    its keys contiguous itself); T5 and BART keep it on. Either way three AdamW steps with
+    its keys contiguous itself); T5 and BART keep it on where it changes their bits (on some
+    CPUs). Either way three AdamW steps with
     the plan end bitwise where three steps of the model as it is end, under deterministic
     kernels: Whisper's position-embedding gradient, ``index_put_`` with ``accumulate=True``,
     adds with atomics across threads on CPU from 32768 elements on, so without them two
@@ -377,9 +399,11 @@ def test_a_plan_turns_the_cache_off_only_where_no_bit_changes(name):
         torch.manual_seed(0)
         model, inputs, loss_fn = ENCODER_DECODERS[name]()
         assert model.config.use_cache and _cache_of(model, inputs) is not None
+        rounds = _cache_rounds(model, inputs, loss_fn)
+        assert not rounds or name in ROUNDS  # Whisper copies its keys contiguous itself
         (plan,) = _plans(model, inputs, loss_fn, budgets=(0.0,))
-        assert plan.use_cache_off == (() if name in ROUNDS else ("",))
-        if name not in ROUNDS:
+        assert plan.use_cache_off == (() if rounds else ("",))
+        if name not in ROUNDS:  # Whisper's decoder layers hold its peak: they are recomputed
             assert [n for n in plan.checkpointed if ".decoder.layers." in n], "no decoder layer part is recomputed"
         _trains_alike(model, inputs, loss_fn, [plan])
     finally:
@@ -567,13 +591,16 @@ def test_a_saved_profile_with_the_cache_on_plans_the_step_with_it_off_on_fake_co
 @pytest.mark.parametrize("name", ["bart", "gpt2"])
 def test_a_plan_on_fake_tensors_checks_the_switch_on_a_real_step(name):
     """Fake tensors carry no values: the check runs a real step of the user's model (outside
-    the fake mode, restored after). BART's cache stays on, GPT-2's goes off."""
+    the fake mode, restored after). BART's cache stays on where it changes its bits (on some
+    CPUs), GPT-2's goes off."""
     torch.manual_seed(0)
     model, inputs, loss_fn = CACHE_MODELS[name]()
+    rounds = _cache_rounds(model, inputs, loss_fn)
+    assert not rounds or name in ROUNDS
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = snapshot(model, opt)
     plan = memfit.plan(model, inputs, 0.0, loss_fn=loss_fn, optimizer=opt, fake=True)
     assert_same(before, snapshot(model, opt))
-    assert plan.use_cache_off == (() if name in ROUNDS else ("",))
+    assert plan.use_cache_off == (() if rounds else ("",))
     kept = [why for why in plan.excluded.values() if "KV cache on" in why]
-    assert bool(kept) == (name in ROUNDS) and all("changes the gradient of" in why for why in kept), kept
+    assert bool(kept) == rounds and all("changes the gradient of" in why for why in kept), kept

@@ -128,7 +128,7 @@ def test_a_single_device_workload_is_the_loose_step():
         ),
         (lambda m, x, w: memfit.profile(w, step=memfit.StepOptions(micro_batches=2)), "step= is not modelled yet"),
         (lambda m, x, w: memfit.fit(w, budget="1GiB", set_to_none=False), "set_to_none= is not modelled yet"),
-        (lambda m, x, w: memfit.profile(w, ranks=[2]), "ranks must be ranks of a world of 2"),
+        (lambda m, x, w: memfit.profile(w, ranks=[2]), "ranks: 2 is not a rank of a world of 2"),
     ],
 )
 def test_what_one_form_does_not_take_is_one_line(call, message):

@@ -19,7 +19,7 @@ of the two takes are refused in one line for the other, never ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,12 +39,9 @@ from memfit.measure.step import StepOptions
 from memfit.plan import planner
 from memfit.plan.distributed import plan_ranks
 from memfit.plan.result import Plan, fingerprint
-from memfit.workload import Parallel, Where, Workload
+from memfit.workload import Parallel, Ranks, Where, Workload, asked_ranks
 
 __all__ = ["profile", "plan", "fit", "max_batch", "World"]
-
-Ranks = Sequence[int] | str
-"""The ranks to answer for: integers (``(0, 3)``) or ``"all"``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +118,7 @@ def world_of(
             parts = {"loss_fn": work.loss_fn, "targets": work.targets, "optimizer": _made(work)}
         return World(work), model, inputs, dict(parts)
     n = world_size_of(work, world_size)
-    asked = list(range(n)) if ranks == "all" else list(dict.fromkeys(ranks if ranks is not None else (0,)))
-    bad = [r for r in asked if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n]
-    if bad or not asked:
-        raise WorkloadError(f"ranks must be ranks of a world of {n} (0 to {n - 1}) or 'all', got {bad[0] if bad else 'none'}")
-    return World(work, n, tuple(asked)), model, inputs, dict(parts)
+    return World(work, n, tuple(asked_ranks(ranks, n))), model, inputs, dict(parts)
 
 
 def _made(work: Workload) -> torch.optim.Optimizer | None:

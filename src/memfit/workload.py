@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +39,39 @@ __all__ = [
     "check_loss_targets",
     "check_not_meta",
     "model_device",
+    "Ranks",
+    "asked_ranks",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+Ranks = Sequence[int] | str
+"""The ranks to answer for: integers (``(0, 3)``) or ``"all"``."""
+
+
+def asked_ranks(ranks: Ranks | None, n: int | None, *, name: str = "ranks", from_last: bool = False) -> list[int]:
+    """The ranks asked for, in the order given, each once: the one reading of ``ranks`` (the
+    Python API's ``ranks=``, the CLI's ``--ranks``, ``--min-world-size``'s). None: rank 0.
+    ``from_last``: negative ranks count from the last (``-1``, the last rank at every world
+    size a search tries), and ranks past a world of ``n`` are left out, not refused. With ``n``
+    None only the spelling is checked (a search, before it knows its world sizes)."""
+    if ranks is None:
+        return [0]
+    if ranks == "all":
+        return list(range(n or 1))
+    listed = list(dict.fromkeys(ranks)) if not isinstance(ranks, str) else []
+    typed = [r for r in listed if isinstance(r, bool) or not isinstance(r, int)]
+    if typed or not listed:
+        how = "integers (0, -1: the first and the last)" if from_last else "integers"
+        raise WorkloadError(f"{name} must be {how} or 'all', got {typed[0] if typed else ranks!r}")
+    if n is None:
+        return listed
+    if from_last:
+        return list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+    bad = [r for r in listed if not 0 <= r < n]
+    if bad:
+        raise WorkloadError(f"{name}: {bad[0]} is not a rank of a world of {n}; give 0 to {n - 1} or 'all'")
+    return listed
 
 
 class Where(enum.Enum):

@@ -13,6 +13,7 @@ from typing import Any
 
 import memfit
 from memfit.errors import MemfitError, TargetError
+from memfit.workload import asked_ranks
 
 DEVICES = ["cpu", "cuda", "fake", "fake-cuda"]
 """``--device``'s values for a command that runs a step."""
@@ -297,18 +298,10 @@ def step_label(step: memfit.StepOptions | None) -> str:
 
 
 def read_ranks(text: str | None, world_size: int) -> list[int]:
-    if text is None:
-        return [0]
-    if text == "all":
-        return list(range(world_size))
-    try:
-        ranks = [int(r) for r in text.split(",")]
-    except ValueError:
-        raise TargetError(f"--ranks takes ranks separated by commas (0,3) or 'all', got {text!r}") from None
-    bad = [r for r in ranks if not 0 <= r < world_size]
-    if bad:
-        raise TargetError(f"--ranks: {bad[0]} is not a rank of a world of {world_size}; give 0 to {world_size - 1}")
-    return ranks
+    """``--ranks``: ranks separated by commas, or 'all' (checked as the Python API's ``ranks=``)."""
+    if text is None or text == "all":
+        return asked_ranks(text, world_size)
+    return asked_ranks(int_list("--ranks", text, "0,3"), world_size, name="--ranks")
 
 
 def int_list(flag: str, text: str, example: str) -> list[int]:

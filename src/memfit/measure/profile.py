@@ -570,7 +570,10 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
                 measured = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
             scope.clock = None
         report("recorded step", total - 1, total)
-        ledger, flops = record_step(box, scope, loss_fn)
+        # probe: on fake CPU tensors, an op kind no real step of this process measured runs once
+        # on real zeros for its workspace (a bf16 matmul's float32 buffer on a CPU without bf16
+        # instructions), else the fake profile misses what the real step allocates
+        ledger, flops = record_step(box, scope, loss_fn, probe=True)
         report("done", total, total)
         modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
@@ -687,7 +690,7 @@ class FakeSession:
         options, box.options = box.options, at.options
         seen: list[nn.Parameter] = []
         try:
-            ledger, flops = record_step(box, self.scope, self.step.loss_fn, grads_seen=seen)
+            ledger, flops = record_step(box, self.scope, self.step.loss_fn, probe=True, grads_seen=seen)
         finally:
             box.options = options
         held = _held_bytes(ledger)

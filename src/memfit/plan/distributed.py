@@ -51,7 +51,7 @@ from memfit.plan.planner import Search, check_objective, make_plan, search
 from memfit.plan.result import Plan
 from memfit.recompute.checkpoint import applied_choices
 from memfit.units import format_bytes
-from memfit.workload import Where, Workload
+from memfit.workload import Where, Workload, asked_ranks
 
 __all__ = ["plan_ranks", "min_world_size", "world_size_candidates", "WorldSizeFit"]
 
@@ -214,14 +214,9 @@ def _world_size(workload: Workload, world_size: int | None) -> int:
 
 def _asked_ranks(ranks: Sequence[int] | str) -> Callable[[int], list[int]]:
     """The ranks to measure at each world size: ``"all"``, or integers (negative ones count
-    from the last); checked once, before any work."""
-    if ranks == "all":
-        return lambda n: list(range(n))
-    listed = list(ranks)
-    bad = [r for r in listed if isinstance(r, bool) or not isinstance(r, int)]
-    if bad or not listed:
-        raise WorkloadError(f"ranks must be integers (0, -1: the first and the last) or 'all', got {bad[0] if bad else 'none'}")
-    return lambda n: list(dict.fromkeys(r % n for r in listed if -n <= r < n)) or [0]
+    from the last); the spelling checked once, before any work."""
+    asked_ranks(ranks, None, from_last=True)
+    return lambda n: asked_ranks(ranks, n, from_last=True)
 
 
 def _forwards_wrapped(before: Any, after: Any) -> set[str]:
