@@ -37,11 +37,11 @@ BATCH, SEQ, VOCAB = 2, 16, 96
 PREFIX = "base_model.model."  # what peft's PeftModel (base_model) and LoraModel (model) put before the base's names
 
 
-def _base(dtype: torch.dtype, hidden: int, seq: int, layers: int = 2) -> torch.nn.Module:
+def _base(dtype: torch.dtype, hidden: int, seq: int) -> torch.nn.Module:
     cfg = tf.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        num_hidden_layers=layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=2 * hidden,
@@ -53,15 +53,10 @@ def _base(dtype: torch.dtype, hidden: int, seq: int, layers: int = 2) -> torch.n
 
 
 def _lora(
-    dtype: torch.dtype = torch.bfloat16,
-    checkpointing: bool = False,
-    hidden: int = 32,
-    seq: int = SEQ,
-    batch: int = BATCH,
-    layers: int = 2,
+    dtype: torch.dtype = torch.bfloat16, checkpointing: bool = False, hidden: int = 32, seq: int = SEQ, batch: int = BATCH
 ) -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
-    base = _base(dtype, hidden, seq, layers)
+    base = _base(dtype, hidden, seq)
     if checkpointing:  # as peft's recipes do (prepare_model_for_kbit_training, the Trainer)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         base.enable_input_require_grads()
@@ -152,9 +147,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, TESTS)
     from test_peft import _lora, _adamw
     from memfit.measure.ledger import Category
-    # on fake CUDA, large enough to be more than cuBLAS's workspaces; one layer: the fake-CUDA
-    # profile and plan cost per op, and what they count and name is the same at any depth
-    model, inputs = _lora(hidden=256, seq=128, batch=8, layers=1)
+    model, inputs = _lora(hidden=256, seq=128, batch=8)  # on fake CUDA, large enough to be more than cuBLAS's workspaces
     prof = memfit.profile(model, inputs, optimizer=_adamw(model), fake="cuda")
     totals = {c.value: 0 for c in Category}
     for b in prof.ledger.blocks:
@@ -177,7 +170,7 @@ def test_fake_cuda_counts_the_bf16_base_and_plans_with_peft_names(fake_cuda):
     done = fake_cuda.script(SCRIPT.replace("TESTS", repr(str(Path(__file__).parent))), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
-    model, _ = _lora(hidden=256, seq=128, batch=8, layers=1)  # the script's
+    model, _ = _lora(hidden=256, seq=128, batch=8)
     adapters = [p for p in model.parameters() if p.requires_grad]
     assert got["device"] == "fake:cuda:0"
     assert got["totals"]["parameters"] == _cuda_bytes(model.parameters())
