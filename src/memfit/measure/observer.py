@@ -27,7 +27,7 @@ import torch
 
 from memfit.compat import torch_compat
 
-__all__ = ["Twin", "Known", "TWINS", "KNOWN", "ENGINE", "Observer"]
+__all__ = ["Twin", "Known", "TWINS", "TWIN_OPS", "KNOWN", "ENGINE", "Observer"]
 
 ENGINE = "engine"
 """Node name of :data:`TWINS` entries that are the autograd engine's, not a formula's."""
@@ -171,6 +171,10 @@ def _node_kind(name: str) -> str:
 _BY_OP: dict[str, list[Twin]] = {}
 for _twin in TWINS:
     _BY_OP.setdefault(_twin.op, []).append(_twin)
+
+TWIN_OPS = frozenset(_BY_OP)
+"""The ops of :data:`TWINS`: :meth:`Observer.after` does nothing for any other, so the
+recorder calls it only for these."""
 
 
 @dataclass
