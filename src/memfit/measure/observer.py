@@ -163,9 +163,16 @@ KNOWN: tuple[Known, ...] = (
 _OVERLOAD = re.compile(r"\d+$")
 
 
+_KINDS: dict[str, str] = {}
+
+
 def _node_kind(name: str) -> str:
-    """``GatherBackward0`` -> ``GatherBackward``; C++ namespaces dropped."""
-    return _OVERLOAD.sub("", name.rsplit("::", 1)[-1])
+    """``GatherBackward0`` -> ``GatherBackward``; C++ namespaces dropped. Remembered per name
+    (asked at every backward op; a step has a few dozen kinds of node)."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        kind = _KINDS[name] = _OVERLOAD.sub("", name.rsplit("::", 1)[-1])
+    return kind
 
 
 _BY_OP: dict[str, list[Twin]] = {}

@@ -490,7 +490,7 @@ class Recorder(TorchDispatchMode):
 
     def _in_checkpoint(self) -> bool:
         module = self.scope.module
-        if module is not None and any(m in self.checkpointed for m in ancestors(module)):
+        if module is not None and self.checkpointed and any(m in self.checkpointed for m in ancestors(module)):
             return True
         # Someone else's checkpoint (transformers' gradient checkpointing, a model's own
         # torch.utils.checkpoint): its saved-tensor hooks sit above the recorder's.
@@ -657,7 +657,7 @@ class Recorder(TorchDispatchMode):
         out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         if facts.alias:
             self._alias(in_tensors, out_tensors)
-        if self._fake:
+        if self._fake and aliasing.may_return_inputs(func):
             self._as_real_kernel(func, args, kwargs, in_tensors, out, inputs)
         for t in out_tensors:
             s = _storage(t)
