@@ -1,6 +1,6 @@
 """What memfit's recorder costs per op it records, and what it records, as a hash.
 
-    python benchmarks/recorder_overhead.py [--cases gpt,llama,resnet,gpt-fake-cuda,llama-fsdp2-8] [--profiles 3]
+    python benchmarks/recorder_overhead.py [--cases gpt,llama,resnet,gpt-fake,gpt-fake-cuda,llama-fsdp2-8] [--profiles 3]
                                            [--json FILE]
 
 Each case runs in a fresh process (one torch thread, so that CPU seconds are the work and
@@ -21,7 +21,7 @@ empty: each op kind's kernel is measured under torch's profiler) and the best of
 (their warm-up or timed steps) and from it the recorder's own CPU per op (recorded minus
 unrecorded); and the hashes (one when every profile's is the same).
 The cases: zoo ``gpt`` (nanoGPT-style) and ``llama`` (transformers, 8 x 512) and ``resnet``
-on the CPU; ``gpt`` on fake CUDA (``MEMFIT_FAKE_CUDA=1``, an H100); zoo llama at 4 x 256
+on the CPU; ``gpt`` on fake CPU tensors and on fake CUDA (``MEMFIT_FAKE_CUDA=1``, an H100); zoo llama at 4 x 256
 per rank under FSDP2 on 8 ranks of the fake process group (fake CPU tensors).
 """
 
@@ -42,6 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt": {"model": "gpt", "sizes": {}, "fake": False},
     "llama": {"model": "llama", "sizes": {"parallel": "none"}, "fake": False},
     "resnet": {"model": "resnet", "sizes": {}, "fake": False},
+    "gpt-fake": {"model": "gpt", "sizes": {}, "fake": True},
     "gpt-fake-cuda": {"model": "gpt", "sizes": {}, "fake": "cuda"},
     "llama-fsdp2-8": {
         "model": "llama",
