@@ -34,8 +34,9 @@ def test_plan_from_a_saved_profile_measures_no_profile(tmp_path, capsys, monkeyp
     from memfit.plan import planner
 
     saved = tmp_path / "p.json"
-    # a --profile PATH that does not exist yet is measured and written there
-    args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--budget", "50%", "--objective", "flops"]
+    # a --profile PATH that does not exist yet is measured and written there (one layer, the
+    # last --size: what is read back and checked is the same at any depth; the plans cost per op)
+    args = ["plan", "gpt", "--batch-size", "2", *SMALL, "--size", "n_layer=1", "--budget", "50%", "--objective", "flops"]
     assert main([*args, "--profile", str(saved), "--json", str(tmp_path / "a.json")]) == 0
     assert f"wrote {saved}" in " ".join(capsys.readouterr().out.split())
     assert memfit.Profile.from_dict(json.loads(saved.read_text())).workspaces is not None

@@ -11,7 +11,9 @@ from memfit import Plan, StepOptions
 from memfit.cli import build_parser, main
 from memfit.cli.options import step_options
 
-SMALL = ["--size", "n_layer=2", "n_embd=64", "n_head=4", "block_size=32", "vocab_size=512", "--batch-size", "4"]
+# one layer: what the flags record and the plans keep is the same at any depth, and the fake
+# profiles and plans below cost per op
+SMALL = ["--size", "n_layer=1", "n_embd=64", "n_head=4", "block_size=32", "vocab_size=512", "--batch-size", "4"]
 
 FLAGS = [
     (["--accumulate", "3"], StepOptions(accumulate=3)),

@@ -69,9 +69,9 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
 
 
-def _act_net(batch: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+def _act_net(batch: int = 32, blocks: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    return ActNet(), (torch.randn(batch, 32, 64), torch.randn(batch, 32, 8))
+    return ActNet(blocks), (torch.randn(batch, 32, 64), torch.randn(batch, 32, 8))
 
 
 def _with_state(model: nn.Module, inputs) -> torch.optim.Optimizer:
@@ -153,10 +153,10 @@ def test_the_first_three_micro_batches_have_the_whole_steps_peak(k):
     third's memory exactly): the peak must be the whole step's."""
     from memfit.measure.step import first_micro_batches
 
-    act, act_inputs = _act_net()
-    # one block: what cuts a step into micro-batches does not depend on depth, and the peak is
-    # still in the (last) block's backward, as with two (a fake op costs the same at any size:
-    # half the blocks, half this test's time)
+    # one block each: what cuts a step into micro-batches does not depend on depth, and the
+    # peak is still in the (last) block's backward, as with more (a fake op costs the same at
+    # any size: a quarter of ActNet's blocks, about a quarter of its part of this test's time)
+    act, act_inputs = _act_net(blocks=1)
     work = memfit.zoo.build("gpt", batch_size=8, n_layer=1, n_embd=64, n_head=4, block_size=32, vocab_size=512)
     gpt_opt = torch.optim.AdamW(work.model.parameters())
     work.model(**work.inputs).loss.backward()  # optimizer state made here, once: else every
@@ -266,7 +266,7 @@ def test_fit_uses_no_lever_when_the_step_fits(tmp_path):
 
 
 def test_fit_micro_batches_when_recompute_cannot_reach():
-    model, inputs = _act_net()
+    model, inputs = _act_net(blocks=2)  # (recompute reaches less with fewer blocks, not more)
     opt = _with_state(model, inputs)
     before = snapshot(model, opt)
     eighth = memfit.profile(model, inputs, optimizer=opt, fake=True, step=StepOptions(micro_batches=8)).peak_bytes
@@ -301,7 +301,7 @@ def test_fit_micro_batches_when_recompute_cannot_reach():
 
 
 def test_fit_weighs_set_to_none_for_a_loop_that_keeps_gradients():
-    model, inputs = _act_net(2)
+    model, inputs = _act_net(2, blocks=1)  # kept gradients outweigh a block's activations at any depth
     freed = memfit.profile(model, inputs, fake=True).peak_bytes
     kept = memfit.profile(model, inputs, fake=True, step=StepOptions(set_to_none=False)).peak_bytes
     assert kept > freed
@@ -476,7 +476,7 @@ def test_offload_is_a_cuda_lever_that_trains_the_same():
     # On the host, offloading saved activations to the host saves nothing: fit says so,
     # profile refuses it. The mechanism itself (torch's save_on_cpu, through a Recipe's
     # run.offload() and run.step) must still leave training bitwise the same.
-    model, inputs = _act_net(8)
+    model, inputs = _act_net(8, blocks=2)
     with pytest.raises(memfit.WorkloadError, match="offload=True.*CUDA.*host memory already"):
         memfit.profile(model, inputs, step=StepOptions(offload=True))
     with pytest.raises(memfit.WorkloadError, match="offload"):
@@ -701,11 +701,13 @@ def test_fit_refuses_bad_input():
 
 
 def test_cli_fit_prints_the_table_and_writes_a_recipe(tmp_path, capsys):
-    work = memfit.zoo.build("gpt", batch_size=2, n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=512)
+    # one layer (the last --size wins): the table and the recipe file are the same at any depth
+    work = memfit.zoo.build("gpt", batch_size=2, n_layer=1, n_embd=64, n_head=4, block_size=32, vocab_size=512)
     peak = memfit.profile(work.model, work.inputs, fake=True).peak_bytes
     out = tmp_path / "recipe.json"
     budget = f"{int(peak * 0.9)}B"  # a bare number is refused as ambiguous
-    assert main(["fit", "gpt", "--batch-size", "2", *SMALL, "--budget", budget, "--json", str(out)]) == 0
+    argv = ["fit", "gpt", "--batch-size", "2", *SMALL, "--size", "n_layer=1", "--budget", budget, "--json", str(out)]
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert (
         "What if" in text
@@ -735,11 +737,12 @@ def test_cli_fit_bad_input_is_one_line(argv, needle, capsys):
 # -- the largest batch ----------------------------------------------------------------------------
 
 
-def _wide() -> tuple[nn.Module, torch.Tensor]:
+def _wide(blocks: int = 2) -> tuple[nn.Module, torch.Tensor]:
+    """Activations dominate the peak. Two blocks: recompute frees one's activations, room for
+    more samples, as with four (the searches' fake profiles and plans cost per op: half the time)."""
     torch.manual_seed(0)
     block = lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # noqa: E731
-    model = nn.Sequential(block(), block(), block(), block())  # activations dominate the peak
-    return model, torch.randn(64, 64)
+    return nn.Sequential(*[block() for _ in range(blocks)]), torch.randn(64, 64)
 
 
 def test_max_batch_is_the_largest_that_fits_and_its_recipe_is_measured():
@@ -771,7 +774,8 @@ def test_max_batch_with_eight_bit_state_finds_a_bigger_batch():
     pytest.importorskip("bitsandbytes")
     # Parameters and AdamW state dominate: 8-bit state frees room for samples.
     torch.manual_seed(0)
-    model, x = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]), torch.randn(4, 256)
+    # (four layers: as with eight, the state of each outweighs the kernel's temporaries of one)
+    model, x = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]), torch.randn(4, 256)
     opt = _with_state(model, x)
     eight = StepOptions(optimizer_8bit=True)
     fake = lambda b, step=None: memfit.profile(model, resize_batch(x, b), optimizer=opt, fake=True, step=step).peak_bytes  # noqa: E731
@@ -805,12 +809,15 @@ def test_resize_batch_tiles_and_cuts_along_the_batch():
 
 
 def test_cli_fit_max_batch(capsys):
-    # 12 MiB: a batch of some 15 to 30 samples of this gpt (about 0.6 MiB each); 64 MiB made
-    # it 100 or more, and the recipe's real steps at that batch most of this test's time
-    assert main(["fit", "gpt", *SMALL, "--budget", "12MiB", "--max-batch", "--multiple-of", "2"]) == 0
+    # 12 MiB: a batch of some 30 to 40 samples of this gpt; 64 MiB made it 100 or more, and the
+    # recipe's real steps at that batch most of this test's time. One layer (the last --size
+    # wins): the search's fake profiles and plans cost per op, whatever the sizes, and what the
+    # command prints does not depend on depth (a quarter less CPU than two layers)
+    one = [*SMALL, "--size", "n_layer=1"]
+    assert main(["fit", "gpt", *one, "--budget", "12MiB", "--max-batch", "--multiple-of", "2"]) == 0
     out = capsys.readouterr().out
     assert "largest batch within" in out and "per sample" in out
-    assert main(["fit", "gpt", *SMALL, "--budget", "12MiB", "--max-batch", "--multiple-of", "0"]) == 2
+    assert main(["fit", "gpt", *one, "--budget", "12MiB", "--max-batch", "--multiple-of", "0"]) == 2
 
 
 def _kinked(fixed: int, per: int, kink: int, extra: int):

@@ -14,6 +14,10 @@ import memfit
 from memfit import Budget, Plan, PlanError, parse_budget, zoo
 
 SMALL_GPT = dict(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256, batch_size=8)
+TWO_LAYERS = {**SMALL_GPT, "n_layer": 2}
+"""For what holds at any depth (budgets met, fake plans untimed, a module's recompute cost):
+a plan's profile, first step and verifications cost per op, so two layers take about half
+of four's CPU seconds. Four where depth is the point (every other block)."""
 
 
 @pytest.mark.parametrize(
@@ -44,7 +48,7 @@ def test_fraction_resolves_between_min_and_none():
 
 @pytest.fixture(scope="module")
 def gpt():
-    work = zoo.build("gpt", **SMALL_GPT)
+    work = zoo.build("gpt", **TWO_LAYERS)
     opt = work.make_optimizer()
     prof = memfit.profile(work.model, work.inputs, optimizer=opt)
     return work, opt, prof
@@ -168,7 +172,7 @@ def test_plan_refuses_a_model_with_a_plan_applied(gpt):
 
 
 def test_fake_planning_needs_no_times():
-    work = zoo.build("gpt", **SMALL_GPT)
+    work = zoo.build("gpt", **TWO_LAYERS)
     plan = memfit.plan(work.model, work.inputs, 0.5, fake=True)
     assert plan.extra_compute_s is None and plan.device == "fake:cpu"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
@@ -206,7 +210,7 @@ def test_unknown_objective(gpt):
 def test_full_recompute_costs_the_measured_forward_time():
     from memfit.plan.candidates import DeviceRates, build_candidates
 
-    work = zoo.build("gpt", **SMALL_GPT)
+    work = zoo.build("gpt", **TWO_LAYERS)
     prof = memfit.profile(work.model, work.inputs)
     times = {n: m.forward_time_s for n, m in prof.modules.items()}
     cands = build_candidates(

@@ -25,7 +25,7 @@ import torch
 
 from memfit.compat import torch_compat
 
-__all__ = ["returned_inputs", "FRESH_INPUT_OPS"]
+__all__ = ["returned_inputs", "may_return_inputs", "FRESH_INPUT_OPS"]
 
 FRESH_INPUT_OPS = frozenset({"aten::lift_fresh"})
 """Ops whose input is a tensor the step has just made where no mode sees it: ``torch.tensor()``
@@ -72,6 +72,19 @@ def _aliases_self(func: Any) -> bool:
             and any(r.alias_info is not None and r.alias_info.before_set == first.before_set for r in schema.returns)
         )
         _SELF_ALIAS[func] = known
+    return known
+
+
+_MAY_RETURN: dict[Any, bool] = {}
+
+
+def may_return_inputs(func: Any) -> bool:
+    """False for an op :func:`returned_inputs` answers empty for, whatever its arguments: one
+    with no composite kernel that is neither a view nor an alias of its first argument (most
+    ops). The recorder asks this first at every op of a fake step; remembered per op."""
+    known = _MAY_RETURN.get(func)
+    if known is None:
+        known = _MAY_RETURN[func] = torch_compat.composite_kernel(func) is not None or func.is_view or _aliases_self(func)
     return known
 
 

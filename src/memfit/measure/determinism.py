@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Finding", "Rule", "TABLE", "backward_site", "check", "finding", "forward_site", "note", "GRAIN_SIZE"]
+__all__ = ["Finding", "Rule", "TABLE", "WATCHED_OPS", "backward_site", "check", "finding", "forward_site", "note", "GRAIN_SIZE"]
 
 GRAIN_SIZE = 32768
 """``at::internal::GRAIN_SIZE`` (aten/src/ATen/Parallel.h): below it, a CPU kernel does not
@@ -199,6 +199,13 @@ _BY_OP: dict[tuple[str, str], list[Rule]] = {}
 for _rule in TABLE:
     for _op in _rule.ops:
         _BY_OP.setdefault((_rule.device, _op), []).append(_rule)
+
+_FORWARD_SITES = frozenset({"index", "take"})
+"""The forward ops :func:`forward_site` names a site for."""
+
+WATCHED_OPS = frozenset(op for _, op in _BY_OP) | _FORWARD_SITES
+"""Every op :func:`check` or :func:`forward_site` can say something of, on any device: for
+any other op both return None, so a caller of thousands of ops a step asks only of these."""
 
 
 def check(op: str, device: str | None, args: tuple, kwargs: dict) -> Rule | None:

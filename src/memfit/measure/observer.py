@@ -27,7 +27,7 @@ import torch
 
 from memfit.compat import torch_compat
 
-__all__ = ["Twin", "Known", "TWINS", "KNOWN", "ENGINE", "Observer"]
+__all__ = ["Twin", "Known", "TWINS", "TWIN_OPS", "KNOWN", "ENGINE", "Observer"]
 
 ENGINE = "engine"
 """Node name of :data:`TWINS` entries that are the autograd engine's, not a formula's."""
@@ -163,14 +163,25 @@ KNOWN: tuple[Known, ...] = (
 _OVERLOAD = re.compile(r"\d+$")
 
 
+_KINDS: dict[str, str] = {}
+
+
 def _node_kind(name: str) -> str:
-    """``GatherBackward0`` -> ``GatherBackward``; C++ namespaces dropped."""
-    return _OVERLOAD.sub("", name.rsplit("::", 1)[-1])
+    """``GatherBackward0`` -> ``GatherBackward``; C++ namespaces dropped. Remembered per name
+    (asked at every backward op; a step has a few dozen kinds of node)."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        kind = _KINDS[name] = _OVERLOAD.sub("", name.rsplit("::", 1)[-1])
+    return kind
 
 
 _BY_OP: dict[str, list[Twin]] = {}
 for _twin in TWINS:
     _BY_OP.setdefault(_twin.op, []).append(_twin)
+
+TWIN_OPS = frozenset(_BY_OP)
+"""The ops of :data:`TWINS`: :meth:`Observer.after` does nothing for any other, so the
+recorder calls it only for these."""
 
 
 @dataclass

@@ -59,7 +59,7 @@ from memfit.measure.ledger import (
     Tick,
     ancestors,
 )
-from memfit.measure.observer import Observer
+from memfit.measure.observer import TWIN_OPS, Observer
 from memfit.measure.scope import Scope
 
 __all__ = ["Recorder", "storage_bytes", "output_tensors"]
@@ -85,13 +85,20 @@ _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_defau
 BOOKKEEPING_OPS = frozenset({"detach", "device"})
 
 
+_METADATA_ONLY: dict[Any, bool] = {}
+
+
 def _metadata_only(func: Any) -> bool:
     """Whether ``func`` only asks a tensor about itself: prim.device, and the sym_size
     family. A tensor subclass (a fake tensor) answers those through the dispatcher when
     C++ code asks, between ops and not always in the same places; a real tensor answers
     without dispatching. Recorded, they would rename the op the next frees are put under
-    and add calls (and, where one lands between frees, ticks) a real step never has."""
-    return func.namespace == "prim" or func.overloadpacket.__name__.startswith("sym_")
+    and add calls (and, where one lands between frees, ticks) a real step never has.
+    Remembered per op (asked at every call: a fake step asks thousands of times)."""
+    known = _METADATA_ONLY.get(func)
+    if known is None:
+        known = _METADATA_ONLY[func] = func.namespace == "prim" or func.overloadpacket.__name__.startswith("sym_")
+    return known
 
 
 # Ops whose CUDA kernel goes through cuBLAS (getCurrentCUDABlasHandle, which gives the
@@ -104,6 +111,63 @@ CUBLAS_OPS = frozenset(
         *("_addmm_activation", "_scaled_mm", "_int_mm", "linear", "matmul", "bilinear", "einsum"),
     }
 )
+
+@dataclass(frozen=True, slots=True)
+class _OpFacts:
+    """What the recorder asks of an op at every call that depends on the op alone (its
+    overload: ``add.Tensor`` and ``add.out`` differ in what they write), asked once per op
+    (:func:`_facts`): the recorder's own lookups cost more than the rest of a call's work."""
+
+    name: str
+    """The overload packet's name: what ticks and op calls are put under (``self._op``)."""
+    qualified: str
+    no_workspace: bool
+    """Never given a workspace block: a view (allocates nothing; a select's index would make
+    each call a kind of its own), a bookkeeping op, one run with the recorder inside it, a
+    communication backend's own (gloo's copies, NCCL's buffers: not the step's)."""
+    record_inside: bool
+    as_cuda: Any
+    """:data:`_AS_CUDA_ALLOCATES`' kernel for it, or None."""
+    alias: bool
+    role: tuple[Category, bool] | None
+    fresh_input: bool
+    cublas: bool
+    writes: bool
+    """Its schema writes an argument in place (``torch_compat.written_arguments`` not empty)."""
+    nondeterministic: bool
+    """:data:`memfit.measure.determinism.WATCHED_OPS` holds it: only then can the check find something."""
+    twin: bool
+    """:data:`memfit.measure.observer.TWIN_OPS` holds it: only then can ``Observer.after`` act."""
+
+
+_FACTS: dict[Any, _OpFacts] = {}
+
+
+def _facts(func: Any) -> _OpFacts:
+    """:class:`_OpFacts` of ``func`` (an ``OpOverload``), remembered for the process: every
+    field comes from the op's name, schema and constant tables, none from a call."""
+    known = _FACTS.get(func)
+    if known is not None:
+        return known
+    name = str(func.overloadpacket.__name__)
+    qualified = func.overloadpacket._qualified_op_name
+    record_inside = qualified in _RECORD_INSIDE_ON_CPU
+    known = _FACTS[func] = _OpFacts(
+        name=name,
+        qualified=qualified,
+        no_workspace=func.is_view or name in BOOKKEEPING_OPS or record_inside or func.namespace == "c10d",
+        record_inside=record_inside,
+        as_cuda=_AS_CUDA_ALLOCATES.get(qualified),
+        alias=qualified in _distributed.ALIAS_OPS,
+        role=_distributed.COLLECTIVE_ROLES.get(qualified),
+        fresh_input=qualified in aliasing.FRESH_INPUT_OPS,
+        cublas=name in CUBLAS_OPS,
+        writes=bool(func._schema.is_mutable),
+        nondeterministic=name in determinism.WATCHED_OPS,
+        twin=name in TWIN_OPS,
+    )
+    return known
+
 
 _TAG = "memfit.op#"
 """Prefix of the profiler regions around ops whose kernel workspace is being measured."""
@@ -426,7 +490,7 @@ class Recorder(TorchDispatchMode):
 
     def _in_checkpoint(self) -> bool:
         module = self.scope.module
-        if module is not None and any(m in self.checkpointed for m in ancestors(module)):
+        if module is not None and self.checkpointed and any(m in self.checkpointed for m in ancestors(module)):
             return True
         # Someone else's checkpoint (transformers' gradient checkpointing, a model's own
         # torch.utils.checkpoint): its saved-tensor hooks sit above the recorder's.
@@ -561,7 +625,7 @@ class Recorder(TorchDispatchMode):
             # do not: counted here (before the op's outputs rather than after), unless a plain
             # input that requires grad has it counted when the op comes back.
             if self.graph and self.scope.phase is Phase.FORWARD and not _metadata_only(func):
-                self._op = str(func.overloadpacket.__name__)
+                self._op = (_FACTS.get(func) or _facts(func)).name
                 ins = _tensors((*args, *(kwargs or {}).values()))
                 plain_grad = any(t.requires_grad and type(t) not in dtensors for t in ins)
                 if not plain_grad and self._records_node(ins, ins):  # a float op on floats makes floats
@@ -570,28 +634,30 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if _metadata_only(func):  # allocates nothing, returns no storage: no trace in the ledger
             return func(*args, **kwargs)
-        self._op = str(func.overloadpacket.__name__)
-        backward = self.scope.phase is Phase.BACKWARD
+        facts = _FACTS.get(func) or _facts(func)
+        self._op = facts.name
+        phase = self.scope.phase
+        backward = phase is Phase.BACKWARD
         self.observer.on_call(backward)
         first = len(self.ticks)
         in_tensors = _tensors((*args, *kwargs.values()))
         inputs = {id(s) for s in map(_storage, in_tensors) if s is not None}
-        if self.scope.phase is Phase.FORWARD:
+        if facts.writes and phase is Phase.FORWARD:
             self._mark_mutated(torch_compat.written_arguments(func, args, kwargs))
-        if self._cublas_bytes and self._op in CUBLAS_OPS:
+        if self._cublas_bytes and facts.cublas:
             self._cublas_workspace()
-        self._check_determinism(func, args, kwargs, in_tensors)
-        scratch, tag = self._open_workspace(func, args, kwargs)
+        if facts.nondeterministic:
+            self._check_determinism(func, args, kwargs, in_tensors)
+        scratch, tag = self._open_workspace(func, facts, args, kwargs)
         if tag is None:
-            out = self._call(func, args, kwargs)
+            out = self._call(func, facts, args, kwargs)
         else:
             with torch.profiler.record_function(tag):
-                out = self._call(func, args, kwargs)
+                out = self._call(func, facts, args, kwargs)
         out_tensors = _tensors(out if isinstance(out, (list, tuple)) else (out,))
-        qualified = func.overloadpacket._qualified_op_name
-        if qualified in _distributed.ALIAS_OPS:
+        if facts.alias:
             self._alias(in_tensors, out_tensors)
-        if self._fake:
+        if self._fake and aliasing.may_return_inputs(func):
             self._as_real_kernel(func, args, kwargs, in_tensors, out, inputs)
         for t in out_tensors:
             s = _storage(t)
@@ -599,13 +665,12 @@ class Recorder(TorchDispatchMode):
                 continue
             # An output sharing an input's storage that memfit has not seen is a view of
             # something alive before the step (a cache a module keeps): not an allocation.
-            before = id(s) in inputs and qualified not in aliasing.FRESH_INPUT_OPS
+            before = id(s) in inputs and not facts.fresh_input
             self._add(s, t.device, Category.OTHER if before else None, at_start=before)
-        if backward:
+        if backward and facts.twin:
             self.observer.after(func, args, kwargs, out, self._block_of, lambda t: id(_storage(t)))
-        role = _distributed.COLLECTIVE_ROLES.get(qualified)
-        if role is not None:
-            self._give_role(role[0], in_tensors + out_tensors if role[1] else out_tensors)
+        if facts.role is not None:
+            self._give_role(facts.role[0], in_tensors + out_tensors if facts.role[1] else out_tensors)
         if scratch is not None:
             # Alive from before the op's outputs to after them: at the op's last output the
             # ledger holds what the kernel held at its highest.
@@ -693,17 +758,10 @@ class Recorder(TorchDispatchMode):
         """cuBLAS workspaces the step holds (one per thread and stream that ran a cuBLAS op)."""
         return len(self._cublas_keys)
 
-    def _open_workspace(self, func: Any, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
+    def _open_workspace(self, func: Any, facts: _OpFacts, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
         """The workspace block of this op call (its record index, born now) and the profiler
         tag to run it under when it is still to be measured; Nones when the op needs none."""
-        if (
-            not self._workspace
-            or func.is_view  # allocates nothing (and a select's index would make each call a kind of its own)
-            or self._op in BOOKKEEPING_OPS
-            or func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU
-            or (self._trace is None and func.overloadpacket._qualified_op_name in _AS_CUDA_ALLOCATES)
-            or func.namespace == "c10d"  # a communication backend's own buffers (gloo's copies, NCCL's): not the step's
-        ):
+        if not self._workspace or facts.no_workspace or (self._trace is None and facts.as_cuda is not None):
             return None, None
         sig = workspace.signature(func, args, kwargs)
         known = self.table.get(sig)
@@ -743,15 +801,13 @@ class Recorder(TorchDispatchMode):
         self._pending.clear()
         self._tagged.clear()
 
-    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if func.overloadpacket._qualified_op_name in _RECORD_INSIDE_ON_CPU and all(
-            t.device.type == "cpu" for t in _tensors((*args, *kwargs.values()))
-        ):
+    def _call(self, func: Any, facts: _OpFacts, args: tuple, kwargs: dict) -> Any:
+        if facts.record_inside and all(t.device.type == "cpu" for t in _tensors((*args, *kwargs.values()))):
             # Straight to the CPU kernel (fake tensors too: its ops are then faked), with
             # the recorder on for the torch ops it runs.
             with _Within(self):
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
-        as_cuda = _AS_CUDA_ALLOCATES.get(func.overloadpacket._qualified_op_name)
+        as_cuda = facts.as_cuda
         if as_cuda is not None and self._trace is None:
             tensors = list(_tensors((*args, *kwargs.values())))
             if tensors and all(t.device.type == "cuda" and torch_compat.is_fake(t) for t in tensors):

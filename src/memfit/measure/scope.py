@@ -89,6 +89,9 @@ class Scope:
         module's bare forward, so its own hooks do not fire: without this, the ops of its
         own body (a residual add, an inline activation) would count as backward's."""
         self._backward: list[tuple[str, Any]] = []
+        self._deepest: str | None = None
+        """The deepest module of ``_backward`` (the first of the deepest from its top), kept
+        as it changes: :attr:`module` is read at every op and allocation of a recorded step."""
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
         self.calls: dict[str, int] = {}
@@ -111,7 +114,7 @@ class Scope:
         if self._recompute is not None:
             return self._recompute
         if self._backward and self.phase is Phase.BACKWARD:
-            return max((n for n, _ in reversed(self._backward)), key=_depth)
+            return self._deepest
         return None
 
     @property
@@ -133,6 +136,7 @@ class Scope:
         self.phase = phase
         self._forward.clear()
         self._backward.clear()
+        self._deepest = None
 
     def times(self) -> dict[tuple[Phase, str], float]:
         """Seconds per (phase, module) over the step since the last forward began."""
@@ -189,16 +193,21 @@ class Scope:
 
     def _enter_bw(self, name: str) -> None:
         self._backward.append((name, self._mark()))
+        self._backward_changed()
         self._tell(Phase.BACKWARD, name, True)
 
     def _leave_bw(self, name: str) -> None:
         for i in range(len(self._backward) - 1, -1, -1):
             if self._backward[i][0] == name:
                 _, t0 = self._backward.pop(i)
+                self._backward_changed()
                 if self.clock is not None:
                     self._spans.append((Phase.BACKWARD, name, t0, self.clock.mark()))
                 self._tell(Phase.BACKWARD, name, False)
                 break
+
+    def _backward_changed(self) -> None:
+        self._deepest = max((n for n, _ in reversed(self._backward)), key=_depth) if self._backward else None
 
     def recompute_started(self, name: str) -> None:
         if self.phase is Phase.BACKWARD:

@@ -43,28 +43,46 @@ def workspace_bytes(peak: int, net: int) -> int:
     return extra if extra >= FLOOR_BYTES else 0
 
 
+_PLAIN = frozenset({int, bool, str})
+"""Argument types described as themselves (exactly these types: a subclass takes the long way)."""
+
+
 def _describe(value: Any) -> Any:
+    if value is None or type(value) in _PLAIN:  # the most common arguments, first
+        return value
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
-        # A size-1 dimension's stride is arbitrary (fake tensors and kernels pick differently)
-        # and moves no kernel to another layout.
-        strides = tuple(st if n != 1 else 0 for n, st in zip(shape, value.stride())) if value.layout is torch.strided else ()
+        if value.layout is not torch.strided:
+            strides: tuple = ()
+        elif 1 in shape:
+            # A size-1 dimension's stride is arbitrary (fake tensors and kernels pick differently)
+            # and moves no kernel to another layout.
+            strides = tuple([st if n != 1 else 0 for n, st in zip(shape, value.stride())])
+        else:
+            strides = tuple(value.stride())
         return ("T", shape, strides, value.dtype, value.device.type)
     if isinstance(value, (list, tuple)):
-        return tuple(_describe(v) for v in value)
+        return tuple([_describe(v) for v in value])
     if isinstance(value, float):
         return float  # a learning rate or bias correction changes every step; scratch does not
-    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+    if isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return value
     return type(value).__name__  # a generator or an opaque object: its kind, not its identity
+
+
+_NAMES: dict[Any, str] = {}
 
 
 def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
     """What a kernel's workspace depends on: the op (with its overload), every tensor's
     shape, strides, dtype and device type, and the other arguments (a convolution's groups
     and padding; floats only as such). Tensor values are left out: workspaces do not depend on
-    them."""
-    return (str(func), _describe(args), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())))
+    them. The recorder asks at nearly every op: the op's name is remembered per op."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    described = tuple(sorted((k, _describe(v)) for k, v in kwargs.items())) if kwargs else ()
+    return (name, _describe(args), described)
 
 
 class WorkspaceTable:
