@@ -18,7 +18,7 @@ weights and quantization state in the ledger, and peft wraps them with its 4-bit
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,9 @@ from memfit.compat import bnb4bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
-from memfit.measure.checked import checked_step
+from memfit.measure.checked import Step, checked_step
+from memfit.measure.extrapolate import Layers
+from memfit.measure.layered import LayeredSession
 from memfit.measure.profile import FakeSession, fake_session
 from memfit.measure.step import StepOptions, first_micro_batches
 from memfit.plan.planner import plan as make_plan
@@ -39,6 +41,8 @@ __all__ = [
     "LoraSpec",
     "lora_workload",
     "lora_session",
+    "layer_stack",
+    "EXTRAPOLATE_FROM",
     "largest_batch",
     "largest_seq_len",
     "levers_that_fit",
@@ -313,8 +317,49 @@ def _cut(inputs: Mapping[str, Any], seq_len: int) -> dict[str, Any]:
     return out
 
 
+EXTRAPOLATE_FROM = 2
+"""The fewest layers of the steps a ledger is extrapolated from (k): layer 0 follows the
+embeddings, not a layer, so the layer before the one inserted is a middle layer from k = 2.
+With transformers' (reentrant) gradient checkpointing, 3: a layer's backward frees the
+gradient the layer after it made only in the backward of the layer before it, so a middle
+layer's blocks reach two layers back, and layer 0 is not a middle layer."""
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+
+
+def layer_stack(model: nn.Module) -> tuple[Layers, int] | str:
+    """The model's decoder layers, if identical: how their modules are named and how many;
+    else why not (the layers differ by config, or share modules or parameters)."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        return "the config gives no num_hidden_layers"
+    types = getattr(config, "layer_types", None)
+    if types is not None and len(set(types)) > 1:
+        return f"config.layer_types are not all the same ({', '.join(sorted(set(map(str, types))))})"
+    moe = [k for k in MOE_KEYS if getattr(config, k, None)]
+    if moe:
+        return f"a mixture of experts ({moe[0]}={getattr(config, moe[0])}): its sparse-layer schedule is not checked"
+    listed = [k for k, v in config.to_dict().items() if isinstance(v, (list, tuple)) and len(v) == n and k != "layer_types"]
+    if listed:
+        return f"config.{listed[0]} is a per-layer list"
+    stacks = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(stacks) != 1:
+        return f"{len(stacks)} module lists of {n} layers in the model, not one"
+    name, stack = stacks[0]
+    if len({id(m) for m in stack}) != n or len({type(m) for m in stack}) != 1:
+        return "the layers are not distinct modules of one type"
+    mine = {id(p) for m in stack for p in m.parameters()}
+    uses = [id(p) for _, p in model.named_parameters(remove_duplicate=False) if id(p) in mine]
+    if len(uses) != len(mine):  # a parameter under two names: tied or shared with another module
+        return "the layers share parameters (tied or shared layers)"
+    return Layers(name + "."), n
+
+
 @contextmanager
-def lora_session(work: Workload, *, fake: bool | str | Where = Where.FAKE_CUDA) -> Iterator[FakeSession]:
+def lora_session(
+    work: Workload, *, fake: bool | str | Where = Where.FAKE_CUDA, rebuild: Callable[[int], Workload] | None = None
+) -> Iterator[FakeSession | LayeredSession]:
     """One fake copy of the fine-tune's step for every question asked of it (its profile, the
     largest batch or sequence, the levers): copied and warmed up once, each answer one
     recorded step (:class:`memfit.measure.profile.FakeSession`). Warmed up lightly (the
@@ -323,10 +368,37 @@ def lora_session(work: Workload, *, fake: bool | str | Where = Where.FAKE_CUDA) 
     A fake step of a 7-8B model is ~10,000 dispatched ops and most of the answer's time.
     Not with transformers' (reentrant) gradient checkpointing: its steps leave the last layer
     call's arguments alive after them, which the check cannot tell from state a first forward
-    makes, so a light warm-up would only add a fresh profile; the warm-up step is run there."""
-    step = checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, targets=work.targets)
-    with fake_session(step, light=not work.meta.get("checkpointing", False)) as session:
-        yield session
+    makes, so a light warm-up would only add a fresh profile; the warm-up step is run there.
+
+    With ``rebuild`` (the same workload at a given number of layers), a
+    :class:`~memfit.measure.layered.LayeredSession`: each answer from steps of
+    :data:`EXTRAPOLATE_FROM` (with checkpointing one more), one and two more layers, the whole step's ledger extrapolated
+    and checked (:mod:`memfit.measure.extrapolate`); the whole step where the layers are not
+    identical (:func:`layer_stack`) or the check fails, its ``note`` saying why."""
+    step = _checked(work, fake)
+    light = not work.meta.get("checkpointing", False)
+    if rebuild is None:
+        with fake_session(step, light=light) as session:
+            yield session
+        return
+    k = EXTRAPOLATE_FROM + (1 if work.meta.get("checkpointing") else 0)
+    stack = layer_stack(work.model)
+    if isinstance(stack, tuple) and stack[1] <= k + 2:
+        stack = f"{stack[1]} layers: no fewer to extrapolate from"
+    with ExitStack() as open_:
+        small: list[FakeSession] = []
+        if isinstance(stack, tuple):
+            for n in (k, k + 1, k + 2):
+                small.append(open_.enter_context(fake_session(_checked(rebuild(n), fake), light=light)))
+        layers, total = stack if isinstance(stack, tuple) else (Layers(""), 0)
+        refused = stack if isinstance(stack, str) else None
+        whole = lambda: fake_session(step, light=light)  # noqa: E731
+        with LayeredSession(step, small, layers, k, total, whole, refused=refused) as session:
+            yield session
+
+
+def _checked(work: Workload, fake: bool | str | Where) -> Step:
+    return checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, targets=work.targets)
 
 
 def _seeded(peak: Callable[[int], int], known: Mapping[int, int] | None) -> Callable[[int], int]:
@@ -336,7 +408,7 @@ def _seeded(peak: Callable[[int], int], known: Mapping[int, int] | None) -> Call
 
 
 def largest_batch(
-    session: FakeSession, work: Workload, budget: int, *, multiple_of: int = 1, known: Mapping[int, int] | None = None
+    session: FakeSession | LayeredSession, work: Workload, budget: int, *, multiple_of: int = 1, known: Mapping[int, int] | None = None
 ) -> BatchLimit:
     """The largest batch (at the workload's sequence length) whose step, as it is, peaks within
     ``budget``: :func:`memfit.levers.max_batch.largest_batch`'s search on ``session``;
@@ -348,7 +420,7 @@ def largest_batch(
 
 
 def largest_seq_len(
-    session: FakeSession,
+    session: FakeSession | LayeredSession,
     work: Workload,
     budget: int,
     *,
@@ -377,7 +449,7 @@ def largest_seq_len(
 
 
 def levers_that_fit(
-    session: FakeSession, work: Workload, budget: int, *, progress: Callable[[str, int, int], None] | None = None
+    session: FakeSession | LayeredSession, work: Workload, budget: int, *, progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, Any]:
     """The cheapest levers that make the step fit ``budget``, on fake tensors only: micro-batches
     first (the same compute, in pieces), the fewest that fit, each one recorded step on

@@ -42,7 +42,18 @@ from memfit.recompute.checkpoint import CHECKPOINTED
 from memfit.units import parse_bytes
 from memfit.workload import Where
 
-__all__ = ["profile", "Profile", "ModuleStats", "CudaMemory", "PROFILE_FORMAT", "fake_session", "FakeSession", "fake_peaks"]
+__all__ = [
+    "profile",
+    "Profile",
+    "ModuleStats",
+    "CudaMemory",
+    "PROFILE_FORMAT",
+    "fake_session",
+    "FakeSession",
+    "fake_peaks",
+    "Recorded",
+    "recorded_profile",
+]
 
 PROFILE_FORMAT = "memfit.profile/1"
 
@@ -648,6 +659,40 @@ def fake_session(step: Step, *, light: bool = False) -> Iterator[FakeSession]:
         yield FakeSession(step, box, scope, light)
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """One recorded step: its ledger, FLOPs by (phase, module), forward calls by module, and
+    the modules whose ``use_cache`` it turned off."""
+
+    ledger: Ledger
+    flops: dict[tuple[Phase, str | None], int]
+    calls: dict[str, int]
+    use_cache_off: tuple[str, ...]
+
+
+def recorded_profile(step: Step, rec: Recorded, capacity: int | None = None) -> Profile:
+    """The :class:`Profile` of ``step`` whose recorded step is ``rec`` (a fake one; recorded
+    on a copy of ``step.model`` or synthesized for it): module figures by ``step.model``'s
+    modules, as a profile of it counts them."""
+    names: dict[nn.Module, str] = {}
+    for name, mod in step.model.named_modules():
+        names.setdefault(mod, name)
+    scope = _Names(names, rec.calls)
+    modules = _module_stats(step.model, scope, rec.ledger, rec.flops, None)  # type: ignore[arg-type]
+    prof = _profile_of(step, rec.ledger, rec.flops, modules, rec.use_cache_off)
+    if capacity is not None:
+        prof.device_fit = _device_fit(prof, capacity)
+    return prof
+
+
+@dataclass(frozen=True)
+class _Names:
+    """What :func:`_module_stats` reads of a :class:`Scope`."""
+
+    names: dict[nn.Module, str]
+    calls: dict[str, int]
+
+
 class FakeSession:
     """A fake copy of a step recorded at many inputs and micro-batch counts: its profile
     (:meth:`profile`) and its peaks (:meth:`peak`).
@@ -720,12 +765,26 @@ class FakeSession:
             prof.device_fit = _device_fit(prof, capacity)
         return prof
 
-    def peak(self, batch: Any = None, labels: Any = None, *, micro_batches: int | None = None) -> int:
-        """:attr:`Profile.budget_peak_bytes` of the step at inputs ``batch`` (and targets
-        ``labels``; None: the step's own) cut into ``micro_batches`` (None: as the step is)."""
+    def at(self, batch: Any = None, labels: Any = None, *, micro_batches: int | None = None) -> Step:
+        """The step at inputs ``batch`` (and targets ``labels``; None: the step's own) cut
+        into ``micro_batches`` (None: as the step is)."""
         at = self.step if batch is None else self.step.at(batch, labels)
         if micro_batches is not None and micro_batches != at.options.micro_batches:
             at = at.on(at.where, replace(at.options, micro_batches=micro_batches))
+        return at
+
+    def record(self, at: Step) -> Recorded | None:
+        """The recorded step of ``at`` on this copy (:meth:`at`), with its FLOPs and module
+        calls; None where only a fresh profile gives what :func:`profile` would."""
+        got = self._record(at)
+        if got is None:
+            return None
+        return Recorded(got[0], got[1], dict(self.scope.calls), turned_off(self.box.model))
+
+    def peak(self, batch: Any = None, labels: Any = None, *, micro_batches: int | None = None) -> int:
+        """:attr:`Profile.budget_peak_bytes` of the step at inputs ``batch`` (and targets
+        ``labels``; None: the step's own) cut into ``micro_batches`` (None: as the step is)."""
+        at = self.at(batch, labels, micro_batches=micro_batches)
         got = self._record(at)
         if got is None:
             return profile_step(at).budget_peak_bytes
