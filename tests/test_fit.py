@@ -613,10 +613,19 @@ def test_fit_says_when_prediction_and_measurement_part(monkeypatch, slower):
         return got
 
     monkeypatch.setattr(fit_module, "time_steps", slower_after_the_probes)
+    def host_hiccup(recipe: memfit.Recipe) -> bool:
+        """A hiccup of the host beside the scaled timings, which fit rightly reads as one: the
+        timings too noisy to rank (a fresh clone's timing run once saw the step as it is run -19%
+        to +360% of itself), or, where only the candidates are scaled, the step as it is, re-timed
+        unscaled, itself several times slower than the probes (4.5x in two runs of 2026-11-28 on
+        this 2-core host, where a busy second core stalls every two-thread op)."""
+        noisy = any("timings on this host were noisy" in note for note in recipe.notes)
+        return noisy or (slower == "the candidates" and (recipe.host_speed or 1.0) > 1.5)
+
     recipe = memfit.fit(model, inputs, peak)
-    if any("timings on this host were noisy" in note for note in recipe.notes):
-        # a hiccup of the host beside the scaled timings (a fresh clone's timing run once saw the step
-        # as it is run -19% to +360% of itself): fit rightly ranked by its predictions; once more
+    for _ in range(2):  # once more, twice at most: fit was right; the test asks about another case
+        if not host_hiccup(recipe):
+            break
         recipe = memfit.fit(model, inputs, peak)
     assert recipe.measured_step_time_s > 1.15 * recipe.predicted_step_time_s
     if slower == "the candidates":
