@@ -347,10 +347,10 @@ def named_model(model: nn.Module) -> nn.Module:
     model does, as FSDP2's do (``fully_shard`` keeps the names), and a plan's names match."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from memfit.measure.pipeline import PipelineRank
+    from memfit.measure.step import OwnPasses
 
     # a pipeline rank's model pruned to its stages keeps the whole model's names
-    return model.module if isinstance(model, (DistributedDataParallel, PipelineRank)) else model
+    return model.module if isinstance(model, (DistributedDataParallel, OwnPasses)) else model
 
 
 @dataclass(frozen=True)

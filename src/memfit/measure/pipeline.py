@@ -33,7 +33,7 @@ from memfit.measure import _distributed
 from memfit.measure.ledger import Phase
 from memfit.measure.step import OwnPasses
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineRank", "stage_indices"]
+__all__ = ["SCHEDULES", "Pipeline", "PipelineRank", "stage_indices", "phased", "stage_buffers", "static_stage", "on_fake_group", "schedule_step"]
 
 SCHEDULES: dict[str, tuple[str, int, str]] = {
     # name: (torch's class in torch.distributed.pipelining.schedules, stages per rank, placement)
@@ -136,11 +136,7 @@ class PipelineRank(OwnPasses):
     def held_buffers(self) -> list[torch.Tensor]:
         """The stages' receive buffers (activations from the stage before, gradients from the
         stage after; one per microbatch), made at the first step and kept."""
-        out: list[torch.Tensor] = []
-        for stage in self._torch_stages:
-            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-                out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
-        return out
+        return stage_buffers(self._torch_stages)
 
     def passes(self, args: tuple, kwargs: dict, targets: Any, on_phase: Callable[[Phase], None]) -> torch.Tensor | None:
         kwargs = dict(kwargs)
@@ -154,9 +150,8 @@ class PipelineRank(OwnPasses):
         first, last = 0 in self.indices, self.num_stages - 1 in self.indices
         losses: list[torch.Tensor] | None = [] if last else None
         self._on_phase = on_phase
-        fake_group = torch.distributed.get_backend(self._mesh.get_group()) == "fake"
         try:
-            with _distributed.fake_pipeline_step() if fake_group else contextlib.nullcontext():
+            with schedule_step(self._mesh.get_group()):
                 self._schedule.step(
                     *(inputs if first else ()), target=targets if last else None, losses=losses, return_outputs=False
                 )
@@ -180,7 +175,7 @@ class PipelineRank(OwnPasses):
         for index, module in zip(self.indices, self._stages):
             ins, outs = metas[index]
             stage = PipelineStage(module, index, self.num_stages, device, input_args=ins, output_args=outs, group=group)
-            _phased(stage, self)
+            phased(stage, self)
             stages.append(stage)
         cls = getattr(schedules, SCHEDULES[self.spec.schedule][0])
         one = issubclass(cls, schedules.PipelineScheduleSingle)  # GPipe, 1F1B: one stage, not a list
@@ -188,13 +183,49 @@ class PipelineRank(OwnPasses):
             schedule = cls(stages[0] if one else stages, m, loss_fn=self.spec.loss_fn)
         except ValueError as exc:
             raise WorkloadError(f"pipeline: schedule {self.spec.schedule} refused: {str(exc).splitlines()[0]}") from exc
-        if torch.distributed.get_backend(group) == "fake":
-            _distributed.static_pipeline_stages(schedule)
+        on_fake_group(schedule, group)
         self.__dict__.update(_schedule=schedule, _torch_stages=stages)
 
 
-def _phased(stage: Any, rank: PipelineRank) -> None:
-    """Tell memfit's step which pass a stage runs (forward, backward) as the schedule runs it."""
+def stage_buffers(stages: Sequence[Any]) -> list[torch.Tensor]:
+    """The receive buffers of torch ``PipelineStage`` objects (activations from the stage
+    before, gradients from the stage after; one per microbatch), made at the first step and kept."""
+    out: list[torch.Tensor] = []
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return out
+
+
+def on_fake_group(schedule: Any, group: Any) -> None:
+    """A schedule built over the fake process group: its warm-up vote answered here (every
+    stage's metadata complete: :func:`memfit.measure._distributed.static_pipeline_stages`)."""
+    if torch.distributed.get_backend(group) == "fake":
+        _distributed.static_pipeline_stages(schedule)
+
+
+def schedule_step(group: Any) -> contextlib.AbstractContextManager:
+    """Around a schedule's step: on the fake group, its sends' works hold their tensors as
+    gloo's do (:func:`memfit.measure._distributed.fake_pipeline_step`)."""
+    fake = torch.distributed.get_backend(group) == "fake"
+    return _distributed.fake_pipeline_step() if fake else contextlib.nullcontext()
+
+
+def static_stage(stage: Any, inputs: tuple, outputs: tuple) -> None:
+    """Give a torch ``PipelineStage`` built without example tensors (torchtitan builds its
+    stages so, and lets the first step infer the shapes by sending them between ranks) the
+    metadata of its inputs and outputs (meta tensors), as its ``input_args``/``output_args``
+    would: its schedule then runs "static", with no shape inference over the process group."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    stage._user_meta = _StageMeta(
+        inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs), input_grads=None, output_grads=None
+    )
+
+
+def phased(stage: Any, rank: Any) -> None:
+    """Tell memfit's step which pass a stage runs (forward, backward) as the schedule runs it:
+    ``rank._on_phase(phase)`` before each."""
     for name, phase in (
         ("forward_one_chunk", Phase.FORWARD),
         ("backward_one_chunk", Phase.BACKWARD),

@@ -35,6 +35,7 @@ pipeline, context and expert parallelism, gradient accumulation, float8/MX conve
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import types
 from collections import ChainMap
@@ -46,6 +47,8 @@ import torch
 from torch import nn
 
 from memfit.errors import TargetError
+from memfit.measure.pipeline import on_fake_group, phased, schedule_step, stage_buffers, static_stage
+from memfit.measure.step import OwnPasses
 from memfit.workload import Parallel, Workload
 
 __all__ = ["PREFIX", "build", "is_torchtitan", "peak_names"]
@@ -172,8 +175,9 @@ def _refuse_unmodelled(config: Any) -> None:
         )
     if config.compile.enable:
         raise TargetError("torch.compile (compile.enable=True) is not modelled; add --size compile.enable=False")
+    if p.pipeline_parallel_degree > 1:
+        _refuse_unmodelled_pp(config)
     for field_name, what in (
-        ("pipeline_parallel_degree", "pipeline"),
         ("context_parallel_degree", "context"),
         ("expert_parallel_degree", "expert"),
     ):
@@ -186,6 +190,29 @@ def _refuse_unmodelled(config: Any) -> None:
         )
     if t.enable_cpu_offload:
         raise TargetError("training.enable_cpu_offload=True is not modelled; give False")
+
+
+# torch's schedules memfit runs as torchtitan builds them (by torchtitan's name, lower case);
+# the zero-bubble and V schedules run weight gradients apart from input gradients (a
+# microbatch's graph outlives its first backward), which memfit's pipeline step does not follow yet
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+
+
+def _refuse_unmodelled_pp(config: Any) -> None:
+    p = config.parallelism
+    if p.pipeline_parallel_schedule.lower() not in PP_SCHEDULES:
+        raise TargetError(
+            f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule}: not modelled; "
+            "give one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS"
+        )
+    if p.pipeline_parallel_schedule_csv:
+        raise TargetError("parallelism.pipeline_parallel_schedule_csv: a schedule read from a file is not modelled; give ''")
+    if p.tensor_parallel_degree > 1:
+        # the stages would send DTensors, whose metadata memfit does not yet work out for them
+        raise TargetError(
+            f"pipeline parallelism with tensor parallelism (tensor_parallel_degree={p.tensor_parallel_degree}) "
+            "is not modelled; give 1 (pp with FSDP is)"
+        )
 
 
 class _CausalSdpaAttention(nn.Module):
@@ -267,6 +294,8 @@ class _Job:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.decoder: nn.Module | None = None
+        self.parts: list[nn.Module] = []  # under pipeline parallelism: this rank's model parts
+        self.pp_mesh: Any = None
 
     def __call__(self, model: nn.Module, mesh: Any) -> nn.Module:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -283,6 +312,8 @@ class _Job:
                 # as memfit builds its own mesh: outside fake tensors, whose setup runs
                 # collectives on real tensors
                 dims.build_mesh()
+            if dims.pp_enabled:
+                return self._pipelined(model, dims, mesh)
             decoder = spec.parallelize_fn(
                 model.model,
                 parallel_dims=dims,
@@ -294,6 +325,7 @@ class _Job:
             )
             model.context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
         model.model = decoder
+        self.parts, self.pp_mesh = [], None
         loss = config.loss.build(compile_config=config.compile)
         if isinstance(loss, ChunkedLossWrapper):
             loss.set_lm_head(decoder.lm_head)
@@ -302,25 +334,201 @@ class _Job:
         self.decoder = decoder
         return model
 
-    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    def _pipelined(self, model: TitanStep, dims: Any, mesh: Any) -> nn.Module:
+        """torchtitan's ``pipelining_fn`` (``pipeline_llm``: its split, its stages, each part
+        parallelized by its ``parallelize_fn``, its schedule), as ``Trainer.__init__`` calls it."""
+        from torchtitan.components.loss import ChunkedLossWrapper
         from torchtitan.distributed import utils as dist_utils
 
+        config, spec = self.config, self.config.model_spec
+        if spec.pipelining_fn is None:
+            raise TargetError(f"torchtitan's {spec.name} does not support pipelining (its model spec has no pipelining_fn)")
+        loss = config.loss.build(compile_config=config.compile)
+        device = torch.device("cuda", 0) if mesh.device_type == "cuda" else torch.device("cpu")
+        metas = _stage_metas(model.model, config, dims, isinstance(loss, ChunkedLossWrapper))
+        try:
+            with _split_outside_fake():
+                schedule, parts, first, last = spec.pipelining_fn(
+                    model.model,
+                    parallel_dims=dims,
+                    training=config.training,
+                    parallelism=config.parallelism,
+                    compile_config=config.compile,
+                    ac_config=config.activation_checkpoint,
+                    dump_folder=config.dump_folder,
+                    device=device,
+                    model_config=spec.model,
+                    parallelize_fn=spec.parallelize_fn,
+                    loss_fn=loss,
+                )
+        except (ValueError, AssertionError) as exc:
+            raise TargetError(f"torchtitan's pipeline_llm refused the config: {str(exc).strip().splitlines()[0][:300]}") from exc
+        if isinstance(loss, ChunkedLossWrapper) and last:
+            # Trainer.__init__: the last stage's lm_head runs inside the chunked loss
+            loss.set_lm_head(parts[-1].lm_head)
+            parts[-1]._skip_lm_head = True
+        stages = _schedule_stages(schedule)
+        for stage in stages:
+            static_stage(stage, *metas[stage.stage_index])
+        on_fake_group(schedule, dims.get_mesh("pp").get_group())
+        self.decoder, self.parts, self.pp_mesh = None, parts, dims.get_mesh("pp")
+        context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
+        return TitanPipelineRank(parts, schedule, stages, first, last, dims, config, context)
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.parts:
+            return self._optimizer(self.parts)
         if self.decoder is None:
             raise TargetError("the torchtitan step's optimizer is built on a parallelized model only: give --world-size N")
-        container = self.config.optimizer.build(model_parts=[self.decoder])
+        return self._optimizer([self.decoder])
+
+    def _optimizer(self, parts: list[nn.Module]) -> torch.optim.Optimizer:
+        from torchtitan.distributed import utils as dist_utils
+
+        container = self.config.optimizer.build(model_parts=parts)
         # memfit counts optimizer state from `.state`: the container's own is empty (its
         # optimizers hold it), so it reads theirs.
         inner = [o.state for o in container.optimizers]
         container.state = inner[0] if len(inner) == 1 else ChainMap(*inner)  # type: ignore[assignment]
         max_norm = self.config.training.max_norm
-        decoder = self.decoder
+        pp_mesh = self.pp_mesh
 
         def clip(optimizer: Any, args: Any, kwargs: Any) -> None:
-            # Trainer.train_step: clip_grad_norm_ over the model's parameters, then optimizers.step()
-            dist_utils.clip_grad_norm_(list(decoder.parameters()), max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+            # Trainer.train_step: clip_grad_norm_ over the model parts' parameters (the norm
+            # summed over the pipeline's ranks), then optimizers.step()
+            params = [p for m in parts for p in m.parameters()]
+            dist_utils.clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=pp_mesh, ep_enabled=False)
 
         container.register_step_pre_hook(clip)
         return container
+
+
+class TitanPipelineRank(OwnPasses):
+    """One pipeline rank of torchtitan's job: its model parts (``module``: the one part, or
+    the parts of an interleaved schedule as a ModuleList) and torchtitan's schedule over their
+    stages, run as ``Trainer.pp_forward_backward_step`` runs it (memfit's train step calls
+    :meth:`passes`, then the optimizer, clipped as torchtitan clips)."""
+
+    def __init__(
+        self, parts: list[nn.Module], schedule: Any, stages: list[Any], first: bool, last: bool, dims: Any, config: Any, context: Any
+    ) -> None:
+        super().__init__()
+        self.module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+        # not children: the stages hold the parts, named under ``module``
+        self.__dict__.update(_schedule=schedule, _stages=stages, _group=dims.get_mesh("pp").get_group(), _context=context)
+        self.first, self.last = first, last
+        self.microbatch_size = config.parallelism.pipeline_parallel_microbatch_size
+        self._on_phase: Any = lambda phase: None
+        for stage in stages:
+            phased(stage, self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TargetError("a torchtitan pipeline rank's step runs through its schedule (memfit's train step), not by calling it")
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        return stage_buffers(self._stages)
+
+    def passes(self, args: tuple, kwargs: dict, targets: Any, on_phase: Any) -> torch.Tensor | None:
+        """``Trainer.train_step`` with pipeline parallelism: the local batch as the data loader
+        gives it (``local_batch_size / microbatch_size`` microbatches of ``microbatch_size``
+        rows each), then ``pp_forward_backward_step``: the schedule's step over them."""
+        tokens, labels, global_valid_tokens = args
+        n = tokens.shape[0] // self.microbatch_size
+        arg_mbs = [(t,) for t in tokens.split(self.microbatch_size)] if self.first else None
+        target_mbs = list(labels.split(self.microbatch_size)) if self.last else None
+        losses: list[torch.Tensor] | None = [] if self.last else None
+        self._on_phase = on_phase
+        try:
+            with self._context(), schedule_step(self._group):
+                _microbatch_step(
+                    self._schedule,
+                    arg_mbs=arg_mbs,
+                    kwarg_mbs=[{} for _ in range(n)],
+                    target_mbs=target_mbs,
+                    losses=losses,
+                    loss_kwargs={"global_valid_tokens": global_valid_tokens},
+                )
+        finally:
+            self._on_phase = lambda phase: None
+        return None
+
+
+@contextlib.contextmanager
+def _split_outside_fake() -> Iterator[None]:
+    """torchtitan's split deep-copies the whole model (on meta) for each stage; memfit
+    parallelizes under FakeTensorMode, which cannot deep-copy a meta parameter. The copies are
+    made outside it (as memfit copies models), the rest of ``pipeline_llm`` runs inside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torchtitan.distributed import pipeline_parallel as titan_pp
+
+    def deepcopy(x: Any, memo: Any = None) -> Any:
+        with unset_fake_temporarily():
+            return copy.deepcopy(x, memo)
+
+    saved = titan_pp.copy
+    titan_pp.copy = types.SimpleNamespace(deepcopy=deepcopy)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        titan_pp.copy = saved
+
+
+def _microbatch_step(schedule: Any, **mbs: Any) -> None:
+    """``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...,
+    return_outputs=False)`` as torchtitan's ``pp_forward_backward_step`` calls it. A torch
+    whose ``step`` takes no ``arg_mbs`` (2.13: it would hand them to the model as keywords)
+    gets what a step with them does: the stages reset, then the schedule's own
+    ``_step_microbatches`` over the microbatches given."""
+    import inspect
+
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        schedule.step(**mbs, return_outputs=False)
+        return
+    stages = _schedule_stages(schedule)
+    for stage in stages:
+        stage.has_backward = schedule._has_backward
+        stage.clear_runtime_states()
+    loss_kwargs = mbs.pop("loss_kwargs")
+    schedule._step_microbatches(**mbs, return_outputs=False, loss_kwargs=loss_kwargs)
+
+
+def _schedule_stages(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def _stage_metas(decoder: nn.Module, config: Any, dims: Any, chunked: bool) -> dict[int, tuple[tuple, tuple]]:
+    """Each pipeline stage's (inputs, outputs) for one microbatch, as meta tensors: torchtitan's
+    own split of the model (``_generate_llm_fqn_per_model_part``, ``_split_module``) run stage
+    by stage on meta, its parameters in FSDP2's forward dtype (torchtitan always applies its
+    MixedPrecisionPolicy, ``training.mixed_precision_param``), the last stage's lm_head skipped
+    where the chunked loss runs it. No memory, no communication: torchtitan's stages, built
+    without example tensors, would infer this by sending it between ranks in their first step."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed import pipeline_parallel as titan_pp
+
+    p, t = config.parallelism, config.training
+    names = p.module_fqns_per_model_part
+    if names is None:
+        num_stages, layers, first_weight, last_weight = titan_pp._get_pipeline_metadata(dims, p, config.model_spec.model)
+        names = titan_pp._generate_llm_fqn_per_model_part(num_stages, layers, first_weight, last_weight)
+    dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]
+    out: dict[int, tuple[tuple, tuple]] = {}
+    with _disable_current_modes(), torch.enable_grad():
+        x: tuple = (torch.empty((p.pipeline_parallel_microbatch_size, t.seq_len), dtype=torch.int64, device="meta"),)
+        for i, modules in enumerate(names):
+            part = titan_pp._split_module(decoder, modules)
+            for param in part.parameters():
+                param.data = param.data.to(dtype)
+            part._skip_lm_head = chunked and i == len(names) - 1
+            if i:
+                x = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in x)
+            y = part(*x)
+            y = y if isinstance(y, tuple) else (y,)
+            out[i] = (x, tuple(a.detach().requires_grad_(a.requires_grad) for a in y))
+            x = y
+    return out
 
 
 @contextlib.contextmanager
@@ -339,9 +547,13 @@ def _mesh_device(device_type: str) -> Iterator[None]:
 
 def _mesh_shape(config: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """memfit's mesh for the job (its NCCL estimate counts one communicator per dimension
-    wider than one rank): (dp_replicate, dp_shard, tp), the unset ones left out."""
+    wider than one rank): (pp, dp_replicate, dp_shard, tp) as torchtitan orders them, the
+    unset ones left out."""
     p = config.parallelism
     shape, names = [], []
+    if p.pipeline_parallel_degree > 1:
+        shape.append(p.pipeline_parallel_degree)
+        names.append("pp")
     if p.data_parallel_replicate_degree > 1:
         shape.append(p.data_parallel_replicate_degree)
         names.append("dp_replicate")
