@@ -161,7 +161,13 @@ def _one_line_error(args: list[str], capsys) -> str:
         (TARGET, ["--size", "training.seq_len=long"], "expected a number"),
         (TARGET, [], "training.disable_cuda_graphs=True"),
         (TARGET, ["--size", "training.disable_cuda_graphs=True"], "parallelism.spmd_backend=partial_dtensor"),
-        (TARGET, [*EAGER, "--size", "parallelism.pipeline_parallel_degree=2"], "pipeline parallelism is not modelled"),
+        (TARGET, [*EAGER, "--size", "parallelism.context_parallel_degree=2"], "context parallelism is not modelled"),
+        # pipeline parallelism is (tests/test_torchtitan_pp.py), but not with a schedule of its zero-bubble kind
+        (
+            TARGET,
+            [*EAGER, "--size", "parallelism.pipeline_parallel_degree=2", "--size", "parallelism.pipeline_parallel_schedule=ZBVZeroBubble"],
+            "pipeline_parallel_schedule=ZBVZeroBubble: not modelled",
+        ),
     ],
 )
 def test_bad_targets_are_one_line_errors(titan, target, sizes, says, capsys):

@@ -272,7 +272,8 @@ def refuse_pipelined(workload: Any, what: str) -> None:
     from memfit.errors import PlanError
 
     parallel = getattr(workload, "parallel", None)
-    if parallel is not None and isinstance(parallel.parallelize, Pipeline):
+    # a parallelize of another's pipeline (torchtitan's job) says so with ``pipelined``
+    if parallel is not None and (isinstance(parallel.parallelize, Pipeline) or getattr(parallel.parallelize, "pipelined", False)):
         raise PlanError(
             f"{what} under pipeline parallelism ({parallel.name}) is not modelled yet: profile its stages "
             "(memfit profile ... --world-size N --ranks all) and see docs/limitations.md"

@@ -205,6 +205,13 @@ def _refuse_unmodelled_pp(config: Any) -> None:
             f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule}: not modelled; "
             "give one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS"
         )
+    b, mb = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
+    if mb < 1 or b % mb:
+        # torchtitan's Trainer.Config refuses it too, when it parses the job
+        raise TargetError(
+            f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide training.local_batch_size={b}; "
+            "give a microbatch size dividing the batch"
+        )
     if p.pipeline_parallel_schedule_csv:
         raise TargetError("parallelism.pipeline_parallel_schedule_csv: a schedule read from a file is not modelled; give ''")
     if p.tensor_parallel_degree > 1:
@@ -296,6 +303,11 @@ class _Job:
         self.decoder: nn.Module | None = None
         self.parts: list[nn.Module] = []  # under pipeline parallelism: this rank's model parts
         self.pp_mesh: Any = None
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline parallel (what memfit does not plan yet: :func:`memfit.measure.pipeline.refuse_pipelined`)."""
+        return bool(self.config.parallelism.pipeline_parallel_degree > 1)
 
     def __call__(self, model: nn.Module, mesh: Any) -> nn.Module:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
