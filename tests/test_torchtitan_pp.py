@@ -141,6 +141,9 @@ def test_cli_profiles_interleaved_stages_on_fake_cuda(fake_cuda, tmp_path):
         assert r["breakdown"]["pipeline_buffers"] >= 3 * BATCH * MICROBATCH_HIDDEN
         assert r["reserved_peak_bytes"] >= r["allocated_peak_bytes"] > 0
         assert f"rank {r['rank']} as torchtitan logs it:" in done.stdout
+        # each stage rank judged against the GPU on its own reserved peak
+        fit = r["device_fit"]
+        assert fit["reserved_peak_bytes"] == r["reserved_peak_bytes"] and fit["capacity_bytes"] == fit["gpu"]["total_memory"]
     # the last stage (on rank 1) holds the head and the loss: the ranks differ
     assert ranks[0]["allocated_peak_bytes"] != ranks[1]["allocated_peak_bytes"]
     assert data["reserved_peak_bytes"] == max(r["reserved_peak_bytes"] for r in ranks.values())

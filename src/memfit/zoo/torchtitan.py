@@ -27,9 +27,16 @@ What is not torchtitan's:
   or memory-efficient kernel, which saves what flex saves (output and logsumexp). Without a
   data loader there are no document positions, so the mask is plain causal.
 
+Pipeline parallelism (``parallelism.pipeline_parallel_degree > 1``) is torchtitan's too: its
+``model_spec.pipelining_fn`` (``pipeline_llm``: the split, each part parallelized, torch's stages and
+the schedule) as ``Trainer.__init__`` calls it, and ``pp_forward_backward_step``'s schedule step over
+the microbatches the data loader would hand over (:class:`TitanPipelineRank`). Its stages are given
+their shapes, worked out on meta (:func:`_stage_metas`), in place of the first step's exchange.
+
 Refused in one line (not modelled): CUDA graphs (torchtitan's default; add
 ``--size training.disable_cuda_graphs=True`` to measure the eager step), ``torch.compile``,
-pipeline, context and expert parallelism, gradient accumulation, float8/MX converters.
+context and expert parallelism, gradient accumulation, float8/MX converters; under pipeline
+parallelism the zero-bubble and V schedules, CSV schedules, and tensor parallelism beside it.
 """
 
 from __future__ import annotations
