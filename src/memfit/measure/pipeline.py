@@ -276,5 +276,6 @@ def refuse_pipelined(workload: Any, what: str) -> None:
     if parallel is not None and (isinstance(parallel.parallelize, Pipeline) or getattr(parallel.parallelize, "pipelined", False)):
         raise PlanError(
             f"{what} under pipeline parallelism ({parallel.name}) is not modelled yet: profile its stages "
-            "(memfit profile ... --world-size N --ranks all) and see docs/limitations.md"
+            "(memfit profile ... --world-size N --ranks all; --capacity BYTES or --gpu NAME judges each stage rank's peak "
+            "against it) and see docs/limitations.md"
         )
