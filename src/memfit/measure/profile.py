@@ -17,7 +17,7 @@ import gc
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -586,7 +586,7 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
         # instructions), else the fake profile misses what the real step allocates
         ledger, flops = record_step(box, scope, loss_fn, probe=True)
         report("done", total, total)
-        modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
+        modules = _module_stats(box.model, scope.names, scope.calls, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
     return _profile_of(step, ledger, flops, modules, use_cache_off, (step_time, tuple(step_times)), measured)
 
@@ -677,20 +677,11 @@ def recorded_profile(step: Step, rec: Recorded, capacity: int | None = None) -> 
     names: dict[nn.Module, str] = {}
     for name, mod in step.model.named_modules():
         names.setdefault(mod, name)
-    scope = _Names(names, rec.calls)
-    modules = _module_stats(step.model, scope, rec.ledger, rec.flops, None)  # type: ignore[arg-type]
+    modules = _module_stats(step.model, names, rec.calls, rec.ledger, rec.flops, None)
     prof = _profile_of(step, rec.ledger, rec.flops, modules, rec.use_cache_off)
     if capacity is not None:
         prof.device_fit = _device_fit(prof, capacity)
     return prof
-
-
-@dataclass(frozen=True)
-class _Names:
-    """What :func:`_module_stats` reads of a :class:`Scope`."""
-
-    names: dict[nn.Module, str]
-    calls: dict[str, int]
 
 
 class FakeSession:
@@ -759,7 +750,7 @@ class FakeSession:
         else:
             report("done", 2, 2)
             ledger, flops = got
-            modules = _module_stats(self.box.model, self.scope, ledger, flops, None)
+            modules = _module_stats(self.box.model, self.scope.names, self.scope.calls, ledger, flops, None)
             prof = _profile_of(self.step, ledger, flops, modules, turned_off(self.box.model))
         if capacity is not None:
             prof.device_fit = _device_fit(prof, capacity)
@@ -960,12 +951,15 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _module_stats(
     model: nn.Module,
-    scope: Scope,
+    names: Mapping[nn.Module, str],
+    calls: Mapping[str, int],
     ledger: Ledger,
     flops: dict[tuple[Phase, str | None], int],
     times: dict[tuple[Phase, str], float] | None,
 ) -> dict[str, ModuleStats]:
-    stats = {name: ModuleStats(name, type(mod).__name__, calls=scope.calls.get(name, 0)) for mod, name in scope.names.items()}
+    """Each named module's figures: ``names`` the modules a step ran (by the name the
+    profile gives them), ``calls`` how often each was called forward."""
+    stats = {name: ModuleStats(name, type(mod).__name__, calls=calls.get(name, 0)) for mod, name in names.items()}
     for name, mod in model.named_modules():
         if name in stats:
             stats[name].parameter_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())
