@@ -4,8 +4,8 @@ stages, its schedule) and stepped as its ``pp_forward_backward_step``, on the fa
 
 Each stage rank's ledger is that stage's: its layers' parameters only, the last stage the norm, the
 head and the loss; its receive buffers one microbatch each; under pp x FSDP the stage's parameters
-sharded over the stage's FSDP group. Checked against a real two-process gloo run of the same job
-(every block, its size, category, birth and death), and the schedules against theory (GPipe holds
+sharded over the stage's FSDP group. Checked against real gloo runs of the same job (2 ranks: pp 2;
+4 ranks: pp 2 x FSDP 2; every block, its size and category, each stage's peak), and the schedules against theory (GPipe holds
 every microbatch's activations, 1F1B at most pp - stage of them). Skips without torchtitan."""
 
 from __future__ import annotations
@@ -91,9 +91,17 @@ def test_schedules_hold_the_microbatches_theory_says(stages):
     assert gpipe[0] == 2 * one[0] > 0 and gpipe[1] == 4 * one[1] > 0
 
 
-def test_pp_by_fsdp_shards_within_each_stage(stages):
+PP_FSDP = {"parallelism.data_parallel_shard_degree": 2}
+
+
+@pytest.fixture(scope="module")
+def pp_fsdp() -> dict:
     # 4 ranks: pp 2 (outer) x FSDP 2; ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
-    both = profile_ranks(_job(**{"parallelism.data_parallel_shard_degree": 2}), world_size=4, ranks=(0, 3)).profiles
+    return profile_ranks(_job(**PP_FSDP), world_size=4, ranks=(0, 1, 2, 3)).profiles
+
+
+def test_pp_by_fsdp_shards_within_each_stage(stages, pp_fsdp):
+    both = pp_fsdp
     for rank, stage in ((0, 0), (3, 1)):
         alone = stages["1F1B"][stage]
         assert 2 * _params(both[rank].ledger) == _params(alone.ledger)
@@ -103,8 +111,22 @@ def test_pp_by_fsdp_shards_within_each_stage(stages):
         assert any(b.category is Category.REDUCE_SCATTER for b in both[rank].ledger.blocks)
 
 
-def _real_rank(rank: int, world_size: int) -> dict:
-    return profile_rank(_job(), CURRENT_GROUP).ledger.to_dict()
+def _real_rank(rank: int, world_size: int, sizes: dict | None = None) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    set_factor = FSDPModule.set_gradient_divide_factor
+
+    def summed(module, factor: float) -> None:
+        # torchtitan sets FSDP2's gradient divide factor to 1.0 (its loss is already divided by
+        # the global token count), for which FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM(1.0),
+        # which gloo does not implement: the same sum as a plain SUM (no division either way, no
+        # tensor more or less). Only in these real gloo ranks; the fake ranks run torchtitan's own.
+        set_factor(module, factor)
+        if factor == 1.0:
+            module.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = summed  # a forked child's own copy of the class
+    return profile_rank(_job(**(sizes or {})), CURRENT_GROUP).ledger.to_dict()
 
 
 def _tensors(ledger: Ledger) -> Ledger:
@@ -117,9 +139,18 @@ def test_fake_group_stages_equal_real_gloo_run(stages):
     # stage's tensor peak and what is alive there, as the fake group's. Not the ticks: the real
     # step records more ops (its bf16 matmuls' oneDNN reorders, as workspaces, which fake
     # tensors do not run), so births and deaths are counted on other clocks.
-    real = gloo_ranks(_real_rank, 2)
-    for r in range(2):
-        mine, theirs = _tensors(stages["1F1B"][r].ledger), _tensors(without_backend_buffers(Ledger.from_dict(real[r])))
+    _equal_to_real(stages["1F1B"], gloo_ranks(_real_rank, 2))
+
+
+def test_pp_by_fsdp_equals_real_gloo_run(pp_fsdp):
+    # the same on four real gloo ranks, pp 2 x FSDP 2: each stage's FSDP group all-gathers and
+    # reduce-scatters over gloo while the stages send and receive
+    _equal_to_real(pp_fsdp, gloo_ranks(_real_rank, 4, PP_FSDP))
+
+
+def _equal_to_real(fake: dict, real: list) -> None:
+    for r, ledger in enumerate(real):
+        mine, theirs = _tensors(fake[r].ledger), _tensors(without_backend_buffers(Ledger.from_dict(ledger)))
         assert [(b.category, b.nbytes, b.died is None) for b in mine.blocks] == [
             (b.category, b.nbytes, b.died is None) for b in theirs.blocks
         ]
