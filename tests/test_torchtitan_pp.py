@@ -172,6 +172,10 @@ def test_cli_profiles_interleaved_stages_on_fake_cuda(fake_cuda, tmp_path):
         assert r["breakdown"]["pipeline_buffers"] >= 3 * BATCH * MICROBATCH_HIDDEN
         assert r["reserved_peak_bytes"] >= r["allocated_peak_bytes"] > 0
         assert f"rank {r['rank']} as torchtitan logs it:" in done.stdout
+        # both parts' optimizer state (fused AdamW: two moments a parameter, and a step count),
+        # each read from the optimizer of its part
+        params = r["breakdown"]["parameters"]
+        assert 2 * params <= r["breakdown"]["optimizer_state"] < 2.01 * params
         # each stage rank judged against the GPU on its own reserved peak
         fit = r["device_fit"]
         assert fit["reserved_peak_bytes"] == r["reserved_peak_bytes"] and fit["capacity_bytes"] == fit["gpu"]["total_memory"]

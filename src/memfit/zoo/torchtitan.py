@@ -45,8 +45,7 @@ import contextlib
 import copy
 import sys
 import types
-from collections import ChainMap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -408,7 +407,7 @@ class _Job:
         # memfit counts optimizer state from `.state`: the container's own is empty (its
         # optimizers hold it), so it reads theirs.
         inner = [o.state for o in container.optimizers]
-        container.state = inner[0] if len(inner) == 1 else ChainMap(*inner)  # type: ignore[assignment]
+        container.state = inner[0] if len(inner) == 1 else _States(inner)  # type: ignore[assignment]
         max_norm = self.config.training.max_norm
         pp_mesh = self.pp_mesh
 
@@ -548,6 +547,29 @@ def _stage_metas(decoder: nn.Module, config: Any, dims: Any, chunked: bool) -> d
             out[i] = (x, tuple(a.detach().requires_grad_(a.requires_grad) for a in y))
             x = y
     return out
+
+
+class _States(Mapping):
+    """The optimizers' ``state`` dicts of several model parts (an interleaved pipeline rank's)
+    read as one, each parameter's from the optimizer that holds it. Not a ChainMap: torch's
+    ``state`` is a defaultdict, whose lookup of another optimizer's parameter would answer (and
+    keep) an empty state instead of passing the lookup on."""
+
+    def __init__(self, states: list[Any]) -> None:
+        self._states = states
+
+    def __getitem__(self, key: Any) -> Any:
+        for state in self._states:
+            if key in state:
+                return state[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        for state in self._states:
+            yield from state
+
+    def __len__(self) -> int:
+        return sum(len(state) for state in self._states)
 
 
 @contextlib.contextmanager
