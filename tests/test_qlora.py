@@ -174,10 +174,11 @@ SCRIPT = textwrap.dedent(
         assert main(["finetune", cfg, "--quant", "4bit", flag, "--seq-len", "1024", "--batch-size", "2", "--lora-rank", "4",
                      "--gpu", "A100-80GB", "--json", OUT + flag]) == 0
         model = qlora("nf4", double)
-        prof = memfit.profile(model, _inputs(2, 1024), optimizer=_adamw(model), fake="cuda", gpu="A100-80GB")
+        trainer = memfit.StepOptions(drops_output=True)  # memfit finetune's step: the Trainer's, the logits dropped before backward
+        prof = memfit.profile(model, _inputs(2, 1024), optimizer=_adamw(model), fake="cuda", gpu="A100-80GB", step=trainer)
         q = "base_model.model.model.layers.0.self_attn.q_proj.base_layer"
         dq = lambda p: sorted(b.nbytes for b in p.ledger.blocks if b.module == q and b.phase is Phase.FORWARD)
-        small = memfit.profile(model, _inputs(1, 1024), optimizer=_adamw(model), fake="cuda", gpu="A100-80GB")
+        small = memfit.profile(model, _inputs(1, 1024), optimizer=_adamw(model), fake="cuda", gpu="A100-80GB", step=trainer)
         out[flag] = {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                      "breakdown": prof.breakdown, "forward_blocks": dq(prof), "small_forward_blocks": dq(small),
                      "parameters": sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.PARAMETER)}

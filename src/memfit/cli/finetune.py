@@ -56,6 +56,13 @@ def add_parser(sub: Any) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
     )
+    p.add_argument(
+        "--autocast-adapter-dtype",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="peft's get_peft_model(autocast_adapter_dtype=...): on (default) the adapters are float32; off, the dtype "
+        "peft makes them in: the base layer's (bfloat16 over a bfloat16 base; float32 over a 4-bit base)",
+    )
     _quant_options(p)
     p.add_argument(
         "--attn",
@@ -70,6 +77,14 @@ def add_parser(sub: Any) -> None:
         choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
         help="the optimizer, by the Trainer's optim names (default adamw_torch); a paged one's paged state is CUDA "
         "unified memory, outside the caching allocator: shown on a line of its own, not in allocated or reserved",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gradient_accumulation_steps: N forward and backward passes of --batch-size sequences before the "
+        "optimizer step, the adapters' gradients accumulating (default 1)",
     )
     p.add_argument(
         "--gradient-checkpointing",
@@ -184,6 +199,7 @@ def _spec(ns: argparse.Namespace) -> Any:
         compute_dtype=ns.compute_dtype,
         kbit_prep=ns.kbit_prep,
         attn=ns.attn,
+        autocast_adapter_dtype=ns.autocast_adapter_dtype,
     )
     spec.check()
     return spec
@@ -194,6 +210,8 @@ def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
     spec = _spec(ns)
     if ns.batch_size < 1 or ns.seq_len < 1:
         raise TargetError(f"--batch-size and --seq-len are positive, got {ns.batch_size} and {ns.seq_len}")
+    if ns.grad_accum < 1:
+        raise TargetError(f"--grad-accum takes a positive integer, got {ns.grad_accum}")
     if ns.multiple_of < 1:
         raise TargetError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
@@ -230,6 +248,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             sizes=sizes if layers is None else {**sizes, "num_hidden_layers": layers},
             checkpointing=ns.gradient_checkpointing,
             optim=ns.optim,
+            accumulate=ns.grad_accum,
         )
 
     with status(console, f"building {ns.config} on the meta device with peft's LoRA"), hidden:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -86,6 +86,10 @@ class LoraSpec:
     attn: str = "sdpa"
     """The attention: ``sdpa`` (transformers' default, torch's kernel choice) or
     ``flash_attention_2`` (what the flash-attn package's path in transformers keeps)."""
+    autocast_adapter_dtype: bool = True
+    """peft's ``get_peft_model(..., autocast_adapter_dtype=...)``: True (peft's default) keeps
+    16-bit adapters in float32; False leaves them in the dtype peft makes them in, the base
+    layer's where it is floating point (bfloat16 over a bfloat16 base; float32 over a 4-bit one)."""
 
     def check(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -171,7 +175,7 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
         lora_dropout=spec.dropout,
     )
     try:
-        model = peft.get_peft_model(base, lora)
+        model = peft.get_peft_model(base, lora, autocast_adapter_dtype=spec.autocast_adapter_dtype)
     except ValueError as exc:  # peft's own refusals (a target that is not a layer it can wrap)
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise TargetError(f"peft refused the LoRA config: {first}") from exc
@@ -271,13 +275,18 @@ def lora_workload(
     sizes: Mapping[str, Any] | None = None,
     checkpointing: bool = False,
     optim: str = "adamw_torch",
+    accumulate: int = 1,
 ) -> Workload:
     """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
     :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, the optimizer the
     Trainer's ``optim`` names (torch's AdamW; bitsandbytes' 8-bit or paged AdamW) over the
     adapters (the Workload's optimizer takes the trainable parameters only). A paged
     optimizer's paged state is not in the step's ledger (unified memory, outside the
-    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it."""
+    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it. ``accumulate``: the Trainer's
+    ``gradient_accumulation_steps``, passes of the whole batch before the optimizer step
+    (:attr:`memfit.StepOptions.accumulate`; the step of every session made from it)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise TargetError(f"the gradient accumulation steps are a positive integer, got {accumulate!r}")
     make_optimizer = _optimizer(optim)
     model = lora_model(config, spec, sizes=sizes, checkpointing=checkpointing)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -286,12 +295,15 @@ def lora_workload(
         f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
         f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, "
         + ("flash_attention_2 (stand-in), " if spec.attn == "flash_attention_2" else "")
+        + ("" if spec.autocast_adapter_dtype else "adapters not autocast to float32, ")
         + f"batch {batch_size} x {seq_len}"
+        + (f", {accumulate} accumulated passes" if accumulate > 1 else "")
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
     meta["checkpointing"] = checkpointing
     meta["optim"] = optim
+    meta["accumulate"] = accumulate
     adapters = [p for p in model.parameters() if p.requires_grad]
     meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
     return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=make_optimizer, name=name, meta=meta)
@@ -398,7 +410,11 @@ def lora_session(
 
 
 def _checked(work: Workload, fake: bool | str | Where) -> Step:
-    return checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, targets=work.targets)
+    # the Trainer's step: compute_loss returns the loss alone, so the logits are gone before backward
+    options = StepOptions(accumulate=work.meta.get("accumulate", 1), drops_output=True)
+    return checked_step(
+        work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, options=options, targets=work.targets
+    )
 
 
 def _seeded(peak: Callable[[int], int], known: Mapping[int, int] | None) -> Callable[[int], int]:
@@ -473,7 +489,7 @@ def levers_that_fit(
         if peak <= budget:
             return {"fits": True, "micro_batches": k, "peak_bytes": peak, "tried": tried}
     report("recompute plan on fake tensors", 0, 0)
-    step = StepOptions(micro_batches=k) if k > 1 else None
+    step = replace(session.step.options, micro_batches=k)  # the Trainer's step (accumulation, output dropped), cut
     try:
         plan = make_plan(
             work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=session.step.where, step=step

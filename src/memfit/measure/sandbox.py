@@ -93,6 +93,7 @@ class Sandbox:
             offload=o.offload,
             targets=self.targets,
             held=self.held,
+            drops_output=o.drops_output,
         )
 
     @contextmanager
