@@ -1,6 +1,6 @@
 """memfit finetune against published GPU measurements of LoRA and QLoRA fine-tunes (issue 27 item 5).
 
-    MEMFIT_FAKE_CUDA=1 python benchmarks/lora_published.py [--rows qlora,lora,fms4,fms8] [--out FILE.md]
+    MEMFIT_FAKE_CUDA=1 python benchmarks/lora_published.py [--rows qlora,lora,fms4,fms8,fms-bnb4,fms-bnb8] [--out FILE.md]
 
 Two sources, every setting of their steps written down (docs/benchmarks/lora.md says where):
 
@@ -21,7 +21,12 @@ the one part of the step that the run's transformers did otherwise, put back (``
   kernel saves the K and V it is given, 4 times the bytes;
 - fms* (transformers 4.48.1): the causal-LM loss shifted the float32 logits with a ``contiguous()``
   copy (removed by transformers' #35646, January 2025), which this transformers avoids by shifting
-  the labels; the copy and the model's logits are alive together at the end of the forward.
+  the labels; the copy and the model's logits are alive together at the end of the forward;
+- fms-bnb* (4-bit, TRL's SFTTrainer preparing the model, ``bf16=True``): that loss, and after
+  ``prepare_model_for_kbit_training`` (``--kbit-prep``) TRL's casts: the norms float32, the
+  embeddings and the head back to bfloat16. TRL's function also casts the LoRA layers to bfloat16;
+  the runs' allocation when training ends holds float32 adapters and optimizer state, so the
+  rows leave them so (``trl_bf16_casting`` is the function as written).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ LLAMA = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.05", "--
          "--grad-accum", "4", "--gpu", "RTX-4090", "--no-levers"]
 MISTRAL = ["--lora-rank", "16", "--lora-alpha", "16", "--lora-dropout", "0.1", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
            "--seq-len", "4096", "--gradient-checkpointing", "--attn", "flash_attention_2", "--gpu", "A100-80GB", "--no-levers"]
+FMS_BNB = ["--quant", "4bit", "--kbit-prep", "--autocast", "bfloat16", *MISTRAL]
 QLORA_TARGETS = "q_proj,v_proj,k_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -87,6 +93,48 @@ def shifted_logits_copy() -> Iterator[None]:
         LOSS_MAPPING["ForCausalLM"] = kept
 
 
+@contextlib.contextmanager
+def trl_bf16_casting(adapters_too: bool = True) -> Iterator[None]:
+    """What TRL's ``SFTTrainer`` (0.13) does to a 4-bit peft model with ``bf16=True`` after
+    ``prepare_model_for_kbit_training`` (``--kbit-prep``) and ``get_peft_model``
+    (``peft_module_casting_to_bf16``): the LoRA layers' adapters to bfloat16, the norms to
+    float32, the embeddings and the output head back to bfloat16; with transformers 4.48's loss.
+    ``adapters_too=False``: the adapters left in float32."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    import memfit.integrations.finetune as ft
+
+    built = ft.lora_model
+
+    def lora_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        model = built(*args, **kwargs)
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):  # the adapters only: the 4-bit base layer's weights stay packed
+                for adapters in (module.lora_A, module.lora_B) if adapters_too else ():
+                    adapters.to(torch.bfloat16)
+            elif "norm" in name:
+                module.to(torch.float32)
+            elif any(x in name for x in ("lm_head", "embed_tokens")) and getattr(module, "weight", None) is not None:
+                if module.weight.dtype == torch.float32:
+                    module.to(torch.bfloat16)
+        return model
+
+    ft.lora_model = lora_model
+    try:
+        with shifted_logits_copy():
+            yield
+    finally:
+        ft.lora_model = built
+
+
+@contextlib.contextmanager
+def trl_bf16_casting_float32_adapters() -> Iterator[None]:
+    """:func:`trl_bf16_casting` with the adapters left in float32 (what the runs' allocation at the end says)."""
+    with trl_bf16_casting(adapters_too=False):
+        yield
+
+
 ROWS: dict[str, tuple[str, list[str], tuple[int, int | None], str, Callable[[], contextlib.AbstractContextManager[None]]]] = {
     # name: (config, flags, published allocated and reserved bytes (None: not published), source, the run's step)
     "qlora": ("llama-3-8b-instruct.json", ["--quant", "4bit", "--lora-targets", QLORA_TARGETS, *LLAMA],
@@ -95,6 +143,10 @@ ROWS: dict[str, tuple[str, list[str], tuple[int, int | None], str, Callable[[], 
              (23_446_532_096, 24_748_490_752), "peft-experiments log_peft.txt", repeated_kv),
     "fms4": ("mistral-7b-v0.1.json", [*MISTRAL, "--batch-size", "4"], (26_704_571_904, None), "a100_80gb.csv standard-peft, batch 4",
              shifted_logits_copy),
+    "fms-bnb4": ("mistral-7b-v0.1.json", [*FMS_BNB, "--batch-size", "4"], (20_669_338_112, None),
+                 "a100_80gb.csv baseline-peft-bnb, batch 4", trl_bf16_casting_float32_adapters),
+    "fms-bnb8": ("mistral-7b-v0.1.json", [*FMS_BNB, "--batch-size", "8"], (37_002_646_016, None),
+                 "a100_80gb.csv baseline-peft-bnb, batch 8", trl_bf16_casting_float32_adapters),
     "fms8": ("mistral-7b-v0.1.json", [*MISTRAL, "--batch-size", "8"], (38_742_912_512, None), "a100_80gb.csv standard-peft, batch 8",
              shifted_logits_copy),
 }

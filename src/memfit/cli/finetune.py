@@ -71,6 +71,22 @@ def add_parser(sub: Any) -> None:
         help="the attention implementation (default sdpa, transformers' default); flash_attention_2 as transformers "
         "runs the flash-attn package: float32 inputs cast to 16 bits, grouped K/V as they are (unpadded batches)",
     )
+    _step_flags(p)
+    gpu_options(p)
+    p.add_argument(
+        "--max",
+        choices=["batch", "seq"],
+        help="also the largest batch (at --seq-len) or sequence length (at --batch-size) whose step fits the GPU as it is",
+    )
+    p.add_argument("--multiple-of", type=int, default=1, metavar="N", help="with --max: sizes that are multiples of N")
+    p.add_argument("--no-levers", action="store_true", help="when the step does not fit, do not search for the levers that fit")
+    size_arg(p, "config override, e.g. num_hidden_layers=16")
+    json_arg(p, "also write the answers as JSON")
+    p.set_defaults(func=run, device=DEVICE, budget=None)
+
+
+def _step_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the training step itself: the optimizer, accumulation, autocast, checkpointing."""
     p.add_argument(
         "--optim",
         default="adamw_torch",
@@ -87,21 +103,16 @@ def add_parser(sub: Any) -> None:
         "optimizer step, the adapters' gradients accumulating (default 1)",
     )
     p.add_argument(
+        "--autocast",
+        choices=["bfloat16", "float16"],
+        help="the Trainer's bf16=True (bfloat16) or fp16=True (float16, with a GradScaler): forward and loss under "
+        "torch.autocast (default: none)",
+    )
+    p.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="transformers' gradient checkpointing as peft's recipes turn it on (reentrant, enable_input_require_grads)",
     )
-    gpu_options(p)
-    p.add_argument(
-        "--max",
-        choices=["batch", "seq"],
-        help="also the largest batch (at --seq-len) or sequence length (at --batch-size) whose step fits the GPU as it is",
-    )
-    p.add_argument("--multiple-of", type=int, default=1, metavar="N", help="with --max: sizes that are multiples of N")
-    p.add_argument("--no-levers", action="store_true", help="when the step does not fit, do not search for the levers that fit")
-    size_arg(p, "config override, e.g. num_hidden_layers=16")
-    json_arg(p, "also write the answers as JSON")
-    p.set_defaults(func=run, device=DEVICE, budget=None)
 
 
 def _quant_options(p: argparse.ArgumentParser) -> None:
@@ -249,6 +260,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             checkpointing=ns.gradient_checkpointing,
             optim=ns.optim,
             accumulate=ns.grad_accum,
+            autocast=ns.autocast,
         )
 
     with status(console, f"building {ns.config} on the meta device with peft's LoRA"), hidden:

@@ -276,6 +276,7 @@ def lora_workload(
     checkpointing: bool = False,
     optim: str = "adamw_torch",
     accumulate: int = 1,
+    autocast: str | None = None,
 ) -> Workload:
     """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
     :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, the optimizer the
@@ -284,7 +285,11 @@ def lora_workload(
     optimizer's paged state is not in the step's ledger (unified memory, outside the
     allocator): ``meta["paged_optimizer_state_bytes"]`` holds it. ``accumulate``: the Trainer's
     ``gradient_accumulation_steps``, passes of the whole batch before the optimizer step
-    (:attr:`memfit.StepOptions.accumulate`; the step of every session made from it)."""
+    (:attr:`memfit.StepOptions.accumulate`; the step of every session made from it). ``autocast``:
+    the Trainer's ``bf16=True`` (``"bfloat16"``) or ``fp16=True`` (``"float16"``, with a GradScaler):
+    forward and loss under ``torch.autocast``."""
+    if autocast not in (None, "bfloat16", "float16"):
+        raise TargetError(f"autocast is bfloat16 or float16 (the Trainer's bf16 or fp16), got {autocast!r}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise TargetError(f"the gradient accumulation steps are a positive integer, got {accumulate!r}")
     make_optimizer = _optimizer(optim)
@@ -298,12 +303,14 @@ def lora_workload(
         + ("" if spec.autocast_adapter_dtype else "adapters not autocast to float32, ")
         + f"batch {batch_size} x {seq_len}"
         + (f", {accumulate} accumulated passes" if accumulate > 1 else "")
+        + (f", {autocast} autocast" if autocast else "")
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
     meta["checkpointing"] = checkpointing
     meta["optim"] = optim
     meta["accumulate"] = accumulate
+    meta["autocast"] = autocast
     adapters = [p for p in model.parameters() if p.requires_grad]
     meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
     return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=make_optimizer, name=name, meta=meta)
@@ -411,7 +418,10 @@ def lora_session(
 
 def _checked(work: Workload, fake: bool | str | Where) -> Step:
     # the Trainer's step: compute_loss returns the loss alone, so the logits are gone before backward
-    options = StepOptions(accumulate=work.meta.get("accumulate", 1), drops_output=True)
+    autocast = work.meta.get("autocast")
+    options = StepOptions(
+        accumulate=work.meta.get("accumulate", 1), drops_output=True, autocast=autocast, grad_scaler=autocast == "float16"
+    )
     return checked_step(
         work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, options=options, targets=work.targets
     )
