@@ -143,12 +143,12 @@ ROWS: dict[str, tuple[str, list[str], tuple[int, int | None], str, Callable[[], 
              (23_446_532_096, 24_748_490_752), "peft-experiments log_peft.txt", repeated_kv),
     "fms4": ("mistral-7b-v0.1.json", [*MISTRAL, "--batch-size", "4"], (26_704_571_904, None), "a100_80gb.csv standard-peft, batch 4",
              shifted_logits_copy),
+    "fms8": ("mistral-7b-v0.1.json", [*MISTRAL, "--batch-size", "8"], (38_742_912_512, None), "a100_80gb.csv standard-peft, batch 8",
+             shifted_logits_copy),
     "fms-bnb4": ("mistral-7b-v0.1.json", [*FMS_BNB, "--batch-size", "4"], (20_669_338_112, None),
                  "a100_80gb.csv baseline-peft-bnb, batch 4", trl_bf16_casting_float32_adapters),
     "fms-bnb8": ("mistral-7b-v0.1.json", [*FMS_BNB, "--batch-size", "8"], (37_002_646_016, None),
                  "a100_80gb.csv baseline-peft-bnb, batch 8", trl_bf16_casting_float32_adapters),
-    "fms8": ("mistral-7b-v0.1.json", [*MISTRAL, "--batch-size", "8"], (38_742_912_512, None), "a100_80gb.csv standard-peft, batch 8",
-             shifted_logits_copy),
 }
 
 
