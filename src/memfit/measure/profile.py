@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -918,9 +918,9 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     for child in model.children():
         yield from module_tensors_in_to_order(child)
     own = list(model.parameters(recurse=False))
-    # a 4-bit weight's quantization state (absmax, codes) is neither parameter nor buffer,
-    # but is the weight as much as its packed values are
-    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)]
+    # a 4-bit weight's quantization state (absmax, codes) and an 8-bit one's row scales are
+    # neither parameter nor buffer, but are the weight as much as its packed values are
+    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)] + bnb8bit.state_tensors(model)
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
