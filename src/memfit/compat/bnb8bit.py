@@ -64,6 +64,7 @@ __all__ = [
     "assumed_outliers",
     "as_cuda_allocates",
     "quiet_cast_warning",
+    "forward_leaves_state",
     "FAKE_CUDA_KERNELS",
     "THRESHOLD",
 ]
@@ -184,6 +185,14 @@ def state_tensors(module: nn.Module) -> list[torch.Tensor]:
     if scb is None:
         scb = state.SCB
     return [scb] if isinstance(scb, torch.Tensor) else []
+
+
+def forward_leaves_state(model: nn.Module) -> bool:
+    """Whether a first forward of ``model`` leaves a tensor a later one keeps: an 8-bit layer
+    off the CPU with an outlier threshold (``MatMul8bitLt`` keeps the last call's outlier
+    columns on the layer's state, ``state.idx``, until the next call replaces it; on the CPU,
+    training runs ``MatMul8bitFp``, which keeps nothing)."""
+    return any(layer.weight.device.type != "cpu" and layer.state.threshold > 0.0 for layer in _layers(model))
 
 
 def copy_states(

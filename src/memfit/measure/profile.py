@@ -800,11 +800,14 @@ def light_warm_up(box: Sandbox) -> list[nn.Parameter] | None:
     the parameters given gradients, for :func:`light_warm_up_held`; None (nothing done)
     where a warm-up step leaves more or other than that: real tensors, an evaluation step, an
     output held into the next step, a GradScaler, gradients kept at the start
-    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules."""
+    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules,
+    LLM.int8 layers on CUDA (:func:`memfit.compat.bnb8bit.forward_leaves_state`)."""
     o = box.options
     if box.fake_mode is None or o.inference or box.held is not None or box.scaler is not None or not o.set_to_none:
         return None
     if box.optimizer.state or any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in box.model.modules()):
+        return None
+    if bnb8bit.forward_leaves_state(box.model):  # LLM.int8 layers on CUDA keep their last outlier columns
         return None
     trainable = [p for p in box.model.parameters() if p.requires_grad]
     stepped = {id(p) for group in box.optimizer.param_groups for p in group["params"]}
