@@ -122,7 +122,7 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="with --quant 8bit: outlier columns (|x| >= 6.0, computed in 16 bits) assumed in each int8 matmul's input; "
-        "data-dependent, so assumed (default 0; the hidden size gives an upper bound)",
+        "data-dependent, so assumed (default 0; the config's intermediate_size, the widest input, gives the upper bound)",
     )
 
 

@@ -83,8 +83,9 @@ def assumed_outliers() -> int:
 
 @contextmanager
 def assume_outliers(n: int) -> Iterator[None]:
-    """Fake CUDA steps inside assume ``n`` outlier columns per 8-bit matmul (an upper bound:
-    the input's width; LLM.int8's paper finds a handful of feature dimensions at 6.7B+)."""
+    """Fake CUDA steps inside assume ``n`` outlier columns per 8-bit matmul, at most its input's
+    width (the widest input's width is the upper bound; LLM.int8's paper finds a handful of
+    feature dimensions at 6.7B+)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"the number of outlier columns is a non-negative integer, got {n!r}")
     saved, _outliers[0] = _outliers[0], n

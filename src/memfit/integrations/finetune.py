@@ -88,7 +88,7 @@ class LoraSpec:
     4-bit or int8 (embeddings, norms, the output head) cast to float32."""
     int8_outliers: int = 0
     """8-bit only: outlier columns assumed in each int8 matmul's input (LLM.int8's
-    decomposition; data-dependent, so assumed: 0, or the hidden size for an upper bound)."""
+    decomposition; data-dependent, so assumed: 0, or the widest input, ``intermediate_size``, for the upper bound)."""
     attn: str = "sdpa"
     """The attention: ``sdpa`` (transformers' default, torch's kernel choice) or
     ``flash_attention_2`` (what the flash-attn package's path in transformers keeps)."""
