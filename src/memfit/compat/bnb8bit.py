@@ -43,6 +43,7 @@ The private corners used (the kernels' names, schemas and sources) are checked b
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -149,12 +150,10 @@ def quantize_linears(model: nn.Module, *, threshold: float = THRESHOLD, skip: tu
 
 
 def _layers(model: nn.Module) -> Iterator[nn.Module]:
-    if unavailable() is not None:
-        return
-    import sys
-
+    """``model``'s ``Linear8bitLt`` layers; none, without a look, while bitsandbytes is not
+    imported (no such layer can exist then): this is asked at every fake step of any model."""
     bnb = sys.modules.get("bitsandbytes")
-    if bnb is None:  # never imported: no 8-bit layer can be in the model
+    if bnb is None or not hasattr(bnb, "nn"):
         return
     yield from (m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt))
 
@@ -347,10 +346,11 @@ class _AsCuda(TorchDispatchMode):
 @contextmanager
 def as_cuda_allocates(model: nn.Module) -> Iterator[None]:
     """Inside: the int8 ops of ``model``'s fake CUDA steps run as their CUDA kernels allocate
-    (:data:`FAKE_CUDA_KERNELS`); a no-op for a model without 8-bit layers, which then pays
+    (:data:`FAKE_CUDA_KERNELS`), and bitsandbytes' cast warning is not logged at each call
+    (:func:`quiet_cast_warning`); a no-op for a model without 8-bit layers, which then pays
     for no extra dispatch mode."""
     if next(_layers(model), None) is None:
         yield
         return
-    with _AsCuda():
+    with quiet_cast_warning(), _AsCuda():
         yield
