@@ -10,7 +10,8 @@
   (float16 copy, int8 rows, row scales, outlier search, int32 product, float16 and bfloat16
   outputs), with no outlier columns and with 8 assumed;
 - ``prepare_model_for_kbit_training`` casts all but the int8 weights; gradient checkpointing
-  runs; a recompute plan on an 8-bit model trains bitwise (CPU, real bitsandbytes);
+  runs; a recompute plan's predicted peak is the planned model's on fake CUDA, and the plan
+  trains bitwise (CPU, real bitsandbytes);
 - bad input is refused in one line.
 """
 
@@ -216,7 +217,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
 
 ONE_LAYER = textwrap.dedent(
     """
-    import json, sys, memfit, torch, bitsandbytes as bnb
+    import copy, json, sys, memfit, torch, bitsandbytes as bnb
     from torch import nn
     sys.path.insert(0, TESTS)
     from memfit.cli import main
@@ -252,6 +253,12 @@ ONE_LAYER = textwrap.dedent(
     out["hand"] = {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                    "breakdown": prof.breakdown,
                    "parameters": sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.PARAMETER)}
+    # a recompute plan on fake CUDA: its predicted reserved peak is the one the planned model measures
+    inputs = {**_inputs(2, 1024), "use_cache": False}
+    plan = memfit.plan(model, inputs, 0.0, optimizer=_adamw(model), fake="cuda")
+    planned = memfit.apply(copy.deepcopy(model), plan)
+    measured = memfit.profile(planned, inputs, optimizer=_adamw(planned), fake="cuda").cuda_memory.reserved_peak_bytes
+    out["plan"] = {"checkpointed": len(plan.checkpointed), "predicted": plan.predicted_peak_bytes, "measured": measured}
     assert main(["finetune", CFG, "--quant", "8bit", "--kbit-prep", "--gradient-checkpointing", "--seq-len", "256",
                  "--int8-outliers", "64", "--json", OUT + ".prep"]) == 0
     print("RESULT" + json.dumps(out))
@@ -290,6 +297,8 @@ def test_fake_cuda_one_layer_peak_is_the_hand_count_and_the_cli_is_the_hand_buil
     assert (cli["profile"]["allocated_peak_bytes"], cli["profile"]["reserved_peak_bytes"]) == (hand["allocated"], hand["reserved"])
     assert cli["profile"]["breakdown"] == hand["breakdown"]
     assert cli["int8_outliers_assumed"] == 0 and "0 outlier columns assumed" in cli["workload"]
+    plan = got["plan"]
+    assert plan["checkpointed"] > 0 and plan["predicted"] == plan["measured"], plan
     prep = json.loads(Path(str(answer) + ".prep").read_text())
     assert prep["int8_outliers_assumed"] == 64 and "float32 elsewhere" in prep["workload"]
     assert "assumed: 64 outlier columns" in done.stdout
