@@ -19,7 +19,11 @@ either place, so the ledger counts it with the weight.
   attributes, which is all ``Linear8bitLt.forward`` reads.
 - :data:`FAKE_CUDA_KERNELS`: the int8 ops as their CUDA kernels allocate (bitsandbytes'
   fake kernels make only outputs, and with an outlier threshold an output of data-dependent
-  size, which a fake step cannot have).
+  size, which a fake step cannot have), run by the recorder or, in a step no recorder runs
+  (a warm-up), by :func:`as_cuda_allocates`, which :meth:`memfit.measure.sandbox.Sandbox.active`
+  enters for a model with 8-bit layers.
+- :func:`forward_leaves_state`: on CUDA a first forward leaves each layer's last outlier
+  columns on its state, so such a step is warmed up by a whole step, not a light one.
 
 On CUDA, training runs ``MatMul8bitLt``: the input cast to float16 and quantized per row
 (int8 ``CA`` + float32 row scales; with ``threshold > 0``, ``|x| >= threshold`` as a float16
@@ -31,7 +35,7 @@ weight to the input's dtype for the input's gradient. On CPU, training runs
 the recorder sees, forward and backward.
 
 Outlier columns (LLM.int8's mixed-precision decomposition) depend on the data. memfit
-assumes :data:`ASSUMED_OUTLIER_COLUMNS` of them (0 unless :func:`assume_outliers` says
+assumes :func:`assumed_outliers` of them (0 unless :func:`assume_outliers` says
 otherwise): each one adds, per 8-bit layer call, its input column (rows x 2 bytes in the
 input's dtype, kept for backward), its weight column dequantized (float32, then the input's
 dtype) and a second output of the layer's size while the outliers' product is added.
