@@ -40,7 +40,7 @@ def _config(tmp_path: Path) -> Path:
         (["nowhere/config.json"], "no such file"),
         (["{cfg}", "--lora-rank", "0"], "positive integer"),
         (["{cfg}", "--gpu", "B300"], "B300"),
-        (["{cfg}", "--quant", "8bit"], "not supported yet"),
+        (["{cfg}", "--quant", "8bit", "--int8-outliers", "-1"], "non-negative"),
         (["{cfg}", "--batch-size", "0"], "positive"),
     ],
 )

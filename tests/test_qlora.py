@@ -152,14 +152,6 @@ def test_plan_on_a_qlora_model_trains_bitwise():
     }
 
 
-def test_8bit_base_is_refused_in_one_line(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG))
-    assert main(["finetune", str(cfg), "--quant", "8bit"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Linear8bitLt" in err and "--quant 4bit" in err, err
-
-
 SCRIPT = textwrap.dedent(
     """
     import json, sys, memfit, torch

@@ -121,7 +121,8 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
         "--quant",
         default="none",
         choices=["none", "4bit", "8bit"],
-        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
+        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; "
+        "8bit: as Linear8bitLt (LLM.int8, load_in_8bit=True: int8 weights, float32 row scales, threshold 6.0)",
     )
     p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
     p.add_argument(
@@ -138,8 +139,16 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kbit-prep",
         action="store_true",
-        help="with --quant 4bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
-        "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
+        help="with --quant 4bit or 8bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
+        "QLoRA's scripts do (its non-quantized parameters, embeddings, norms and output head, in float32)",
+    )
+    p.add_argument(
+        "--int8-outliers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --quant 8bit: outlier columns (|x| >= 6.0, computed in 16 bits) assumed in each int8 matmul's input; "
+        "data-dependent, so assumed (default 0; the config's intermediate_size, the widest input, gives the upper bound)",
     )
 
 
@@ -209,6 +218,7 @@ def _spec(ns: argparse.Namespace) -> Any:
         double_quant=ns.double_quant,
         compute_dtype=ns.compute_dtype,
         kbit_prep=ns.kbit_prep,
+        int8_outliers=ns.int8_outliers,
         attn=ns.attn,
         autocast_adapter_dtype=ns.autocast_adapter_dtype,
     )
@@ -297,6 +307,14 @@ def _answer(ns: argparse.Namespace, work: memfit.Workload, session: Any, budget:
             "outside the caching allocator, so not in the allocated or reserved peak above; the driver pages it to host "
             f"memory when the GPU runs short (state of parameters under {optim_min():,} elements is ordinary device memory, "
             "counted above)",
+            highlight=False,
+        )
+    if "int8_outliers" in work.meta:
+        out["int8_outliers_assumed"] = work.meta["int8_outliers"]
+        console.print(
+            f"assumed: {work.meta['int8_outliers']} outlier columns in each int8 matmul's input (LLM.int8 threshold 6.0; "
+            "the count depends on the data; each one keeps a 16-bit column of the input for backward and adds a "
+            "second output while its product is added: --int8-outliers N)",
             highlight=False,
         )
     fits = prof.budget_peak_bytes <= budget

@@ -12,7 +12,10 @@ QLoRA (``quant="4bit"``): the base's linear layers (all but the output head, as 
 ``BitsAndBytesConfig(load_in_4bit=True)`` converts them) become bitsandbytes ``Linear4bit``
 layers quantized on meta by bitsandbytes itself (:mod:`memfit.compat.bnb4bit`): their packed
 weights and quantization state in the ledger, and peft wraps them with its 4-bit LoRA layer.
-8-bit bases (``Linear8bitLt``) are refused.
+8-bit (``quant="8bit"``, ``BitsAndBytesConfig(load_in_8bit=True)``): the same linears become
+LLM.int8 ``Linear8bitLt`` layers (int8 weights and float32 row scales,
+:mod:`memfit.compat.bnb8bit`), wrapped by peft's 8-bit LoRA layer; their matmul's outlier
+columns are assumed none (:func:`memfit.compat.bnb8bit.assume_outliers`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
@@ -80,9 +83,12 @@ class LoraSpec:
     compute_dtype: str | None = None
     """4-bit only: ``bnb_4bit_compute_dtype`` (default: the base dtype); what the weight is dequantized to."""
     kbit_prep: bool = False
-    """4-bit only: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
+    """4-bit or 8-bit: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
     adapters go on, as TRL's ``SFTTrainer`` and QLoRA's scripts do: every parameter that is not
-    4-bit (embeddings, norms, the output head) cast to float32."""
+    4-bit or int8 (embeddings, norms, the output head) cast to float32."""
+    int8_outliers: int = 0
+    """8-bit only: outlier columns assumed in each int8 matmul's input (LLM.int8's
+    decomposition; data-dependent, so assumed: 0, or the widest input, ``intermediate_size``, for the upper bound)."""
     attn: str = "sdpa"
     """The attention: ``sdpa`` (transformers' default, torch's kernel choice) or
     ``flash_attention_2`` (what the flash-attn package's path in transformers keeps)."""
@@ -99,22 +105,21 @@ class LoraSpec:
         if self.base_dtype not in BASE_DTYPES:
             raise TargetError(f"the base dtype is one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
         if self.quant not in QUANTS:
-            raise TargetError(f"quant is none or 4bit (8bit: not supported yet), got {self.quant!r}")
-        if self.quant == "8bit":
-            # bitsandbytes' Linear8bitLt (LLM.int8) keeps int8 weights and outlier columns: not modelled
-            raise TargetError(
-                "--quant 8bit (bitsandbytes Linear8bitLt base layers) is not supported yet: give --quant 4bit (QLoRA) or none"
-            )
-        if self.quant == "4bit":
+            raise TargetError(f"quant is none, 4bit or 8bit, got {self.quant!r}")
+        if self.quant != "none":
             why = bnb4bit.unavailable()
             if why:
-                raise TargetError(f"--quant 4bit needs bitsandbytes: {why}")
+                raise TargetError(f"--quant {self.quant} needs bitsandbytes: {why}")
         if self.quant_type not in bnb4bit.QUANT_TYPES:
             raise TargetError(f"the 4-bit quant type is nf4 or fp4, got {self.quant_type!r}")
         if self.compute_dtype is not None and self.compute_dtype not in BASE_DTYPES:
             raise TargetError(f"the 4-bit compute dtype is one of {', '.join(BASE_DTYPES)}, got {self.compute_dtype!r}")
-        if self.kbit_prep and self.quant != "4bit":
-            raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit too")
+        if self.kbit_prep and self.quant == "none":
+            raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit or 8bit too")
+        if isinstance(self.int8_outliers, bool) or not isinstance(self.int8_outliers, int) or self.int8_outliers < 0:
+            raise TargetError(f"the int8 outlier columns are a non-negative integer, got {self.int8_outliers!r}")
+        if self.int8_outliers and self.quant != "8bit":
+            raise TargetError("outlier columns (--int8-outliers) are LLM.int8's: give --quant 8bit too")
         if self.attn not in ATTNS:
             raise TargetError(f"the attention is one of {', '.join(ATTNS)}, got {self.attn!r}")
         if not self.targets or any(not t for t in self.targets):
@@ -167,6 +172,10 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
             # peft's own function, on the meta base (no memory moves): its casts are what it does
             # on a GPU; checkpointing is switched on below, as the caller asked
             peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False, auto_clear_cache=False)
+    elif spec.quant == "8bit":
+        bnb8bit.quantize_linears(base)
+        if spec.kbit_prep:  # int8 weights are not cast: everything else goes to float32, as for 4-bit
+            peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False, auto_clear_cache=False)
     targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
     lora = peft.LoraConfig(
         r=spec.rank,
@@ -182,6 +191,8 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
     _materialize(model)
     if spec.quant == "4bit":
         bnb4bit.materialize(model)
+    elif spec.quant == "8bit":
+        bnb8bit.materialize(model)
     if spec.attn == "flash_attention_2":
         _use_flash2(base, BASE_DTYPES[spec.base_dtype])
     if checkpointing:
@@ -307,6 +318,8 @@ def lora_workload(
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
+    if spec.quant == "8bit":
+        meta["int8_outliers"] = spec.int8_outliers
     meta["checkpointing"] = checkpointing
     meta["optim"] = optim
     meta["accumulate"] = accumulate
@@ -317,10 +330,12 @@ def lora_workload(
 
 
 def _base_words(spec: LoraSpec) -> str:
+    elsewhere = "float32 elsewhere: prepare_model_for_kbit_training" if spec.kbit_prep else f"{spec.base_dtype} elsewhere"
+    if spec.quant == "8bit":
+        return f"8-bit LLM.int8 base (threshold {bnb8bit.THRESHOLD:g}, {spec.int8_outliers} outlier columns assumed, {elsewhere})"
     if spec.quant != "4bit":
         return f"{spec.base_dtype} base"
     double = "double quant" if spec.double_quant else "no double quant"
-    elsewhere = "float32 elsewhere: prepare_model_for_kbit_training" if spec.kbit_prep else f"{spec.base_dtype} elsewhere"
     return f"4-bit {spec.quant_type.upper()} base ({double}, {spec.compute_dtype or spec.base_dtype} compute, {elsewhere})"
 
 
@@ -393,7 +408,19 @@ def lora_session(
     :class:`~memfit.measure.layered.LayeredSession`: each answer from steps of
     :data:`EXTRAPOLATE_FROM` (with checkpointing one more), one and two more layers, the whole step's ledger extrapolated
     and checked (:mod:`memfit.measure.extrapolate`); the whole step where the layers are not
-    identical (:func:`layer_stack`) or the check fails, its ``note`` saying why."""
+    identical (:func:`layer_stack`) or the check fails, its ``note`` saying why.
+
+    An 8-bit base's steps inside assume ``work.meta["int8_outliers"]`` outlier columns per int8
+    matmul (:func:`memfit.compat.bnb8bit.assume_outliers`)."""
+    with bnb8bit.assume_outliers(work.meta.get("int8_outliers", 0)), bnb8bit.quiet_cast_warning():
+        with _session(work, fake, rebuild) as session:
+            yield session
+
+
+@contextmanager
+def _session(
+    work: Workload, fake: bool | str | Where, rebuild: Callable[[int], Workload] | None
+) -> Iterator[FakeSession | LayeredSession]:
     step = _checked(work, fake)
     light = not work.meta.get("checkpointing", False)
     if rebuild is None:

@@ -410,7 +410,7 @@ def record_rank(workload: Workload, box: Sandbox, scope: Scope) -> Profile:
     fake = box.fake_mode is not None
     device = _model_device(box.model)
     ledger, flops = record_step(box, scope, workload.loss_fn)
-    modules = _module_stats(box.model, scope, ledger, flops, None)
+    modules = _module_stats(box.model, scope.names, scope.calls, ledger, flops, None)
     meta = {**workload.meta, "world_size": world_size, "rank": rank, "parallel": _parallel_of(workload).name}
     cuda = fake and device.type == "cuda"
     prof = Profile(

@@ -17,7 +17,7 @@ import gc
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -586,7 +586,7 @@ def profile_step(step: Step, *, progress: Progress | None = None, warm: bool = F
         # instructions), else the fake profile misses what the real step allocates
         ledger, flops = record_step(box, scope, loss_fn, probe=True)
         report("done", total, total)
-        modules = _module_stats(box.model, scope, ledger, flops, per_time if not fake else None)
+        modules = _module_stats(box.model, scope.names, scope.calls, ledger, flops, per_time if not fake else None)
         use_cache_off = turned_off(box.model)
     return _profile_of(step, ledger, flops, modules, use_cache_off, (step_time, tuple(step_times)), measured)
 
@@ -677,20 +677,11 @@ def recorded_profile(step: Step, rec: Recorded, capacity: int | None = None) -> 
     names: dict[nn.Module, str] = {}
     for name, mod in step.model.named_modules():
         names.setdefault(mod, name)
-    scope = _Names(names, rec.calls)
-    modules = _module_stats(step.model, scope, rec.ledger, rec.flops, None)  # type: ignore[arg-type]
+    modules = _module_stats(step.model, names, rec.calls, rec.ledger, rec.flops, None)
     prof = _profile_of(step, rec.ledger, rec.flops, modules, rec.use_cache_off)
     if capacity is not None:
         prof.device_fit = _device_fit(prof, capacity)
     return prof
-
-
-@dataclass(frozen=True)
-class _Names:
-    """What :func:`_module_stats` reads of a :class:`Scope`."""
-
-    names: dict[nn.Module, str]
-    calls: dict[str, int]
 
 
 class FakeSession:
@@ -759,7 +750,7 @@ class FakeSession:
         else:
             report("done", 2, 2)
             ledger, flops = got
-            modules = _module_stats(self.box.model, self.scope, ledger, flops, None)
+            modules = _module_stats(self.box.model, self.scope.names, self.scope.calls, ledger, flops, None)
             prof = _profile_of(self.step, ledger, flops, modules, turned_off(self.box.model))
         if capacity is not None:
             prof.device_fit = _device_fit(prof, capacity)
@@ -800,11 +791,14 @@ def light_warm_up(box: Sandbox) -> list[nn.Parameter] | None:
     the parameters given gradients, for :func:`light_warm_up_held`; None (nothing done)
     where a warm-up step leaves more or other than that: real tensors, an evaluation step, an
     output held into the next step, a GradScaler, gradients kept at the start
-    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules."""
+    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules,
+    LLM.int8 layers on CUDA (:func:`memfit.compat.bnb8bit.forward_leaves_state`)."""
     o = box.options
     if box.fake_mode is None or o.inference or box.held is not None or box.scaler is not None or not o.set_to_none:
         return None
     if box.optimizer.state or any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in box.model.modules()):
+        return None
+    if bnb8bit.forward_leaves_state(box.model):  # LLM.int8 layers on CUDA keep their last outlier columns
         return None
     trainable = [p for p in box.model.parameters() if p.requires_grad]
     stepped = {id(p) for group in box.optimizer.param_groups for p in group["params"]}
@@ -918,9 +912,9 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     for child in model.children():
         yield from module_tensors_in_to_order(child)
     own = list(model.parameters(recurse=False))
-    # a 4-bit weight's quantization state (absmax, codes) is neither parameter nor buffer,
-    # but is the weight as much as its packed values are
-    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)]
+    # a 4-bit weight's quantization state (absmax, codes) and an 8-bit one's row scales are
+    # neither parameter nor buffer, but are the weight as much as its packed values are
+    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)] + bnb8bit.state_tensors(model)
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 
@@ -960,12 +954,15 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _module_stats(
     model: nn.Module,
-    scope: Scope,
+    names: Mapping[nn.Module, str],
+    calls: Mapping[str, int],
     ledger: Ledger,
     flops: dict[tuple[Phase, str | None], int],
     times: dict[tuple[Phase, str], float] | None,
 ) -> dict[str, ModuleStats]:
-    stats = {name: ModuleStats(name, type(mod).__name__, calls=scope.calls.get(name, 0)) for mod, name in scope.names.items()}
+    """Each named module's figures: ``names`` the modules a step ran (by the name the
+    profile gives them), ``calls`` how often each was called forward."""
+    stats = {name: ModuleStats(name, type(mod).__name__, calls=calls.get(name, 0)) for mod, name in names.items()}
     for name, mod in model.named_modules():
         if name in stats:
             stats[name].parameter_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())

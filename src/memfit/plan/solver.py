@@ -34,6 +34,15 @@ __all__ = ["Problem", "Solution"]
 
 _MiB = float(2**20)  # rows in MiB keep HiGHS's tolerances meaningful for GiB-sized peaks
 
+# HiGHS stops a solve after this many branch-and-bound nodes, not after a wall-clock time: a
+# time limit made the plan depend on how busy the host was (Llama-3-8B dims on 4 fake ranks:
+# optimal after 2,617 nodes, 19 CPU s; stopped by a 30 s limit at 2,022 nodes, 0.5% from
+# proven, on a host at load 5). Node for node HiGHS is deterministic, so the same problem gets
+# the same plan on any host. The time limit stays only as a safety net far beyond it.
+def _options(**more: float) -> dict[str, float]:
+    # a new dict per solve: scipy's milp pops "node_limit" out of the one it is given
+    return {"node_limit": 5_000, "time_limit": 600.0, **more}
+
 
 @dataclass(frozen=True)
 class Solution:
@@ -187,7 +196,7 @@ class Problem:
         constraints = self._constraints(bound_bytes / _MiB)
         # With `near`, this solve only finds the cost the second one stays near: within 2% is
         # enough (the second takes every plan within `near` of it). Proving the last percent
-        # can take HiGHS its whole time limit: zoo gpt's plan at 50%, whose identical blocks
+        # can take HiGHS thousands of nodes: zoo gpt's plan at 50%, whose identical blocks
         # leave the relaxation 1.2% under the optimum, ran 30 s (99,131 nodes) where a 2%
         # gap stops at the root in 0.08 s with a plan 0.002% dearer. Without `near` (costs
         # from fixed rates, not timings), the tie-break needs the tight gap.
@@ -196,7 +205,7 @@ class Problem:
             constraints=constraints,
             integrality=self._integrality(),
             bounds=Bounds(0, 1),
-            options={"time_limit": 30.0, "mip_rel_gap": 2e-2 if self.near > 0 else 1e-6},
+            options=_options(mip_rel_gap=2e-2 if self.near > 0 else 1e-6),
         )
         if res.x is None or res.status not in (0, 1):
             return None
@@ -213,7 +222,7 @@ class Problem:
             constraints=[*constraints, LinearConstraint(self._cost[None, :], -np.inf, best * (1 + self.near))],
             integrality=self._integrality(),
             bounds=Bounds(0, 1),
-            options={"time_limit": 30.0, "mip_rel_gap": 1e-6},
+            options=_options(mip_rel_gap=1e-6),
         )
         x = res2.x if res2.x is not None and res2.status in (0, 1) else res.x
         return self._solution(x[:n])
@@ -247,7 +256,7 @@ class Problem:
             constraints=self._constraints(None),
             integrality=np.concatenate([self._integrality(), [0]]),
             bounds=Bounds(np.zeros(width + 1), np.concatenate([np.ones(width), [np.inf]])),
-            options={"time_limit": 30.0},
+            options=_options(),
         )
         if res.x is None:
             return Solution([], self.model_peak([]), 0.0)
