@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LazyModule, assert_equivalent, needs
+from conftest import TINY_LLAMA_CONFIG, LazyModule, assert_equivalent, needs
 
 import memfit
 from memfit.cli import main
@@ -37,18 +37,7 @@ tf = LazyModule("transformers", then=lambda tf: tf.logging.set_verbosity_error()
 peft = LazyModule("peft")
 bnb = LazyModule("bitsandbytes")
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
+CONFIG = TINY_LLAMA_CONFIG
 Q = "base_model.model.model.layers.1.self_attn.q_proj.base_layer"
 
 

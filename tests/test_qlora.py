@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LazyModule, assert_equivalent, needs
+from conftest import TINY_LLAMA_CONFIG, LazyModule, assert_equivalent, needs
 
 import memfit
 from memfit.cli import main
@@ -33,18 +33,7 @@ tf = LazyModule("transformers", then=lambda tf: tf.logging.set_verbosity_error()
 peft = LazyModule("peft")  # imported when a test first uses it: collecting this file imports none of the three
 bnb = LazyModule("bitsandbytes")
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
+CONFIG = TINY_LLAMA_CONFIG
 
 
 def qlora(quant_type: str = "nf4", double: bool = True, rank: int = 4, seed: int = 0) -> torch.nn.Module:
