@@ -533,3 +533,19 @@ def settled(
         if all(peak(b) - p <= slack for b, p in zip(best, predicted)):
             break
     return best
+
+
+# A 2-layer Llama config.json of the fine-tune tests (QLoRA, LLM.int8): small enough for real
+# bitsandbytes kernels on the CPU, GQA and untied embeddings as the 7-8B configs have them.
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}

@@ -28,6 +28,7 @@ FLAGS = [
     (["--offload"], StepOptions(offload=True)),
     (["--forward-before-loop"], StepOptions(forward_before_loop=True)),
     (["--holds-output"], StepOptions(holds_output=True)),
+    (["--drops-output"], StepOptions(drops_output=True)),
     ([], None),
 ]
 

@@ -99,6 +99,13 @@ def test_qlora_ledger_extrapolated_is_the_recorded_one(fake_cuda, tmp_path):
     _exact(_compare(fake_cuda, tmp_path, LLAMA, quant="4bit"))
 
 
+@needs("bitsandbytes")
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "gradient checkpointing"])
+def test_int8_ledger_extrapolated_is_the_recorded_one(fake_cuda, tmp_path, ckpt):
+    # LLM.int8 base layers: their int8 matmul's temporaries (int32 product, float16 copies) per layer
+    _exact(_compare(fake_cuda, tmp_path, LLAMA, quant="8bit", ckpt=ckpt))
+
+
 def test_layers_that_differ_are_recorded_in_full_saying_why(fake_cuda, tmp_path):
     """gemma2 alternates sliding-window and full attention (config.layer_types): refused before
     any small step is recorded, the whole step's answer, and the note says why."""

@@ -40,7 +40,7 @@ def _config(tmp_path: Path) -> Path:
         (["nowhere/config.json"], "no such file"),
         (["{cfg}", "--lora-rank", "0"], "positive integer"),
         (["{cfg}", "--gpu", "B300"], "B300"),
-        (["{cfg}", "--quant", "8bit"], "not supported yet"),
+        (["{cfg}", "--quant", "8bit", "--int8-outliers", "-1"], "non-negative"),
         (["{cfg}", "--batch-size", "0"], "positive"),
     ],
 )
@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent(
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         ids = torch.randint(0, config.vocab_size, (batch, seq))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        step = memfit.StepOptions(micro_batches=micro_batches)
+        step = memfit.StepOptions(micro_batches=micro_batches, drops_output=True)  # the Trainer's: logits gone before backward
         prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda", gpu="T4", step=step)
         return {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
                 "breakdown": prof.breakdown}
@@ -142,3 +142,64 @@ def test_config_json_answers_as_the_peft_model_built_by_hand(tmp_path, fake_cuda
         <= budget
         < min(r["peak_bytes"] for r in more or [{"peak_bytes": budget + 1}])
     )
+
+
+ACCUM = textwrap.dedent(
+    """
+    import json, memfit, torch, peft, transformers
+    from memfit.cli import main
+    assert main(["finetune", cfg, "--seq-len", "64", "--batch-size", "2", "--lora-rank", "4", "--lora-dropout", "0.05",
+                 "--grad-accum", "4", "--no-autocast-adapter-dtype", "--gpu", "T4", "--json", out]) == 0
+
+    def by_hand(gpu="T4", **step):  # the usual way, as the notebook of a published run writes it
+        config = transformers.AutoConfig.from_pretrained(cfg)
+        config.use_cache = False
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        lora = peft.LoraConfig(r=4, lora_alpha=4, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(base, lora, autocast_adapter_dtype=False)
+        ids = torch.randint(0, config.vocab_size, (2, 64))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        prof = memfit.profile(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=opt, fake="cuda", gpu=gpu,
+                              step=memfit.StepOptions(**step))
+        dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+        return {"allocated": prof.cuda_memory.allocated_peak_bytes, "reserved": prof.cuda_memory.reserved_peak_bytes,
+                "breakdown": prof.breakdown, "dtypes": dtypes}
+
+    assert main(["finetune", cfg, "--seq-len", "64", "--batch-size", "2", "--lora-rank", "4", "--lora-dropout", "0.05",
+                 "--no-autocast-adapter-dtype", "--autocast", "bfloat16", "--gpu", "A100-80GB", "--json", out + ".bf16"]) == 0
+    print("RESULT" + json.dumps({"trainer": by_hand(accumulate=4, drops_output=True), "kept": by_hand(accumulate=4),
+                                 "bf16": by_hand("A100-80GB", autocast="bfloat16", drops_output=True)}))  # a T4 has no bfloat16
+    """
+)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_and_adapters_in_the_base_dtype_answer_as_built_by_hand(tmp_path, fake_cuda):
+    """``--grad-accum 4 --no-autocast-adapter-dtype``: four passes of the batch before the
+    optimizer step, bfloat16 adapters (peft's ``autocast_adapter_dtype=False``), and the
+    Trainer's loop, which keeps only the loss: the hand-built model's profile with the same
+    step, byte for byte; the loop that keeps the output through backward holds its logits more.
+    ``--autocast bfloat16`` likewise (the Trainer's ``bf16=True``; on an A100, a T4 has no bfloat16)."""
+    pytest.importorskip("peft")
+    cfg = _config(tmp_path)
+    out = tmp_path / "answer.json"
+    done = fake_cuda.script(f"cfg, out = {str(cfg)!r}, {str(out)!r}\n" + ACCUM, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
+    answer = json.loads(out.read_text())
+    prof, trainer, kept = answer["profile"], got["trainer"], got["kept"]
+    assert trainer["dtypes"] == ["torch.bfloat16"]
+    assert "4 accumulated passes" in answer["workload"] and "adapters not autocast" in answer["workload"]
+    assert prof["allocated_peak_bytes"] == trainer["allocated"] and prof["reserved_peak_bytes"] == trainer["reserved"]
+    assert prof["breakdown"] == trainer["breakdown"]
+    # accumulated gradients: the adapters' bfloat16 gradients are alive at the peak (the passes after the first)
+    # two layers' q_proj A, B and v_proj A, B: 8 gradients of 256-512 B, each one 512-byte CUDA block
+    assert prof["breakdown"]["gradients"] == 8 * 512
+    # the logits (2 x 64 x 128 bfloat16, 32 KiB) are what the loop that keeps its output holds more at the peak
+    assert kept["allocated"] - trainer["allocated"] >= 2 * 64 * 128 * 2
+    # --autocast bfloat16: the Trainer's bf16=True, the hand-built step under torch.autocast
+    bf16 = json.loads(Path(f"{out}.bf16").read_text())
+    assert "bfloat16 autocast" in bf16["workload"]
+    assert (bf16["profile"]["allocated_peak_bytes"], bf16["profile"]["reserved_peak_bytes"]) == (got["bf16"]["allocated"], got["bf16"]["reserved"])
+    assert bf16["profile"]["breakdown"] == got["bf16"]["breakdown"]

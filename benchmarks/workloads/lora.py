@@ -9,6 +9,8 @@ built from a config (random weights, nothing downloaded) with peft's LoRA adapte
 - ``gpt2``: GPT-2 (n_embd 256, 4 layers), the base in float32, adapters r=8 on ``c_attn``;
 - ``qlora``: ``llama`` with every linear layer but the head quantized by bitsandbytes on the
   CPU (``Linear4bit``, NF4, double quantization, bfloat16 compute), as QLoRA loads it.
+- ``int8``: ``llama`` with every linear layer but the head an LLM.int8 ``Linear8bitLt``
+  quantized by bitsandbytes on the CPU (int8 weights, threshold 6.0), as ``load_in_8bit`` loads it.
 
     python benchmarks/profile_accuracy.py --models benchmarks/workloads/lora.py:llama,benchmarks/workloads/lora.py:llama_gc
     memfit profile benchmarks/workloads/lora.py:llama --device fake-cuda --gpu A10G
@@ -106,4 +108,31 @@ def qlora(batch_size: int = 4) -> memfit.Workload:
         ["q_proj", "k_proj", "v_proj", "o_proj"],
         batch_size,
         f"llama QLoRA NF4 base (double quant, bf16 compute), batch {batch_size} x {SEQ}",
+    )
+
+
+def _int8(base: torch.nn.Module) -> torch.nn.Module:
+    """Each linear layer but the head as bitsandbytes' Linear8bitLt (LLM.int8: int8 weights,
+    threshold 6.0), quantized on the CPU by bitsandbytes itself (what
+    ``BitsAndBytesConfig(load_in_8bit=True)`` leaves)."""
+    import bitsandbytes as bnb
+
+    for parent in list(base.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                q = bnb.nn.Linear8bitLt(
+                    child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False, threshold=6.0
+                )
+                q.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
+                setattr(parent, name, q.to("cpu"))
+    base.is_loaded_in_8bit = True  # as transformers marks it: peft wraps these with its 8-bit LoRA layer
+    return base
+
+
+def int8(batch_size: int = 4) -> memfit.Workload:
+    return _lora(
+        _int8(_llama_base()),
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        batch_size,
+        f"llama LoRA on an LLM.int8 base (threshold 6.0), batch {batch_size} x {SEQ}",
     )

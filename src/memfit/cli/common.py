@@ -173,15 +173,16 @@ def run_compiled(ns: argparse.Namespace, console: Console, budget: int | None) -
     """``profile --compile`` (``budget`` None) and ``plan --compile --budget BYTES``: the compiled
     step at each ``--memory-budget`` value, and with a byte budget the value that fits it."""
     from memfit.cli.options import read_memory_budgets, step_options
-    from memfit.measure.compiled import DEFAULT_SWEEP, fit_memory_budget
+    from memfit.measure.compiled import DEFAULT_SWEEP, fit_memory_budget, unavailable_on_fake
     from memfit.report.console import render_compiled, status
 
     if getattr(ns, "world_size", None) is not None:
         raise TargetError("--compile measures one process's step: drop --world-size")
     if step_options(ns) is not None or getattr(ns, "eval", False):
         raise TargetError("--compile measures the usual training step: drop the step options (--eval, --micro-batches, ...)")
-    if ns.device == "fake":
-        raise TargetError("--compile runs the compiled kernels, which need real tensors: use --device cpu or fake-cuda, not fake")
+    why = unavailable_on_fake() if ns.device == "fake" else None
+    if why:
+        raise TargetError(f"--compile on --device fake needs what this torch lacks ({why}): use --device cpu or fake-cuda")
     if getattr(ns, "plot", None) or getattr(ns, "html", None):
         raise TargetError("--compile draws no timeline yet: drop --plot/--html")
     values = read_memory_budgets(ns)

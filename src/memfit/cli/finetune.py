@@ -56,6 +56,13 @@ def add_parser(sub: Any) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="the frozen base's dtype (default bfloat16); the adapters are float32, as peft keeps them",
     )
+    p.add_argument(
+        "--autocast-adapter-dtype",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="peft's get_peft_model(autocast_adapter_dtype=...): on (default) the adapters are float32; off, the dtype "
+        "peft makes them in: the base layer's (bfloat16 over a bfloat16 base; float32 over a 4-bit base)",
+    )
     _quant_options(p)
     p.add_argument(
         "--attn",
@@ -64,18 +71,7 @@ def add_parser(sub: Any) -> None:
         help="the attention implementation (default sdpa, transformers' default); flash_attention_2 as transformers "
         "runs the flash-attn package: float32 inputs cast to 16 bits, grouped K/V as they are (unpadded batches)",
     )
-    p.add_argument(
-        "--optim",
-        default="adamw_torch",
-        choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
-        help="the optimizer, by the Trainer's optim names (default adamw_torch); a paged one's paged state is CUDA "
-        "unified memory, outside the caching allocator: shown on a line of its own, not in allocated or reserved",
-    )
-    p.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="transformers' gradient checkpointing as peft's recipes turn it on (reentrant, enable_input_require_grads)",
-    )
+    _step_flags(p)
     gpu_options(p)
     p.add_argument(
         "--max",
@@ -89,13 +85,44 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run, device=DEVICE, budget=None)
 
 
+def _step_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the training step itself: the optimizer, accumulation, autocast, checkpointing."""
+    p.add_argument(
+        "--optim",
+        default="adamw_torch",
+        choices=["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"],
+        help="the optimizer, by the Trainer's optim names (default adamw_torch); a paged one's paged state is CUDA "
+        "unified memory, outside the caching allocator: shown on a line of its own, not in allocated or reserved",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gradient_accumulation_steps: N forward and backward passes of --batch-size sequences before the "
+        "optimizer step, the adapters' gradients accumulating (default 1)",
+    )
+    p.add_argument(
+        "--autocast",
+        choices=["bfloat16", "float16"],
+        help="the Trainer's bf16=True (bfloat16) or fp16=True (float16, with a GradScaler): forward and loss under "
+        "torch.autocast (default: none)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="transformers' gradient checkpointing as peft's recipes turn it on (reentrant, enable_input_require_grads)",
+    )
+
+
 def _quant_options(p: argparse.ArgumentParser) -> None:
     """The flags of a quantized base (QLoRA): what bitsandbytes and peft are given."""
     p.add_argument(
         "--quant",
         default="none",
         choices=["none", "4bit", "8bit"],
-        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; 8bit: not supported yet",
+        help="4bit: QLoRA, the base's linear layers (all but the output head) as bitsandbytes Linear4bit; "
+        "8bit: as Linear8bitLt (LLM.int8, load_in_8bit=True: int8 weights, float32 row scales, threshold 6.0)",
     )
     p.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"], help="with --quant 4bit: the 4-bit data type (default nf4)")
     p.add_argument(
@@ -112,8 +139,16 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kbit-prep",
         action="store_true",
-        help="with --quant 4bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
-        "QLoRA's scripts do (its non-4-bit parameters, embeddings, norms and output head, in float32)",
+        help="with --quant 4bit or 8bit: the base through peft's prepare_model_for_kbit_training, as TRL's SFTTrainer and "
+        "QLoRA's scripts do (its non-quantized parameters, embeddings, norms and output head, in float32)",
+    )
+    p.add_argument(
+        "--int8-outliers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --quant 8bit: outlier columns (|x| >= 6.0, computed in 16 bits) assumed in each int8 matmul's input; "
+        "data-dependent, so assumed (default 0; the config's intermediate_size, the widest input, gives the upper bound)",
     )
 
 
@@ -183,7 +218,9 @@ def _spec(ns: argparse.Namespace) -> Any:
         double_quant=ns.double_quant,
         compute_dtype=ns.compute_dtype,
         kbit_prep=ns.kbit_prep,
+        int8_outliers=ns.int8_outliers,
         attn=ns.attn,
+        autocast_adapter_dtype=ns.autocast_adapter_dtype,
     )
     spec.check()
     return spec
@@ -194,6 +231,8 @@ def _checked(ns: argparse.Namespace) -> tuple[Any, int, str]:
     spec = _spec(ns)
     if ns.batch_size < 1 or ns.seq_len < 1:
         raise TargetError(f"--batch-size and --seq-len are positive, got {ns.batch_size} and {ns.seq_len}")
+    if ns.grad_accum < 1:
+        raise TargetError(f"--grad-accum takes a positive integer, got {ns.grad_accum}")
     if ns.multiple_of < 1:
         raise TargetError(f"--multiple-of takes a positive integer, got {ns.multiple_of}")
     if not Path(ns.config).exists() and ("/" in ns.config or ns.config.endswith(".json")):
@@ -230,6 +269,8 @@ def run(ns: argparse.Namespace, console: Console) -> int:
             sizes=sizes if layers is None else {**sizes, "num_hidden_layers": layers},
             checkpointing=ns.gradient_checkpointing,
             optim=ns.optim,
+            accumulate=ns.grad_accum,
+            autocast=ns.autocast,
         )
 
     with status(console, f"building {ns.config} on the meta device with peft's LoRA"), hidden:
@@ -266,6 +307,14 @@ def _answer(ns: argparse.Namespace, work: memfit.Workload, session: Any, budget:
             "outside the caching allocator, so not in the allocated or reserved peak above; the driver pages it to host "
             f"memory when the GPU runs short (state of parameters under {optim_min():,} elements is ordinary device memory, "
             "counted above)",
+            highlight=False,
+        )
+    if "int8_outliers" in work.meta:
+        out["int8_outliers_assumed"] = work.meta["int8_outliers"]
+        console.print(
+            f"assumed: {work.meta['int8_outliers']} outlier columns in each int8 matmul's input (LLM.int8 threshold 6.0; "
+            "the count depends on the data; each one keeps a 16-bit column of the input for backward and adds a "
+            "second output while its product is added: --int8-outliers N)",
             highlight=False,
         )
     fits = prof.budget_peak_bytes <= budget

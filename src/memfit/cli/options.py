@@ -146,6 +146,12 @@ def step_args(p: argparse.ArgumentParser) -> None:
         "step's output stays alive until the next step's forward returns (the whole output object; with micro-batches "
         "or --accumulate, each pass's until the next pass's forward returns)",
     )
+    g.add_argument(
+        "--drops-output",
+        action="store_true",
+        help="the loop keeps only the loss (loss = model(**batch).loss, as transformers' Trainer): the model's output "
+        "and its logits are dropped before backward instead of living through it",
+    )
 
 
 # --- reading them -----------------------------------------------------------------------
@@ -252,6 +258,7 @@ def step_options(ns: argparse.Namespace) -> memfit.StepOptions | None:
         inference=getattr(ns, "eval", False) or None,
         forward_before_loop=ns.forward_before_loop or None,
         holds_output=ns.holds_output or None,
+        drops_output=ns.drops_output or None,
     )
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
@@ -277,6 +284,7 @@ _STEP_FLAGS = {
     "offload": "--offload",
     "forward_before_loop": "--forward-before-loop",
     "holds_output": "--holds-output",
+    "drops_output": "--drops-output",
 }
 """StepOptions' field names as the command line spells them, for its errors."""
 

@@ -12,20 +12,23 @@ QLoRA (``quant="4bit"``): the base's linear layers (all but the output head, as 
 ``BitsAndBytesConfig(load_in_4bit=True)`` converts them) become bitsandbytes ``Linear4bit``
 layers quantized on meta by bitsandbytes itself (:mod:`memfit.compat.bnb4bit`): their packed
 weights and quantization state in the ledger, and peft wraps them with its 4-bit LoRA layer.
-8-bit bases (``Linear8bitLt``) are refused.
+8-bit (``quant="8bit"``, ``BitsAndBytesConfig(load_in_8bit=True)``): the same linears become
+LLM.int8 ``Linear8bitLt`` layers (int8 weights and float32 row scales,
+:mod:`memfit.compat.bnb8bit`), wrapped by peft's 8-bit LoRA layer; their matmul's outlier
+columns are assumed none (:func:`memfit.compat.bnb8bit.assume_outliers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit
 from memfit.errors import BudgetInfeasibleError, TargetError
 from memfit.integrations.accelerate import _config, _materialize, _model_on_meta
 from memfit.levers.max_batch import BatchLimit, largest_size
@@ -80,12 +83,19 @@ class LoraSpec:
     compute_dtype: str | None = None
     """4-bit only: ``bnb_4bit_compute_dtype`` (default: the base dtype); what the weight is dequantized to."""
     kbit_prep: bool = False
-    """4-bit only: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
+    """4-bit or 8-bit: the base prepared by peft's ``prepare_model_for_kbit_training`` before the
     adapters go on, as TRL's ``SFTTrainer`` and QLoRA's scripts do: every parameter that is not
-    4-bit (embeddings, norms, the output head) cast to float32."""
+    4-bit or int8 (embeddings, norms, the output head) cast to float32."""
+    int8_outliers: int = 0
+    """8-bit only: outlier columns assumed in each int8 matmul's input (LLM.int8's
+    decomposition; data-dependent, so assumed: 0, or the widest input, ``intermediate_size``, for the upper bound)."""
     attn: str = "sdpa"
     """The attention: ``sdpa`` (transformers' default, torch's kernel choice) or
     ``flash_attention_2`` (what the flash-attn package's path in transformers keeps)."""
+    autocast_adapter_dtype: bool = True
+    """peft's ``get_peft_model(..., autocast_adapter_dtype=...)``: True (peft's default) keeps
+    16-bit adapters in float32; False leaves them in the dtype peft makes them in, the base
+    layer's where it is floating point (bfloat16 over a bfloat16 base; float32 over a 4-bit one)."""
 
     def check(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -95,22 +105,21 @@ class LoraSpec:
         if self.base_dtype not in BASE_DTYPES:
             raise TargetError(f"the base dtype is one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
         if self.quant not in QUANTS:
-            raise TargetError(f"quant is none or 4bit (8bit: not supported yet), got {self.quant!r}")
-        if self.quant == "8bit":
-            # bitsandbytes' Linear8bitLt (LLM.int8) keeps int8 weights and outlier columns: not modelled
-            raise TargetError(
-                "--quant 8bit (bitsandbytes Linear8bitLt base layers) is not supported yet: give --quant 4bit (QLoRA) or none"
-            )
-        if self.quant == "4bit":
+            raise TargetError(f"quant is none, 4bit or 8bit, got {self.quant!r}")
+        if self.quant != "none":
             why = bnb4bit.unavailable()
             if why:
-                raise TargetError(f"--quant 4bit needs bitsandbytes: {why}")
+                raise TargetError(f"--quant {self.quant} needs bitsandbytes: {why}")
         if self.quant_type not in bnb4bit.QUANT_TYPES:
             raise TargetError(f"the 4-bit quant type is nf4 or fp4, got {self.quant_type!r}")
         if self.compute_dtype is not None and self.compute_dtype not in BASE_DTYPES:
             raise TargetError(f"the 4-bit compute dtype is one of {', '.join(BASE_DTYPES)}, got {self.compute_dtype!r}")
-        if self.kbit_prep and self.quant != "4bit":
-            raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit too")
+        if self.kbit_prep and self.quant == "none":
+            raise TargetError("prepare_model_for_kbit_training (--kbit-prep) prepares a quantized base: give --quant 4bit or 8bit too")
+        if isinstance(self.int8_outliers, bool) or not isinstance(self.int8_outliers, int) or self.int8_outliers < 0:
+            raise TargetError(f"the int8 outlier columns are a non-negative integer, got {self.int8_outliers!r}")
+        if self.int8_outliers and self.quant != "8bit":
+            raise TargetError("outlier columns (--int8-outliers) are LLM.int8's: give --quant 8bit too")
         if self.attn not in ATTNS:
             raise TargetError(f"the attention is one of {', '.join(ATTNS)}, got {self.attn!r}")
         if not self.targets or any(not t for t in self.targets):
@@ -163,6 +172,10 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
             # peft's own function, on the meta base (no memory moves): its casts are what it does
             # on a GPU; checkpointing is switched on below, as the caller asked
             peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False, auto_clear_cache=False)
+    elif spec.quant == "8bit":
+        bnb8bit.quantize_linears(base)
+        if spec.kbit_prep:  # int8 weights are not cast: everything else goes to float32, as for 4-bit
+            peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False, auto_clear_cache=False)
     targets: Any = "all-linear" if tuple(spec.targets) == ("all-linear",) else list(spec.targets)
     lora = peft.LoraConfig(
         r=spec.rank,
@@ -171,13 +184,15 @@ def lora_model(config: str, spec: LoraSpec, *, sizes: Mapping[str, Any] | None =
         lora_dropout=spec.dropout,
     )
     try:
-        model = peft.get_peft_model(base, lora)
+        model = peft.get_peft_model(base, lora, autocast_adapter_dtype=spec.autocast_adapter_dtype)
     except ValueError as exc:  # peft's own refusals (a target that is not a layer it can wrap)
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise TargetError(f"peft refused the LoRA config: {first}") from exc
     _materialize(model)
     if spec.quant == "4bit":
         bnb4bit.materialize(model)
+    elif spec.quant == "8bit":
+        bnb8bit.materialize(model)
     if spec.attn == "flash_attention_2":
         _use_flash2(base, BASE_DTYPES[spec.base_dtype])
     if checkpointing:
@@ -271,13 +286,23 @@ def lora_workload(
     sizes: Mapping[str, Any] | None = None,
     checkpointing: bool = False,
     optim: str = "adamw_torch",
+    accumulate: int = 1,
+    autocast: str | None = None,
 ) -> Workload:
     """The LoRA fine-tune's training step as a :class:`memfit.Workload`: the peft model of
     :func:`lora_model`, ``batch_size x seq_len`` tokens, ``outputs.loss``, the optimizer the
     Trainer's ``optim`` names (torch's AdamW; bitsandbytes' 8-bit or paged AdamW) over the
     adapters (the Workload's optimizer takes the trainable parameters only). A paged
     optimizer's paged state is not in the step's ledger (unified memory, outside the
-    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it."""
+    allocator): ``meta["paged_optimizer_state_bytes"]`` holds it. ``accumulate``: the Trainer's
+    ``gradient_accumulation_steps``, passes of the whole batch before the optimizer step
+    (:attr:`memfit.StepOptions.accumulate`; the step of every session made from it). ``autocast``:
+    the Trainer's ``bf16=True`` (``"bfloat16"``) or ``fp16=True`` (``"float16"``, with a GradScaler):
+    forward and loss under ``torch.autocast``."""
+    if autocast not in (None, "bfloat16", "float16"):
+        raise TargetError(f"autocast is bfloat16 or float16 (the Trainer's bf16 or fp16), got {autocast!r}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise TargetError(f"the gradient accumulation steps are a positive integer, got {accumulate!r}")
     make_optimizer = _optimizer(optim)
     model = lora_model(config, spec, sizes=sizes, checkpointing=checkpointing)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -286,22 +311,31 @@ def lora_workload(
         f"{type(model.base_model.model).__name__} ({total / 1e9:.2f}B parameters) LoRA r={spec.rank} on "
         f"{','.join(spec.targets)} ({trainable / 1e6:.2f}M trainable), {_base_words(spec)}, "
         + ("flash_attention_2 (stand-in), " if spec.attn == "flash_attention_2" else "")
+        + ("" if spec.autocast_adapter_dtype else "adapters not autocast to float32, ")
         + f"batch {batch_size} x {seq_len}"
+        + (f", {accumulate} accumulated passes" if accumulate > 1 else "")
+        + (f", {autocast} autocast" if autocast else "")
     )
     meta = {"config": config, "batch_size": batch_size, "seq_len": seq_len, "lora_rank": spec.rank, "trainable": trainable}
     meta["quant"] = spec.quant
+    if spec.quant == "8bit":
+        meta["int8_outliers"] = spec.int8_outliers
     meta["checkpointing"] = checkpointing
     meta["optim"] = optim
+    meta["accumulate"] = accumulate
+    meta["autocast"] = autocast
     adapters = [p for p in model.parameters() if p.requires_grad]
     meta["paged_optimizer_state_bytes"] = optim8bit.paged_state_bytes(adapters, optim)
     return Workload(model, lora_inputs(model, batch_size, seq_len), optimizer=make_optimizer, name=name, meta=meta)
 
 
 def _base_words(spec: LoraSpec) -> str:
+    elsewhere = "float32 elsewhere: prepare_model_for_kbit_training" if spec.kbit_prep else f"{spec.base_dtype} elsewhere"
+    if spec.quant == "8bit":
+        return f"8-bit LLM.int8 base (threshold {bnb8bit.THRESHOLD:g}, {spec.int8_outliers} outlier columns assumed, {elsewhere})"
     if spec.quant != "4bit":
         return f"{spec.base_dtype} base"
     double = "double quant" if spec.double_quant else "no double quant"
-    elsewhere = "float32 elsewhere: prepare_model_for_kbit_training" if spec.kbit_prep else f"{spec.base_dtype} elsewhere"
     return f"4-bit {spec.quant_type.upper()} base ({double}, {spec.compute_dtype or spec.base_dtype} compute, {elsewhere})"
 
 
@@ -374,7 +408,19 @@ def lora_session(
     :class:`~memfit.measure.layered.LayeredSession`: each answer from steps of
     :data:`EXTRAPOLATE_FROM` (with checkpointing one more), one and two more layers, the whole step's ledger extrapolated
     and checked (:mod:`memfit.measure.extrapolate`); the whole step where the layers are not
-    identical (:func:`layer_stack`) or the check fails, its ``note`` saying why."""
+    identical (:func:`layer_stack`) or the check fails, its ``note`` saying why.
+
+    An 8-bit base's steps inside assume ``work.meta["int8_outliers"]`` outlier columns per int8
+    matmul (:func:`memfit.compat.bnb8bit.assume_outliers`)."""
+    with bnb8bit.assume_outliers(work.meta.get("int8_outliers", 0)), bnb8bit.quiet_cast_warning():
+        with _session(work, fake, rebuild) as session:
+            yield session
+
+
+@contextmanager
+def _session(
+    work: Workload, fake: bool | str | Where, rebuild: Callable[[int], Workload] | None
+) -> Iterator[FakeSession | LayeredSession]:
     step = _checked(work, fake)
     light = not work.meta.get("checkpointing", False)
     if rebuild is None:
@@ -398,7 +444,14 @@ def lora_session(
 
 
 def _checked(work: Workload, fake: bool | str | Where) -> Step:
-    return checked_step(work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, targets=work.targets)
+    # the Trainer's step: compute_loss returns the loss alone, so the logits are gone before backward
+    autocast = work.meta.get("autocast")
+    options = StepOptions(
+        accumulate=work.meta.get("accumulate", 1), drops_output=True, autocast=autocast, grad_scaler=autocast == "float16"
+    )
+    return checked_step(
+        work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake=fake, options=options, targets=work.targets
+    )
 
 
 def _seeded(peak: Callable[[int], int], known: Mapping[int, int] | None) -> Callable[[int], int]:
@@ -473,7 +526,7 @@ def levers_that_fit(
         if peak <= budget:
             return {"fits": True, "micro_batches": k, "peak_bytes": peak, "tried": tried}
     report("recompute plan on fake tensors", 0, 0)
-    step = StepOptions(micro_batches=k) if k > 1 else None
+    step = replace(session.step.options, micro_batches=k)  # the Trainer's step (accumulation, output dropped), cut
     try:
         plan = make_plan(
             work.model, work.inputs, budget, optimizer=work.make_optimizer(), fake=session.step.where, step=step

@@ -27,23 +27,26 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.compat import torch_compat
+from memfit.compat import inductor_fake, torch_compat
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
 from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import Phase
-from memfit.measure.sandbox import real_sandbox
+from memfit.measure.sandbox import step_sandbox
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
 from memfit.workload import Where
 
 __all__ = [
+    "unavailable_on_fake",
     "CompiledProfile",
     "profile_compiled",
     "profile_compiled_step",
@@ -109,6 +112,11 @@ class CompiledProfile:
         return f"compiled step ({self.backend}, activation_memory_budget={self.memory_budget:g})"
 
 
+def unavailable_on_fake() -> str | None:
+    """Why a compiled step cannot be run on fake tensors with this torch (None: it can)."""
+    return inductor_fake.unavailable()
+
+
 def _fresh_backend(name: str) -> Callable[..., Any]:
     """A backend object no compiled code has seen: dynamo guards each cached graph on its
     backend, so memfit's compiles neither reuse the user's graphs (compiled with another memory
@@ -148,20 +156,28 @@ def _configured(memory_budget: float, fake_cuda: bool) -> Iterator[None]:
         yield
 
 
-def _storages(values: Any) -> dict[int, int]:
-    """Distinct storages among the tensors in ``values`` (nested containers): address -> bytes."""
-    out: dict[int, int] = {}
+def _storages(values: Any) -> dict[int, Any]:
+    """Distinct storages among the tensors in ``values`` (nested containers): key -> storage."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    out: dict[int, Any] = {}
     for t in torch.utils._pytree.tree_leaves(values):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             s = t.untyped_storage()
-            out.setdefault(s.data_ptr(), s.nbytes())
+            # a real storage by its address; a fake one (no address) by the storage object,
+            # which torch keeps one of per live storage
+            out.setdefault(id(s) if isinstance(t, FakeTensor) else s.data_ptr(), s)
     return out
 
 
-def _start_storages(box: Any) -> dict[int, int]:
+def _start_storages(box: Any) -> dict[int, Any]:
     state = [list(s.values()) for s in box.optimizer.state.values()]
     grads = [p.grad for p in box.model.parameters() if p.grad is not None]
     return _storages([list(box.model.parameters()), list(box.model.buffers()), grads, state, box.args, box.kwargs, box.targets])
+
+
+def _sizes(storages: dict[int, Any]) -> dict[int, int]:
+    return {k: s.nbytes() for k, s in storages.items()}
 
 
 def _allocations(prof: Any) -> list[tuple[int, int, int]]:
@@ -215,6 +231,58 @@ def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
         while open_marks:
             torch.ops.profiler._record_function_exit._RecordFunction(open_marks.pop())
     return _Recorded(_allocations(prof), _phase_marks(prof))
+
+
+class _FakeAllocations(TorchDispatchMode):
+    """Every storage a fake step makes, and its end, in order: the fake counterpart of the
+    allocator events the profiler reports on real tensors. With ``ignore_compile_internals``
+    dynamo leaves the mode off while it compiles and on while the compiled code runs, so it
+    sees what inductor's wrapper runs (its buffers, extern kernels, views), not the eager ops
+    a dispatch mode would otherwise make dynamo fall back to."""
+
+    def __init__(self, start: dict[int, Any]) -> None:
+        super().__init__()
+        self.events: list[tuple[float, int, int]] = []
+        self.live = {k: s.nbytes() for k, s in start.items()}
+        self.open = True
+        for k, st in start.items():  # a start storage freed in the step (a gradient set to None) is an event too
+            weakref.finalize(st, self._end, k)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def mark(self) -> float:
+        """A time between the last event and the next: where a phase starts."""
+        return len(self.events) + 0.5
+
+    def _end(self, key: int) -> None:
+        nbytes = self.live.pop(key, None)
+        if nbytes is not None and self.open:
+            self.events.append((len(self.events) + 1, key, -nbytes))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                key = id(s)
+                if key not in self.live:
+                    self.live[key] = s.nbytes()
+                    self.events.append((len(self.events) + 1, key, self.live[key]))
+                    weakref.finalize(s, self._end, key)
+        return out
+
+
+def _fake_recorded_step(box: Any, loss_fn: Any, start: dict[int, Any]) -> _Recorded:
+    """One step of a fake sandbox, its storages' births and ends in order (times are their
+    order), and a mark at each phase's start."""
+    marks: list[tuple[float, str]] = []
+    seen = _FakeAllocations(start)
+    with seen:
+        box.step(loss_fn, lambda phase: marks.append((seen.mark(), phase.value)))
+    seen.open = False  # what the sandbox frees when it closes is not the step's
+    return _Recorded(list(seen.events), marks)  # type: ignore[arg-type]
 
 
 def _timeline(rec: _Recorded) -> tuple[int, int, dict[str, int]]:
@@ -285,38 +353,34 @@ def profile_compiled_step(
     """The memory of ``step`` with its model under ``torch.compile(backend=...)``, compiled at
     ``memory_budget`` (``activation_memory_budget``; None: the value torch's config holds).
 
-    The step runs on the user's own model and optimizer, restored afterwards (the sandbox of a
-    real profile), and on real tensors: a fake-CUDA step is run on the host at its full size,
-    then replayed through the caching allocator model (``allocator`` settings). A step on fake
-    host tensors cannot run compiled kernels: its eager profile, labelled, is returned."""
+    A real step runs on the user's own model and optimizer, restored afterwards (the sandbox of
+    a real profile). A fake one (fake CPU or fake CUDA) is compiled and run on fake host
+    tensors, inductor's kernels not run (:mod:`memfit.compat.inductor_fake`): the allocations
+    are its wrapper's, with no memory used. On fake CUDA they are then replayed through the
+    caching allocator model (``allocator`` settings). Where this torch cannot run compiled
+    code on fake tensors, a fake-CUDA step runs on the host at its full size and a fake CPU
+    step's eager profile is returned, labelled."""
     import torch._functorch.config as functorch_config
 
     budget = float(functorch_config.activation_memory_budget if memory_budget is None else memory_budget)
     if not 0.0 <= budget <= 1.0:
         raise BudgetError(f"activation_memory_budget {budget!r} is out of range: use a fraction from 0 to 1")
     compile_fn = _fresh_backend(backend)
-    if step.fake and not step.fake_cuda:
-        return _eager_fallback(step, backend, budget, "fake host tensors cannot run compiled kernels")
+    why = inductor_fake.unavailable() if step.fake else None
+    if step.fake and not step.fake_cuda and why:
+        return _eager_fallback(step, backend, budget, f"fake host tensors cannot run compiled code here: {why}")
     if step.fake_cuda:
         torch_compat.host_compile_system_info()
-    host = step.on(Where.REAL) if step.fake_cuda else step
+    run_on = Where.FAKE if step.fake and why is None else Where.REAL
+    host = step.on(run_on) if step.fake_cuda else step
     if step.fake_cuda and step.options.foreach is None:
         # CUDA's optimizers default to foreach (one kernel over every tensor, with temporaries
         # over all of them); the host's to a loop per tensor
-        host = host.on(Where.REAL, replace(step.options, foreach=True))
-    with real_sandbox(host.model, host.args, host.kwargs, host.optimizer, step=host.options, targets=host.targets) as box:
-        compiled = torch.compile(box.model, backend=compile_fn)
-        run = replace(box, model=compiled)
-        graphs0, breaks0 = _dynamo_counts()
-        with _configured(budget, step.fake_cuda):
-            t0 = time.process_time()
-            run.step(step.loss_fn)  # warm-up: compiles, and creates the optimizer state
-            compile_s = time.process_time() - t0
-            graphs1, breaks1 = _dynamo_counts()
-            start = _start_storages(run)
-            rec = _recorded_step(run, step.loss_fn)
-        if _dynamo_counts()[0] != graphs1:
-            return _eager_fallback(step, backend, budget, "the recorded step compiled again (dynamic shapes or a guard that failed)")
+        host = host.on(run_on, replace(step.options, foreach=True))
+    ran = _run_compiled(host, step.loss_fn, compile_fn, budget, step.fake_cuda)
+    if isinstance(ran, str):
+        return _eager_fallback(step, backend, budget, ran)
+    start, rec, graphs, breaks, compile_s = ran
     peak, saved, phases = _timeline(rec)
     out = CompiledProfile(
         backend=backend,
@@ -325,14 +389,39 @@ def profile_compiled_step(
         step_peak_bytes=peak,
         saved_bytes=saved,
         phase_peaks=phases,
-        graphs=graphs1 - graphs0,
-        graph_breaks=breaks1 - breaks0,
+        graphs=graphs,
+        graph_breaks=breaks,
         compile_cpu_s=compile_s,
     )
     if step.fake_cuda:
         allocated, reserved, keyed = _cuda_replay({**start, **_cublas_workspaces()}, rec.events, allocator or AllocatorSettings())
         out = replace(out, allocated_peak_bytes=allocated, reserved_peak_bytes=reserved, events=tuple(keyed))
     return out
+
+
+def _run_compiled(
+    step: Step, loss_fn: Any, compile_fn: Callable[..., Any], budget: float, fake_cuda: bool
+) -> tuple[dict[int, int], _Recorded, int, int, float] | str:
+    """Compile ``step``'s model in its sandbox, run a warm-up step (it compiles, and makes the
+    optimizer state) and a recorded one: the start storages' sizes, the record, the graphs and
+    graph breaks compiled and the warm-up's CPU seconds; or why the record is not a compiled
+    step's."""
+    fake = step.fake
+    kernels = inductor_fake.stubbed_kernels() if fake else contextlib.nullcontext()
+    with step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets) as box:
+        run = replace(box, model=torch.compile(box.model, backend=compile_fn))
+        graphs0, breaks0 = _dynamo_counts()
+        # fake: the caches off as on fake CUDA, so no graph compiled without its kernels is kept
+        with box.active(), kernels, _configured(budget, fake_cuda or fake):
+            t0 = time.process_time()
+            run.step(loss_fn)
+            compile_s = time.process_time() - t0
+            graphs1, breaks1 = _dynamo_counts()
+            start = _start_storages(run)
+            rec = _fake_recorded_step(run, loss_fn, start) if fake else _recorded_step(run, loss_fn)
+        if _dynamo_counts()[0] != graphs1:
+            return "the recorded step compiled again (dynamic shapes or a guard that failed)"
+    return _sizes(start), rec, graphs1 - graphs0, breaks1 - breaks0, compile_s
 
 
 def _eager_fallback(step: Step, backend: str, budget: float, why: str) -> CompiledProfile:

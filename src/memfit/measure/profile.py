@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -791,11 +791,14 @@ def light_warm_up(box: Sandbox) -> list[nn.Parameter] | None:
     the parameters given gradients, for :func:`light_warm_up_held`; None (nothing done)
     where a warm-up step leaves more or other than that: real tensors, an evaluation step, an
     output held into the next step, a GradScaler, gradients kept at the start
-    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules."""
+    (``set_to_none=False``), trainable parameters the optimizer does not step, lazy modules,
+    LLM.int8 layers on CUDA (:func:`memfit.compat.bnb8bit.forward_leaves_state`)."""
     o = box.options
     if box.fake_mode is None or o.inference or box.held is not None or box.scaler is not None or not o.set_to_none:
         return None
     if box.optimizer.state or any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in box.model.modules()):
+        return None
+    if bnb8bit.forward_leaves_state(box.model):  # LLM.int8 layers on CUDA keep their last outlier columns
         return None
     trainable = [p for p in box.model.parameters() if p.requires_grad]
     stepped = {id(p) for group in box.optimizer.param_groups for p in group["params"]}
@@ -909,9 +912,9 @@ def module_tensors_in_to_order(model: nn.Module) -> Iterator[tuple[Category, lis
     for child in model.children():
         yield from module_tensors_in_to_order(child)
     own = list(model.parameters(recurse=False))
-    # a 4-bit weight's quantization state (absmax, codes) is neither parameter nor buffer,
-    # but is the weight as much as its packed values are
-    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)]
+    # a 4-bit weight's quantization state (absmax, codes) and an 8-bit one's row scales are
+    # neither parameter nor buffer, but are the weight as much as its packed values are
+    yield Category.PARAMETER, own + [t for p in own for t in bnb4bit.state_tensors(p)] + bnb8bit.state_tensors(model)
     yield Category.BUFFER, list(model.buffers(recurse=False))
 
 

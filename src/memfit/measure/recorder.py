@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.compat import bnb4bit, optim8bit, torch_compat
+from memfit.compat import bnb4bit, bnb8bit, optim8bit, torch_compat
 from memfit.cuda import gpu
 from memfit.measure import _distributed, aliasing, determinism, workspace
 from memfit.measure.ledger import (
@@ -69,9 +69,10 @@ __all__ = ["Recorder", "storage_bytes", "output_tensors"]
 # kernel's own allocations would be invisible; these run under the recorder instead.
 _RECORD_INSIDE_ON_CPU = optim8bit.PYTHON_CPU_KERNELS | bnb4bit.PYTHON_CPU_KERNELS
 # Ops whose fake kernel makes only their outputs while their CUDA kernel allocates more
-# (bitsandbytes' 4-bit matmul dequantizes the whole weight): on fake CUDA they run as the
+# (bitsandbytes' 4-bit matmul dequantizes the whole weight; its int8 matmul makes an int32
+# product and finds outlier columns, a data-dependent count): on fake CUDA they run as the
 # CUDA kernel allocates, in torch ops, with the recorder on.
-_AS_CUDA_ALLOCATES = bnb4bit.FAKE_CUDA_KERNELS
+_AS_CUDA_ALLOCATES = {**bnb4bit.FAKE_CUDA_KERNELS, **bnb8bit.FAKE_CUDA_KERNELS}
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.compat import bnb4bit, hf_fake, optim8bit, torch_compat
+from memfit.compat import bnb4bit, bnb8bit, hf_fake, optim8bit, torch_compat
 from memfit.cuda import fake as fake_cuda
 from memfit.errors import WorkloadError
 from memfit.measure.inputs import map_shared
@@ -93,6 +93,7 @@ class Sandbox:
             offload=o.offload,
             targets=self.targets,
             held=self.held,
+            drops_output=o.drops_output,
         )
 
     @contextmanager
@@ -100,11 +101,17 @@ class Sandbox:
         """Enter the fake mode (if any) so factory calls inside the step make fake tensors, and
         let transformers find positions it made itself unpacked, as a real step does (it
         cannot read fake ones: :mod:`memfit.compat.hf_fake`). torch's log of a fake kernel
-        that fails is dropped here: the error itself propagates, and memfit names it."""
+        that fails is dropped here: the error itself propagates, and memfit names it.
+        bitsandbytes' int8 ops run as on CUDA (:func:`memfit.compat.bnb8bit.as_cuda_allocates`)."""
         if self.fake_mode is None:
             yield
         else:
-            with self.fake_mode, hf_fake.unpacked_positions(self.kwargs), torch_compat.quiet_fake_kernel_log():
+            with (
+                self.fake_mode,
+                hf_fake.unpacked_positions(self.kwargs),
+                torch_compat.quiet_fake_kernel_log(),
+                bnb8bit.as_cuda_allocates(self.model),
+            ):
                 yield
 
 
@@ -286,13 +293,15 @@ def _copy_step(
     """A copy of the model and optimizer (state included) whose tensors are ``tensor(t)``
     (0-dim optimizer state: ``scalar(t)``); tied parameters stay tied. (Inputs and targets
     are copied by the caller: the bf16 lever casts inputs, not what the loss compares with.)
-    A 4-bit weight's quantization state is copied with ``uncast`` (default ``tensor``)."""
+    A 4-bit weight's quantization state and an 8-bit one's row scales are copied with
+    ``uncast`` (default ``tensor``)."""
     memo: dict[int, Any] = {}
     copies: dict[nn.Parameter, nn.Parameter] = {}
     for p in model.parameters():
         cp = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
         memo[id(p)] = copies[p] = cp
         bnb4bit.copy_param(p, cp, uncast or tensor, memo)  # a 4-bit weight's quantization state, never cast
+    bnb8bit.copy_states(model, copies, uncast or tensor, memo)  # an 8-bit weight's row scales, never cast
     for b in model.buffers():
         memo[id(b)] = tensor(b)
     try:

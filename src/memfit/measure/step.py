@@ -124,6 +124,11 @@ class StepOptions:
     pass's. memfit runs it so: the step before the measured one leaves its output alive, and
     the measured step drops it right after its forward returns. Values are not touched. The
     loss a loop binds beside it (``loss = ...``, a scalar and its node) is not held."""
+    drops_output: bool = False
+    """The loop keeps only the loss, ``loss = model(**batch).loss``, as transformers' Trainer
+    (its ``compute_loss`` returns the loss alone) and TRL's trainers do: the model's output
+    (a transformers ``ModelOutput``'s logits) is dropped once the loss is computed, before
+    backward, instead of living through it. Not with ``holds_output``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -143,6 +148,8 @@ class StepOptions:
                 "an inference step has no backward or optimizer step: micro_batches, accumulate, grad_scaler, "
                 "set_to_none=False, foreach, optimizer_8bit and offload do not apply to it"
             )
+        if self.drops_output and self.holds_output:
+            raise WorkloadError("drops_output and holds_output contradict each other: the loop drops its output or holds it")
         if self.optimizer_8bit and self.foreach is not None:
             raise WorkloadError("foreach is a flag of torch's optimizers; with optimizer_8bit the optimizer is bitsandbytes'")
         for name in ("autocast", "param_dtype"):
@@ -168,6 +175,8 @@ class StepOptions:
             del data["forward_before_loop"]
         if not self.holds_output:
             del data["holds_output"]
+        if not self.drops_output:
+            del data["drops_output"]
         return data
 
     @classmethod
@@ -314,12 +323,14 @@ def train_step(
     offload: bool = False,
     targets: Any = None,
     held: HeldOutput | None = None,
+    drops_output: bool = False,
 ) -> float:
     """Run one step; returns the loss value (a float, or nan on fake tensors). With
     micro-batches or ``accumulate`` passes, the sum of the scaled losses of the passes (their
     mean, by default); each micro-batch's loss sees its own slice of ``targets``.
     With ``inference``, an evaluation step (see :attr:`StepOptions.inference`). With ``held``,
-    each forward's output is handed to it as the forward returns (:attr:`StepOptions.holds_output`)."""
+    each forward's output is handed to it as the forward returns (:attr:`StepOptions.holds_output`).
+    With ``drops_output``, the output is dropped once the loss is computed (:attr:`StepOptions.drops_output`)."""
     if isinstance(model, OwnPasses):
         others = {
             "micro_batches": micro_batches > 1,
@@ -330,6 +341,7 @@ def train_step(
             "inference": inference,
             "offload": offload,
             "holds_output": held is not None,
+            "drops_output": drops_output,
         }
         return _own_passes_step(model, args, kwargs, targets, optimizer, on_phase, set_to_none, others)
     if inference:
@@ -352,6 +364,8 @@ def train_step(
             loss = check_loss(call_loss(loss_fn, output, mtargets))
             if loss_scale is not None:
                 loss = loss * loss_scale
+            if drops_output:
+                output = None  # `loss = model(**batch).loss`: nothing else keeps the output
         on_phase(Phase.BACKWARD)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         value = loss.detach()
