@@ -63,6 +63,14 @@ def test_too_few_layers_recorded_the_check_refuses_fsdp2(monkeypatch):
     assert isinstance(why, str) and ("repeat no period" in why or "synthesized differs from the recorded one" in why), why
 
 
+def test_fake_cuda_is_refused_before_any_step():
+    # fake CUDA numbers streams per process: the fewer-layer steps would renumber the whole
+    # model's after them, and no two of them are alike
+    from memfit.measure.distributed import FakeGroup, layered_rank
+
+    assert "fake CUDA" in layered_rank(llama(parallel="fsdp2"), FakeGroup(2, 0, "cuda"))
+
+
 def test_ddp_is_refused_once_parallelized():
     # DDP's buckets group parameters by bytes across layers: refused before any step runs
     from memfit.measure.distributed import FakeGroup, layered_rank

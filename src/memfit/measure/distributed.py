@@ -240,6 +240,10 @@ def _one_rank(
 def layered_rank(workload: Workload, group: FakeGroup, progress: Progress | None = None) -> rank_layers.RankLayers | str:
     """The rank's whole recorded step synthesized from its steps with 2, 3 and 4 layers
     (:mod:`memfit.measure.rank_layers`: checked at 4), or why it is not."""
+    if group.device == "cuda":
+        # fake CUDA numbers streams per process: each fewer-layer step's FSDP2 streams would be
+        # new ones (no two steps alike), and the whole model's after them numbered otherwise than alone
+        return "fake CUDA: its streams are numbered per process, so no two steps of fewer layers are alike"
     where = f"rank {group.rank} of {group.world_size}: "
     return rank_layers.rank_layers(workload, lambda n: _small_step(workload, group, n), where, progress)
 

@@ -457,7 +457,7 @@ def _layered(
     one's shards and the first one's step is synthesized and checked: the profiles (None where
     a bound skips the size, said in ``row``) and, where a plan is needed, the first rank's
     unplanned profile; else why not (then the whole model's steps run)."""
-    why = layered_refused(workload)
+    why = layered_refused(workload) if device != "cuda" else "fake CUDA (see layered_rank)"
     if why is not None:
         return why
     first = asked[0]
