@@ -18,6 +18,14 @@ pytestmark = needs("transformers")
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 
 
+@pytest.fixture(autouse=True)
+def _small_models_too(monkeypatch):
+    # the configs here are small enough to record whole too: from fewer layers from 7 on
+    from memfit.measure import rank_layers
+
+    monkeypatch.setattr(rank_layers, "MIN_LAYERS", 7)
+
+
 def llama(layers: int = 7, **kw):
     from memfit import zoo
 
@@ -85,7 +93,7 @@ def test_refusals_named_before_any_step():
 
     refused = rank_layers.refused
     assert refused(llama(parallel="fsdp2")) is None
-    assert "no fewer" in refused(llama(layers=6, parallel="fsdp2"))
+    assert "6 layers, fewer than 7" in refused(llama(layers=6, parallel="fsdp2"))
     assert "pipeline" in refused(llama(parallel="pp", pp=2))
     kept = llama(parallel="fsdp2")
     kept.parallel = Parallel(fsdp2(lambda m: m.model.layers, keep_last=1), name="fsdp2")
