@@ -21,6 +21,7 @@ from memfit.errors import LossError, MemfitError, WorkloadError
 
 __all__ = [
     "Workload",
+    "LayerStack",
     "Where",
     "Parallel",
     "split_inputs",
@@ -175,6 +176,20 @@ class Parallel:
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class LayerStack:
+    """A model's repeated identical layers, by which a step of the whole model can be measured
+    from steps of the same model built with fewer of them (:mod:`memfit.measure.rank_layers`:
+    extrapolated, and checked, or not used)."""
+
+    prefix: str
+    """The layer list's qualified name and a dot (``model.layers.``)."""
+    count: int
+    """How many layers the model has."""
+    rebuild: Callable[[int], nn.Module]
+    """The same model with ``n`` layers (on meta or on the CPU: only its structure is used)."""
+
+
 @dataclass
 class Workload:
     """Model + example inputs + loss function + optimizer factory."""
@@ -202,6 +217,11 @@ class Workload:
     target wraps it to run its loss in ``forward`` (torchtitan's job: ``"model"``). Plans are
     made and verified on the whole; the ones handed to the user name modules relative to this
     one and carry its fingerprint (:meth:`memfit.Plan.under`). ``""``: the model itself."""
+
+    layers: LayerStack | None = None
+    """The model's identical layers and how to build it with fewer (:class:`LayerStack`):
+    where given, per-rank steps may be measured from 2, 3 and 4 layers, extrapolated and
+    checked (:mod:`memfit.measure.rank_layers`). A copy with another model must drop it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):

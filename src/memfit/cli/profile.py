@@ -76,6 +76,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     if per_rank:
         render_ranks(result, console, title=work.name, top=ns.top)
         title = f"{work.name}, rank {result.worst_rank} of {ns.world_size}"
+        _layers_note(result, work, console)
     else:
         title = work.name + step_label(step)
         render_profile(result, console, title=title, top=ns.top)
@@ -87,6 +88,23 @@ def run(ns: argparse.Namespace, console: Console) -> int:
 
         write_pictures(ns, console, profile_timeline(shown, f"memfit profile {ns.target}: {title} on {shown.device}"))
     return 0
+
+
+def _layers_note(result: Any, work: Any, console: Console) -> None:
+    """A line on how each rank's step was measured: synthesized from fewer layers, or whole and why."""
+    from memfit.measure.rank_layers import EXTRAPOLATE_FROM as k
+
+    layers = getattr(result, "layers", {})
+    synthesized = sorted(r for r, why in layers.items() if why is None)
+    if synthesized and work.layers is not None:
+        console.print(
+            f"rank {', '.join(map(str, synthesized))}: the {work.layers.count}-layer step's ledger synthesized from {k}-, {k + 1}- "
+            f"and {k + 2}-layer steps on the same ranks, checked at {k + 2} layers",
+            highlight=False,
+        )
+    for r, why in sorted(layers.items()):
+        if why is not None and work.layers is not None:
+            console.print(f"rank {r}: the whole model's step recorded ({why})", highlight=False)
 
 
 def _check_world(ns: argparse.Namespace) -> None:

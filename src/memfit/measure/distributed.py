@@ -31,10 +31,11 @@ from memfit.compat import torch_compat
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import MemfitError, WorkloadError
-from memfit.measure import _distributed
+from memfit.measure import _distributed, rank_layers
 from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import START_TICK, Category, Ledger
 from memfit.measure.profile import (
+    ModuleStats,
     Profile,
     Progress,
     _device_fit,
@@ -44,6 +45,7 @@ from memfit.measure.profile import (
     _simulated,
     allocator_settings_from_env,
     model_cuda_memory,
+    module_figures,
     record_step,
     run_step,
 )
@@ -61,6 +63,8 @@ __all__ = [
     "RankProfiles",
     "profile_ranks",
     "profile_rank",
+    "layered_rank",
+    "layered_profile",
     "StartOverLimit",
     "held_at_start",
     "rank_device",
@@ -119,6 +123,9 @@ class RankProfiles:
     world_size: int
     parallel: str
     profiles: dict[int, Profile] = field(default_factory=dict)
+    layers: dict[int, str | None] = field(default_factory=dict)
+    """Per rank: None where its step was synthesized from fewer layers (checked), else why the
+    whole model's step ran (:func:`layered_rank`). Not in the JSON: the figures are the same."""
 
     @property
     def worst_rank(self) -> int:
@@ -205,11 +212,89 @@ def profile_ranks(
     with _simulated(spec):
         for i, r in enumerate(dict.fromkeys(ranks)):
             hook = on_state if i == 0 else None
-            prof = profile_rank(workload, FakeGroup(n, r, device), progress=progress, start_limit=start_limit, on_state=hook)
+            prof = _one_rank(out, workload, FakeGroup(n, r, device), progress, start_limit, hook)
             if capacity_bytes is not None:
                 prof.device_fit = rank_device_fit(prof, parallel, n, capacity_bytes, spec)
             out.profiles[r] = prof
     return out
+
+
+def _one_rank(
+    out: RankProfiles,
+    workload: Workload,
+    group: FakeGroup,
+    progress: Progress | None,
+    start_limit: int | None,
+    on_state: Callable[[RankState], None] | None,
+) -> Profile:
+    """One rank's profile: from fewer layers where that is shown exact (:func:`layered_rank`),
+    else the whole model's step (:func:`profile_rank`); ``out.layers`` says which and why."""
+    got = layered_rank(workload, group, progress) if on_state is None else "its state was asked for"
+    if isinstance(got, rank_layers.RankLayers):
+        out.layers[group.rank] = None
+        return layered_profile(workload, group, got, start_limit)
+    out.layers[group.rank] = got
+    return profile_rank(workload, group, progress=progress, start_limit=start_limit, on_state=on_state)
+
+
+def layered_rank(workload: Workload, group: FakeGroup, progress: Progress | None = None) -> rank_layers.RankLayers | str:
+    """The rank's whole recorded step synthesized from its steps with 2, 3 and 4 layers
+    (:mod:`memfit.measure.rank_layers`: checked at 4), or why it is not."""
+    if group.device == "cuda":
+        # fake CUDA numbers streams per process: each fewer-layer step's FSDP2 streams would be
+        # new ones (no two steps alike), and the whole model's after them numbered otherwise than alone
+        return "fake CUDA: its streams are numbered per process, so no two steps of fewer layers are alike"
+    where = f"rank {group.rank} of {group.world_size}: "
+    return rank_layers.rank_layers(workload, lambda n: _small_step(workload, group, n), where, progress)
+
+
+def _small_step(workload: Workload, group: FakeGroup, n: int) -> rank_layers.Small | str:
+    """The rank's step with ``n`` layers, as :func:`profile_rank` runs it: parallelized, a
+    warm-up step, a recorded one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    stack = workload.layers
+    assert stack is not None
+    model = stack.rebuild(n)
+    why = rank_layers.small_signature(workload, model, n)
+    if why is not None:
+        return why
+    with rank_sandbox(dataclasses.replace(workload, model=model, layers=None), group) as box:
+        if any(isinstance(m, DistributedDataParallel) for m in box.model.modules()):
+            return "DistributedDataParallel: its buckets group parameters across layers, by bytes"
+        state = box_state(box)
+        with Scope(named_model(box.model)) as scope:
+            run_step(box, scope, workload.loss_fn)
+            ledger, flops = record_step(box, scope, workload.loss_fn)
+            types = {name: type(m).__name__ for m, name in scope.names.items()}
+            return rank_layers.Small(ledger, flops, dict(scope.calls), types, state.resident_bytes, state.layout)
+
+
+def layered_profile(workload: Workload, group: FakeGroup, got: rank_layers.RankLayers, start_limit: int | None = None) -> Profile:
+    """The rank's :class:`Profile` from its synthesized step, as :func:`record_rank` makes one
+    from a recorded step (``start_limit``: as :func:`profile_rank`'s, on the step's start)."""
+    ledger, parallel = got.ledger, _parallel_of(workload)
+    if start_limit is not None and ledger.start_bytes > start_limit:
+        raise StartOverLimit(group.rank, ledger.start_bytes, start_limit)
+    sizes = {name: sum(p.numel() * p.element_size() for p in mod.parameters()) for name, mod in workload.model.named_modules()}
+    stats = {name: ModuleStats(name, kind, calls=got.calls.get(name, 0)) for name, kind in got.types.items()}
+    for name, st in stats.items():
+        st.parameter_bytes = sizes.get(name, 0)
+    cuda = group.device == "cuda"
+    prof = Profile(
+        ledger=ledger,
+        modules=module_figures(stats, ledger, got.flops),
+        device="fake:cuda:0" if cuda else "fake:cpu",
+        fake=True,
+        time_source="omitted",
+        step_time_s=None,
+        model_type=type(workload.model).__name__,
+        step_flops=sum(got.flops.values()),
+        meta={**workload.meta, "world_size": group.world_size, "rank": group.rank, "parallel": parallel.name},
+        cuda_memory=model_cuda_memory(ledger, allocator_settings_from_env()) if cuda else None,
+    )
+    prof.device_fit = rank_device_fit(prof, parallel, group.world_size, None)
+    return prof
 
 
 def nccl_outside(parallel: Parallel, world_size: int) -> gpus.Estimate:
@@ -338,7 +423,7 @@ def with_recompute(
     (:func:`~memfit.recompute.checkpoint.apply_choices`): a plan applied before parallelizing."""
     model = copy_model(workload.model)
     apply_choices(model, choices, cache_off)
-    return dataclasses.replace(workload, model=model)
+    return dataclasses.replace(workload, model=model, layers=None)  # fewer layers would not carry the plan
 
 
 def named_model(model: nn.Module) -> nn.Module:

@@ -36,6 +36,10 @@ class Layers:
 
     prefix: str
     """The layer list's qualified name and a dot, e.g. ``base_model.model.model.layers.``."""
+    exact_frees: bool = False
+    """Whether a tick that frees a block says which (:func:`_free_token`), not only its size:
+    where many blocks of one size die in a row (a fake CPU step's autograd graph), sizes alone
+    let one more layer's frees be placed where other blocks die."""
 
     def index(self, name: str | None) -> int | None:
         """The layer a module name is in, or None."""
@@ -86,9 +90,12 @@ class Seg:
         return (self.start - self.size, self.start) if self.after else (self.end, self.end + self.size)
 
 
-def segments(old: Sequence[Hashable], new: Sequence[Hashable], layers: Layers, what: str) -> list[Seg]:
+def segments(
+    old: Sequence[Hashable], new: Sequence[Hashable], layers: Layers, what: str, fits: Callable[[int, int], bool] | None = None
+) -> list[Seg]:
     """The runs of ``new`` that are insertions into ``old`` (nothing else may differ), each
-    placed beside the run before it that, moved one layer on, is the same."""
+    placed beside the run before it that, moved one layer on, is the same; ``fits(start, end)``:
+    whether the items ``new[start:end]`` may be one layer's (their ticks among its ticks)."""
     found: list[Seg] = []
     match = difflib.SequenceMatcher(None, list(old), list(new), autojunk=False)
     for tag, _i1, _i2, j1, j2 in match.get_opcodes():
@@ -96,11 +103,35 @@ def segments(old: Sequence[Hashable], new: Sequence[Hashable], layers: Layers, w
             continue
         if tag != "insert":
             raise NotPeriodic(f"the {what} of one more layer differ by more than an insertion ({tag} at {j1})")
-        found.extend(_placed(new, j1, j2, layers, what))
+        found.extend(_slid(new, j1, j2, layers, what, fits))
     keys = [s.key for s in found]
     if len(set(keys)) != len(keys):
         raise NotPeriodic(f"two {what} insertions at one place")
     return found
+
+
+def _slid(
+    new: Sequence[Hashable], j1: int, j2: int, layers: Layers, what: str, fits: Callable[[int, int], bool] | None = None
+) -> list[Seg]:
+    """:func:`_placed` of the insertion ``new[j1:j2]``, or of the same insertion slid along the
+    items equal at its two ends (the same list results: ``SequenceMatcher`` picks one of them,
+    which need not be where one layer's items begin); the nearest that ``fits``."""
+    size = j2 - j1
+    lo, hi = j1, j1
+    while lo > 0 and new[lo - 1] == new[lo - 1 + size]:
+        lo -= 1
+    while hi + size < len(new) and new[hi] == new[hi + size]:
+        hi += 1
+    why = f"the {what} inserted by one more layer (at {j1}) lie outside one layer's events"
+    for a in sorted(range(lo, hi + 1), key=lambda a: abs(a - j1)):
+        try:
+            segs = _placed(new, a, a + size, layers, what)
+        except NotPeriodic as exc:
+            why = str(exc)
+            continue
+        if fits is None or all(fits(x.start, x.end) for x in segs):
+            return segs
+    raise NotPeriodic(why)
 
 
 def _placed(new: Sequence[Hashable], j1: int, j2: int, layers: Layers, what: str) -> list[Seg]:
@@ -297,13 +328,24 @@ class Growth:
     """How much each scalar of the ledger grew by."""
 
 
-def _tick_tokens(work: Work) -> list[Hashable]:
+def _free_token(b: Block, at: str | None, layers: Layers) -> Hashable:
+    """A free of ``b`` at a tick of module ``at``: its size, and with :attr:`Layers.exact_frees`
+    which block it is, as far as one more layer leaves that the same: its category and phase,
+    and its layer relative to the tick's (or its module, outside the layers)."""
+    if not layers.exact_frees:
+        return ("f", b.nbytes)
+    i, j = layers.index(at), layers.index(b.module)
+    where = b.module if j is None else ("x" if i is None else j - i)
+    return ("f", b.nbytes, b.category.value, b.phase.value, where)
+
+
+def _tick_tokens(work: Work, layers: Layers) -> list[Hashable]:
     """What each tick is, without what it is for: the layer's events repeat these exactly."""
     freed = {b.died: b for b in work.blocks.values() if b.died is not None}
     out: list[Hashable] = []
     for t, tick in enumerate(work.ticks):
         b = work.blocks.get(("t", t))
-        what = ("a", b.nbytes, b.module, b.phase.value, b.stream) if b is not None else ("f", freed[t].nbytes)
+        what = ("a", b.nbytes, b.module, b.phase.value, b.stream) if b is not None else _free_token(freed[t], tick.module, layers)
         out.append((tick.phase.value, tick.module, tick.op, tick.recompute, what))
     return out
 
@@ -320,13 +362,19 @@ def find_growth(a: Ledger, b: Ledger, layers: Layers, last: int) -> Growth:
         raise NotPeriodic("the nondeterministic ops found differ with one more layer")
     spans = [[(s.module, s.phase.value) for s, _ in w.spans] for w in (wa, wb)]
     ops = [[(o.module, o.op, o.flops) for o in w.ops] for w in (wa, wb)]
+    ticks = segments(_tick_tokens(wa, layers), _tick_tokens(wb, layers), layers, "ticks")
+
+    def within(ranges: list[tuple[int, int]]) -> Callable[[int, int], bool]:
+        # a layer's op calls and module calls lie among its ticks (where copies of them can go)
+        return lambda i, j: all(any(t.start <= a and b <= t.end for t in ticks) for a, b in ranges[i:j])
+
     return Growth(
         layers,
         last,
-        tuple(segments(_tick_tokens(wa), _tick_tokens(wb), layers, "ticks")),
+        tuple(ticks),
         tuple(segments(_start_tokens(wa), _start_tokens(wb), layers, "blocks at the start")),
-        tuple(segments(spans[0], spans[1], layers, "module spans")),
-        tuple(segments(ops[0], ops[1], layers, "op calls")),
+        tuple(segments(spans[0], spans[1], layers, "module spans", within([(s.start, s.end) for s, _ in wb.spans]))),
+        tuple(segments(ops[0], ops[1], layers, "op calls", within([(o.first, o.end) for o in wb.ops]))),
         {k: wb.scalars[k] - wa.scalars[k] for k in SCALARS},
     )
 
@@ -515,7 +563,7 @@ def _deep(tokens: list[Hashable], segs: tuple[Seg, ...], layers: Layers) -> tupl
 def grow(ledger: Ledger, g: Growth, times: int = 1) -> tuple[Ledger, Growth]:
     """``ledger`` with ``times`` more layers, as ``g`` says; and the growth of the ledger after."""
     w = to_work(ledger)
-    m = _Maps(g, Moves(g.ticks, times, _deep(_tick_tokens(w), g.ticks, g.layers)), Moves(g.start, times))
+    m = _Maps(g, Moves(g.ticks, times, _deep(_tick_tokens(w, g.layers), g.ticks, g.layers)), Moves(g.start, times))
     blocks, first_use = _grow_blocks(w, m)
     grown = Work(
         blocks,

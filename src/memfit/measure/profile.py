@@ -966,6 +966,17 @@ def _module_stats(
     for name, mod in model.named_modules():
         if name in stats:
             stats[name].parameter_bytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+    return module_figures(stats, ledger, flops, times)
+
+
+def module_figures(
+    stats: dict[str, ModuleStats],
+    ledger: Ledger,
+    flops: dict[tuple[Phase, str | None], int],
+    times: dict[tuple[Phase, str], float] | None = None,
+) -> dict[str, ModuleStats]:
+    """``stats`` (each module's name, type, calls and parameter bytes) with what the step's
+    ledger and FLOPs say of each module: the bytes it saved for backward, its FLOPs, its times."""
     saved: dict[str, int] = defaultdict(int)
     for block in ledger.blocks:
         if block.category is not Category.ACTIVATION:

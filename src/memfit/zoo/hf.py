@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memfit.errors import TargetError
-from memfit.workload import Parallel, Workload
+from memfit.workload import LayerStack, Parallel, Workload
 
 
 def _transformers() -> Any:
@@ -154,6 +154,15 @@ def build_llama(
         model = tf.LlamaForCausalLM(cfg)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+
+    def rebuild(n: int) -> Any:
+        # the same config with n decoder layers, on meta: a rank's fewer-layer steps need its structure only
+        with torch.device("meta"):
+            small = tf.LlamaForCausalLM(_config(tf.LlamaConfig, {**LLAMA_PRESETS[preset], "use_cache": False}, {**config, "num_hidden_layers": n}))
+        if gradient_checkpointing:
+            small.gradient_checkpointing_enable()
+        return small
+
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
     meta = {
         "batch_size": batch_size,
@@ -165,7 +174,8 @@ def build_llama(
     scheme = _llama_parallel(parallel, tp=tp, replicate=replicate, pp=pp, schedule=schedule, microbatches=microbatches)
     if scheme is not None and scheme.name == "pp":
         meta.update(schedule=schedule or "1f1b", microbatches=microbatches or "pp")
-    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=scheme)
+    layers = LayerStack("model.layers.", cfg.num_hidden_layers, rebuild)
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, name="llama", meta=meta, parallel=scheme, layers=layers)
 
 
 def _llama_parallel(
