@@ -549,3 +549,15 @@ TINY_LLAMA_CONFIG = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
+
+
+def tiny_llama_inputs(batch: int, seq: int) -> dict:
+    """A fine-tune's batch for :data:`TINY_LLAMA_CONFIG`: token ids, and the same as labels."""
+    ids = torch.randint(0, TINY_LLAMA_CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def adapter_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """AdamW over the parameters that train (a LoRA model's adapters)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_CONFIG, LazyModule, assert_equivalent, needs
+from conftest import TINY_LLAMA_CONFIG, LazyModule, adapter_adamw, assert_equivalent, needs, tiny_llama_inputs
 
 import memfit
 from memfit.cli import main
@@ -58,13 +58,7 @@ def int8(rank: int = 4, seed: int = 0) -> torch.nn.Module:
     return peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=["q_proj", "v_proj"]))
 
 
-def _inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+_inputs, _adamw = tiny_llama_inputs, adapter_adamw  # (the scripts run in fake-CUDA children import them from here)
 
 
 def closed_form(block: int = 1) -> int:
