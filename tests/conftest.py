@@ -561,3 +561,21 @@ def adapter_adamw(model: nn.Module) -> torch.optim.AdamW:
     """AdamW over the parameters that train (a LoRA model's adapters)."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
+
+def most_alive(ledger: Any, category: Any, under: str = "") -> int:
+    """The most bytes of ``category`` made under module ``under`` alive at once over the step
+    (pipeline tests: the microbatches' activations a stage holds)."""
+    from memfit.measure.ledger import START_TICK
+
+    events = []
+    for b in ledger.blocks:
+        if b.category is category and (b.module or "").startswith(under):
+            events.append((b.born if b.born != START_TICK else -1, b.nbytes))
+            if b.died is not None:
+                events.append((b.died, -b.nbytes))
+    live = most = 0
+    for _, n in sorted(events, key=lambda e: (e[0], e[1])):  # frees first at a tick
+        live += n
+        most = max(most, live)
+    return most
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gloo_ranks, needs
+from conftest import gloo_ranks, most_alive, needs
 
 pytestmark = needs("transformers")  # looked up, not imported
 torch_dist = pytest.importorskip("torch.distributed")
@@ -16,7 +16,7 @@ if not torch_dist.is_available():
 
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.measure.distributed import CURRENT_GROUP, profile_rank, profile_ranks, without_backend_buffers  # noqa: E402
-from memfit.measure.ledger import START_TICK, Category, Ledger  # noqa: E402
+from memfit.measure.ledger import Category, Ledger  # noqa: E402
 
 SIZES = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 SIZES.update(vocab_size=256, seq_len=16, batch_size=8)
@@ -30,19 +30,6 @@ def _llama(schedule: str = "1f1b", microbatches: int = 4, **kw):
     return zoo.build("llama", parallel="pp", schedule=schedule, microbatches=microbatches, **{**SIZES, **kw})
 
 
-def _most(ledger: Ledger, category: Category) -> int:
-    """The most bytes of ``category`` alive at once over the step."""
-    events = []
-    for b in ledger.blocks:
-        if b.category is category:
-            events.append((b.born if b.born != START_TICK else -1, b.nbytes))
-            if b.died is not None:
-                events.append((b.died, -b.nbytes))
-    live = most = 0
-    for _, n in sorted(events, key=lambda e: (e[0], e[1])):  # frees first at a tick
-        live += n
-        most = max(most, live)
-    return most
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +41,7 @@ def stages() -> dict:
 def test_stages_hold_the_microbatches_theory_says(stages):
     # GPipe: every stage holds all 4 microbatches' saved activations before its first backward;
     # 1F1B: stage s of pp holds at most pp - s of them (2 on the first stage, 1 on the last)
-    gpipe, one = ({r: _most(p.ledger, Category.ACTIVATION) for r, p in stages[s].items()} for s in ("gpipe", "1f1b"))
+    gpipe, one = ({r: most_alive(p.ledger, Category.ACTIVATION) for r, p in stages[s].items()} for s in ("gpipe", "1f1b"))
     assert gpipe[0] == 2 * one[0] and gpipe[1] == 4 * one[1] and one[0] > 0 and one[1] > 0
     assert all(stages["gpipe"][r].peak_bytes > stages["1f1b"][r].peak_bytes for r in (0, 1))
     for s in ("gpipe", "1f1b"):

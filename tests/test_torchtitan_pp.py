@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gloo_ranks
+from conftest import gloo_ranks, most_alive
 
 import memfit
 from memfit.errors import MemfitError
 from memfit.measure.distributed import CURRENT_GROUP, profile_rank, profile_ranks, without_backend_buffers
-from memfit.measure.ledger import START_TICK, Category, Ledger
+from memfit.measure.ledger import Category, Ledger
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
 
@@ -45,19 +45,6 @@ def _params(ledger: Ledger) -> int:
     return sum(b.nbytes for b in ledger.blocks if b.category is Category.PARAMETER)
 
 
-def _most(ledger: Ledger, category: Category, under: str = "") -> int:
-    """The most bytes of ``category`` made under module ``under`` alive at once over the step."""
-    events = []
-    for b in ledger.blocks:
-        if b.category is category and (b.module or "").startswith(under):
-            events.append((b.born if b.born != START_TICK else -1, b.nbytes))
-            if b.died is not None:
-                events.append((b.died, -b.nbytes))
-    live = most = 0
-    for _, n in sorted(events, key=lambda e: (e[0], e[1])):  # frees first at a tick
-        live += n
-        most = max(most, live)
-    return most
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +74,7 @@ def test_schedules_hold_the_microbatches_theory_says(stages):
     # before its first backward; 1F1B: stage s of pp holds at most pp - s of them (2 on the
     # first stage, 1 on the last). The last stage's chunked loss keeps pieces of its own, one
     # microbatch at a time under either schedule: the layers' activations are the theory's.
-    gpipe, one = ({r: _most(p.ledger, Category.ACTIVATION, "layers.") for r, p in stages[s].items()} for s in ("GPipe", "1F1B"))
+    gpipe, one = ({r: most_alive(p.ledger, Category.ACTIVATION, "layers.") for r, p in stages[s].items()} for s in ("GPipe", "1F1B"))
     assert gpipe[0] == 2 * one[0] > 0 and gpipe[1] == 4 * one[1] > 0
 
 
