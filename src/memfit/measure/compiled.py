@@ -135,19 +135,21 @@ def _fresh_backend(name: str) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _configured(memory_budget: float, fake_cuda: bool) -> Iterator[None]:
+def _configured(memory_budget: float, no_caches: bool) -> Iterator[None]:
     """torch's configs as a compile at ``memory_budget`` needs them, restored on the way out
     (``config.patch`` puts back exactly what was there). The recompile limit is raised: each
-    budget memfit tries is a compile of the same code. With fake CUDA loaded, torch believes a
-    GPU is there, and the compile caches' keys read properties of it that the fake one lacks:
-    the caches are off (the code generated is the same, compiled afresh)."""
+    budget memfit tries is a compile of the same code. ``no_caches``: the compile caches off
+    (the code generated is the same, compiled afresh), for two reasons. With fake CUDA loaded,
+    torch believes a GPU is there, and the caches' keys read properties of it that the fake one
+    lacks. On fake tensors the kernels are not run, and no graph compiled without them may be
+    kept for a compile of the user's."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     limits = {k: 10**6 for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, k)}
-    caches = {"fx_graph_cache": False, "fx_graph_remote_cache": False} if fake_cuda else {}
-    autograd_cache = {"enable_autograd_cache": False} if fake_cuda else {}
+    caches = {"fx_graph_cache": False, "fx_graph_remote_cache": False} if no_caches else {}
+    autograd_cache = {"enable_autograd_cache": False} if no_caches else {}
     with (
         functorch_config.patch(activation_memory_budget=memory_budget, **autograd_cache),
         dynamo_config.patch(**limits),
@@ -411,8 +413,7 @@ def _run_compiled(
     with step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets) as box:
         run = replace(box, model=torch.compile(box.model, backend=compile_fn))
         graphs0, breaks0 = _dynamo_counts()
-        # fake: the caches off as on fake CUDA, so no graph compiled without its kernels is kept
-        with box.active(), kernels, _configured(budget, fake_cuda or fake):
+        with box.active(), kernels, _configured(budget, no_caches=fake_cuda or fake):
             t0 = time.process_time()
             run.step(loss_fn)
             compile_s = time.process_time() - t0
