@@ -14,7 +14,8 @@ kernel. Three pieces make a training step run there as a CUDA build would run it
 3. ``F.scaled_dot_product_attention`` on CUDA tensors calls the kernel a CUDA build picks
    (flash, else memory-efficient, else the math composite). A global patch, not a
    TorchFunctionMode: modes are per thread, and a checkpoint's recompute must pick the
-   kernel the forward picked.
+   kernel the forward picked. Inside :func:`host_attention_as_cuda` it does so on host
+   tensors too (a fake-CUDA step compiled on the host).
 
 This module imports no torch at import time (it must run before torch is imported); every
 private torch name it touches is here, and ``tests/test_fake_cuda.py`` checks them.

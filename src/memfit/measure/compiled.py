@@ -16,11 +16,14 @@ The figure is the allocator's live bytes: their peak over the step's start is th
 as memfit's eager profile reports it. On fake CUDA, the same allocation sequence is replayed
 through the caching allocator model (:mod:`memfit.cuda.allocator`), which adds CUDA's rounding
 and segments; what it cannot add is what depends on the backend (see ``docs/benchmarks/compile.md``):
-inductor's CPU (C++/OpenMP) code fuses differently from its Triton code, and CUDA picks other
-attention kernels.
+inductor's CPU (C++/OpenMP) code fuses differently from its Triton code. Attention is CUDA's: a
+fake-CUDA step is compiled with the kernel a CUDA build picks
+(:func:`memfit.cuda.fake.host_attention_as_cuda`).
 
-Where the compiled step cannot be run (fake tensors on the host: generated kernels need real
-memory), :func:`profile_compiled_step` falls back to the eager profile, labelled as such.
+A fake step (fake CPU or fake CUDA) is compiled and run on fake host tensors, inductor's kernels
+not run (:mod:`memfit.compat.inductor_fake`); what kernels allocate inside themselves is counted as
+memfit's eager fake profile counts it (:class:`_Scratch`). Where this torch cannot do that, a fake
+CPU step falls back to the eager profile, labelled as such.
 """
 
 from __future__ import annotations
