@@ -140,3 +140,34 @@ def test_fake_cuda_compiled_attention_is_the_kernel_cuda_picks(fake_cuda):
             assert got["saved"] < weights / 2, (case, got)
         else:
             assert got["saved"] >= weights, (case, got)
+
+
+FIRST_HOST_COMPILE = """
+import json
+import memfit
+import torch
+from torch._inductor.codecache import CacheBase
+from memfit.measure.checked import checked_step
+from memfit.measure.compiled import profile_compiled_step
+
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+x = torch.randn(8, 16)
+out = {}
+for fake in (True, False):
+    CacheBase.get_system.cache_clear()  # as in a process whose first compile is this one
+    p = profile_compiled_step(checked_step(model, x, fake=fake))
+    out[str(fake)] = [p.fallback, p.graphs, p.step_peak_bytes]
+print(json.dumps(out))
+"""
+
+
+def test_a_host_compile_works_with_fake_cuda_loaded(fake_cuda):
+    """With fake CUDA loaded in the process (MEMFIT_FAKE_CUDA=1), a fake CPU or real CPU step
+    compiles as it does without it. It failed in inductor's cache key, which reads the GPU's
+    properties (``gcnArchName``, which the fake device lacks), unless a fake-CUDA compile had
+    run first in the process."""
+    done = fake_cuda.script(FIRST_HOST_COMPILE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for fake, (fallback, graphs, peak) in out.items():
+        assert fallback is None and graphs == 1 and peak > 0, (fake, out)

@@ -428,7 +428,9 @@ def profile_compiled_step(
     why = inductor_fake.unavailable() if step.fake else None
     if step.fake and not step.fake_cuda and why:
         return _eager_fallback(step, backend, budget, f"fake host tensors cannot run compiled code here: {why}")
-    if step.fake_cuda:
+    if step.fake_cuda or cuda_fake.active():
+        # fake CUDA loaded in this process (MEMFIT_FAKE_CUDA=1) breaks any host compile's cache key,
+        # a fake CPU or real CPU step's too
         torch_compat.host_compile_system_info()
     run_on = Where.FAKE if step.fake and why is None else Where.REAL
     host = step.on(run_on) if step.fake_cuda else step
