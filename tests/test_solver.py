@@ -89,3 +89,19 @@ def test_rows_are_each_options_delta_at_each_tick():
     got = _deltas(options, pairs, ticks)
     want = [[_delta(o, t) for o in options] + [p.delta(t) for p in pairs] for t in ticks]
     assert got.tolist() == want
+
+
+def test_pooled_times_without_times_are_none_and_with_times_pool_the_repeats():
+    """A fake profile's modules have no times: pooling returns them as they are (and skips
+    grouping the ledger's ops, most of its work); measured times of identical blocks still
+    become their median."""
+    from memfit.plan.candidates import pooled_times
+
+    work = zoo.build("gpt", n_layer=3, batch_size=2)
+    prof = measure_profile(work.model, work.inputs, loss_fn=work.loss_fn, fake=True)
+    none = {n: None for n in prof.modules}
+    assert pooled_times(prof.ledger, none) == (none, 0.0)
+    blocks = [f"transformer.h.{i}" for i in range(3)]
+    timed = {**none, **dict(zip(blocks, (1.0, 2.0, 6.0)))}
+    pooled, spread = pooled_times(prof.ledger, timed)
+    assert [pooled[n] for n in blocks] == [2.0, 2.0, 2.0] and spread == (6.0 - 1.0) / 2.0
