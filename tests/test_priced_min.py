@@ -48,15 +48,23 @@ def test_priced_min_beside_the_verified_one(layers):
     assert "min_peak_verified" not in verified.to_dict()  # a verified P_min: the JSON as before
 
 
-def test_infeasible_budget_still_runs_p_min():
+def test_infeasible_budget_still_runs_p_min(monkeypatch):
     # below every plan: the cheapest plan cannot verify, so P_min is run and the budget refused by it
     from memfit.errors import BudgetInfeasibleError
+    from memfit.plan.solver import Problem
 
+    # The min-peak solve whose plan is only priced takes other HiGHS options (solver._PRICED); once
+    # the lowest plan is to be run, it is solved again as a plan that is run always was.
+    solves: list[bool] = []
+    real = Problem.min_peak
+    monkeypatch.setattr(Problem, "min_peak", lambda self, priced=False: solves.append(priced) or real(self, priced))
     # (one layer: below every plan at any depth; each call profiles and runs P_min per op)
     with pytest.raises(BudgetInfeasibleError) as priced:
         plan_ranks(_llama(1), 1, world_size=2)
+    assert solves == [True, False]
     with pytest.raises(BudgetInfeasibleError) as verified:
         plan_ranks(_llama(1), 1, world_size=2, verify_min=True)
+    assert solves == [True, False, False]
     assert priced.value.min_peak_bytes == verified.value.min_peak_bytes > 1
 
 

@@ -47,3 +47,61 @@ def test_every_solve_is_bounded_by_nodes_not_by_the_clock(monkeypatch):
     for options in seen:
         assert options.get("node_limit") == 5_000, options
         assert options.get("time_limit", float("inf")) >= 600, options
+
+
+def test_a_priced_lowest_peak_is_the_lowest_peak_of_a_plan_to_run(monkeypatch):
+    """``min_peak(priced=True)`` (P_min priced on the ledger, its plan never run) solves
+    without HiGHS's feasibility-jump heuristic, faster on a rank's dense rows; its peak is the
+    same as the solve whose plan is run, and that solve is left as it was."""
+    seen: list[dict] = []
+    real = scipy.optimize.milp
+
+    def spy(*args, **kwargs):
+        seen.append(dict(kwargs.get("options") or {}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "milp", spy)
+    for problem in _problems(0.0):
+        run, priced = problem.min_peak(), problem.min_peak(priced=True)
+        assert priced.model_peak_bytes == run.model_peak_bytes == problem.model_peak(priced.chosen)
+        assert priced.model_peak_bytes < problem.model_peak([])
+    assert "mip_heuristic_run_feasibility_jump" not in seen[0]
+    assert seen[1]["mip_heuristic_run_feasibility_jump"] is False and seen[1]["node_limit"] == 5_000
+
+
+def test_rows_are_each_options_delta_at_each_tick():
+    """The memory rows are built a column at a time over every tick (numpy), not by a call
+    per cell: the same integers as :func:`_delta` and the pair columns' own ``delta`` give,
+    at every tick of a step with pair columns and copies."""
+    from memfit.plan.solver import _delta, _deltas
+
+    work = zoo.build("resnet", batch_size=2, image_size=16, base=8, depths=(1, 1, 1, 1))  # pair columns and copies; gpt's: held inputs
+    prof = measure_profile(work.model, work.inputs, loss_fn=work.loss_fn, fake=True)
+    calls = {n: m.calls for n, m in prof.modules.items()}
+    cands = build_candidates(prof.ledger, {n: None for n in prof.modules}, rates=DeviceRates.for_device("cpu"), calls=calls)
+    problem = Problem(prof.ledger.curve(), prof.ledger.start_bytes, cands.options)
+    options, pairs = problem.options, problem.pairs
+    (gpt,) = _problems(0.0)
+    assert pairs and any(o.copies for o in options) and any(o.held_bytes for o in gpt.options)
+    ticks = list(range(-1, len(gpt.curve) + 2))
+    assert _deltas(gpt.options, [], ticks).tolist() == [[_delta(o, t) for o in gpt.options] for t in ticks]
+    ticks = list(range(-1, len(problem.curve) + 2))
+    got = _deltas(options, pairs, ticks)
+    want = [[_delta(o, t) for o in options] + [p.delta(t) for p in pairs] for t in ticks]
+    assert got.tolist() == want
+
+
+def test_pooled_times_without_times_are_none_and_with_times_pool_the_repeats():
+    """A fake profile's modules have no times: pooling returns them as they are (and skips
+    grouping the ledger's ops, most of its work); measured times of identical blocks still
+    become their median."""
+    from memfit.plan.candidates import pooled_times
+
+    work = zoo.build("gpt", n_layer=3, batch_size=2)
+    prof = measure_profile(work.model, work.inputs, loss_fn=work.loss_fn, fake=True)
+    none = {n: None for n in prof.modules}
+    assert pooled_times(prof.ledger, none) == (none, 0.0)
+    blocks = [f"transformer.h.{i}" for i in range(3)]
+    timed = {**none, **dict(zip(blocks, (1.0, 2.0, 6.0)))}
+    pooled, spread = pooled_times(prof.ledger, timed)
+    assert [pooled[n] for n in blocks] == [2.0, 2.0, 2.0] and spread == (6.0 - 1.0) / 2.0

@@ -7,7 +7,9 @@ where it runs as ``parallel=`` (a :class:`~memfit.workload.Parallel`), ``world_s
 it is (real tensors, or fake ones with ``fake=``); with one, each asked-for rank's step is
 parallelized and measured on torch's fake process group and fake tensors, and the answer has a
 row per rank. The mechanisms differ (a rank's step is built, sharded and run on a fake group);
-the question, its arguments and its result types are one.
+the question and its arguments are one, and the answers read alike: a single device's
+:class:`~memfit.measure.profile.Profile` is rank 0 of a world of one (``profiles``,
+``worst_rank``), and both recipes are a :class:`~memfit.levers.recipe.FitRecipe`.
 
 Each function here is that dispatch and nothing else: the single-device functions
 (:mod:`memfit.measure.profile`, :mod:`memfit.plan.planner`, :mod:`memfit.levers.fit`,

@@ -83,7 +83,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     ``memfit.fit`` (or ``memfit.max_batch``) asked, the recipe drawn and written."""
     from memfit.levers.fit import fit_budget, parse_allow
     from memfit.levers.rank_fit import parse_rank_allow
-    from memfit.report.console import progress_bar, render_fit, render_max_batch, render_rank_fit
+    from memfit.report.console import progress_bar, render_fit, render_max_batch
 
     raw, label = read_budget(ns)
     budget = fit_budget(raw)  # bad budgets and lever names fail before any work
@@ -119,7 +119,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
         with progress_bar(console, f"fitting {work.name}{per}") as progress:
             recipe = memfit.fit(model, inputs, progress=progress, **common)
     recipe.budget = label
-    (render_rank_fit if per_rank else render_fit)(recipe, console, title=work.name, path=ns.json)  # type: ignore[operator]
+    render_fit(recipe, console, title=work.name, path=ns.json)
     if ns.json:
         Path(ns.json).write_text(recipe.to_json())
         console.print(f"wrote {ns.json}")

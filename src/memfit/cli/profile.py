@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
 def run(ns: argparse.Namespace, console: Console) -> int:
     """One path for one device and for ranks of a world (``--world-size``): the target built,
     ``memfit.profile`` asked, its answer drawn and written."""
-    from memfit.report.console import render_profile, render_ranks
+    from memfit.report.console import render_profile
 
     read_memory_budgets(ns)  # --memory-budget alone, or a bad value: refused before any work
     if ns.compile:
@@ -70,16 +70,15 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     work = workload(ns, per_rank=per_rank)
     ranks = read_ranks(ns.ranks, ns.world_size) if per_rank else None
     result = profile_work(work, ns.device, console, step=step, gpu=gpu, capacity=capacity, world_size=ns.world_size, ranks=ranks)
-    shown = result.profiles[result.worst_rank] if per_rank else result
-    for prof in result.profiles.values() if per_rank else (result,):
+    # one device is rank 0 of a world of one (Profile.profiles): the same reading for both
+    shown = result.profiles[result.worst_rank]
+    for prof in result.profiles.values():
         prof.meta.update({"target": ns.target, **({} if per_rank else work.meta)})
-    if per_rank:
-        render_ranks(result, console, title=work.name, top=ns.top)
+    title = work.name + step_label(step)
+    render_profile(result, console, title=title, top=ns.top)
+    _layers_note(result, work, console)
+    if per_rank:  # the pictures show the worst rank's step
         title = f"{work.name}, rank {result.worst_rank} of {ns.world_size}"
-        _layers_note(result, work, console)
-    else:
-        title = work.name + step_label(step)
-        render_profile(result, console, title=title, top=ns.top)
     if ns.json:
         Path(ns.json).write_text(result.to_json())
         console.print(f"wrote {ns.json}")

@@ -14,7 +14,8 @@ kernel. Three pieces make a training step run there as a CUDA build would run it
 3. ``F.scaled_dot_product_attention`` on CUDA tensors calls the kernel a CUDA build picks
    (flash, else memory-efficient, else the math composite). A global patch, not a
    TorchFunctionMode: modes are per thread, and a checkpoint's recompute must pick the
-   kernel the forward picked.
+   kernel the forward picked. Inside :func:`host_attention_as_cuda` it does so on host
+   tensors too (a fake-CUDA step compiled on the host).
 
 This module imports no torch at import time (it must run before torch is imported); every
 private torch name it touches is here, and ``tests/test_fake_cuda.py`` checks them.
@@ -31,6 +32,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,7 @@ __all__ = [
     "cache_dir",
     "build",
     "set_gpu",
+    "host_attention_as_cuda",
 ]
 
 ENV_FLAG = "MEMFIT_FAKE_CUDA"
@@ -68,7 +72,7 @@ class FakeCudaError(MemfitError):
 DEFAULT_GPU = GPUS["H100-80GB"]
 """The GPU fake CUDA answers for unless told another (:func:`set_gpu`, ``--gpu``)."""
 
-_state: dict[str, Any] = {"enabled": False, "failure": None, "gpu": DEFAULT_GPU}
+_state: dict[str, Any] = {"enabled": False, "failure": None, "gpu": DEFAULT_GPU, "host_as_cuda": False}
 
 
 def active() -> bool:
@@ -482,13 +486,30 @@ def _patch_sdpa(torch: Any) -> None:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> Any:
-        if query.device.type != "cuda":
+        if query.device.type != "cuda" and not _state["host_as_cuda"]:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return cuda_sdpa(torch, original, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     scaled_dot_product_attention.__memfit_fake_cuda__ = True  # type: ignore[attr-defined]
     scaled_dot_product_attention.__doc__ = original.__doc__
     F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+@contextmanager
+def host_attention_as_cuda() -> Iterator[None]:
+    """Inside, SDPA on host (CPU) tensors calls the kernel a CUDA build would pick, as on CUDA
+    tensors. For a fake-CUDA step compiled on fake host tensors (``memfit.measure.compiled``):
+    dynamo traces this function, so the graph AOTAutograd partitions holds CUDA's attention op
+    (flash or memory-efficient: the output, logsumexp and RNG state saved, not the T x T
+    weights), whose meta kernel gives its outputs on any device; and inductor calls it as an
+    extern kernel, run on fake tensors only. The CPU's choice (math with dropout) would save
+    the weights. Outside, a host tensor takes the CPU's kernel (a fake CPU step is the CPU's)."""
+    before = _state["host_as_cuda"]
+    _state["host_as_cuda"] = True
+    try:
+        yield
+    finally:
+        _state["host_as_cuda"] = before
 
 
 def sdpa_kernel(query: Any, key: Any, value: Any, attn_mask: Any, enable_gqa: bool, capability: tuple[int, int]) -> str:
@@ -531,18 +552,25 @@ def cuda_sdpa(
     enable_gqa: bool,
 ) -> Any:
     """SDPA on CUDA tensors as a CUDA build runs it: autocast's cast (the kernels are not on
-    its lists; SDPA is), then the chosen kernel's aten op (what it allocates and saves)."""
-    if torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
+    its lists; SDPA is), then the chosen kernel's aten op (what it allocates and saves). On
+    host tensors (:func:`host_attention_as_cuda`) the math kernel is called by name: the host's
+    SDPA would pick its own (flash without dropout)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
 
         def cast(t: Any) -> Any:
             return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
 
         query, key, value, attn_mask = cast(query), cast(key), cast(value), cast(attn_mask)
     kernel = sdpa_kernel(query, key, value, attn_mask, enable_gqa, gpu().capability)
+    aten = torch.ops.aten
+    if kernel == "math" and device != "cuda":
+        return aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
     if kernel == "math":
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    aten = torch.ops.aten
     if kernel == "flash":
         d = query.size(-1)
         pad = (8 - d % 8) % 8  # the composite pads the head dim to a multiple of 8 for flash

@@ -68,7 +68,7 @@ from memfit.errors import BudgetError, BudgetInfeasibleError, MemfitError, PlanE
 from memfit.levers import catalog
 from memfit.levers.catalog import Combo, Reason, Situation, Why, microbatch
 from memfit.levers.recipe import LEVERS, Decision, Measurement, Prediction, Provenance, Recipe, WhatIf, describe
-from memfit.levers.ties import TIE, Candidate, simplest_of_fastest, what_if_order
+from memfit.levers.ties import TIE, Candidate, choose, infeasible, what_if_order
 from memfit.measure.checked import checked_step
 from memfit.measure.ledger import Phase
 from memfit.measure.profile import Profile, Progress, allocator_settings_from_env, run_step
@@ -577,9 +577,9 @@ class _Search:
                 remove(self.model)
 
 
-def _choose(cands: list[Candidate[Combo]], key: Callable[[Candidate[Combo]], float] = lambda c: c.time_s) -> Candidate[Combo]:
+def _simpler(c: Candidate[Combo]) -> tuple:
     # then fewer micro-batches: bigger ones keep the device busier, which noise can hide
-    return simplest_of_fastest(cands, key, lambda c: (len(c.levers), c.choice.micro_batches, key(c)))
+    return (len(c.levers), c.choice.micro_batches)
 
 
 def fit(
@@ -735,18 +735,15 @@ def _weigh(search: _Search, singles: list[Combo], combos: list[Combo], left_out:
 
 
 def _infeasible(search: _Search, peak: int, combo: Combo, left_out: dict[str, Reason]) -> BudgetInfeasibleError:
-    target = search.budget
-    opt_in = [lever for lever in OPT_IN_LEVERS if lever not in search.situation.allowed]
-    return BudgetInfeasibleError(
-        f"budget {format_bytes(target)} is below the lowest peak memfit can reach with the levers allowed: "
-        f"{format_bytes(peak)} ({peak} bytes) with {search.label(combo)}"
-        + ("; " if combo.offload else " and recompute; ")  # offload is not combined with recompute
-        + f"as it is the step peaks at {format_bytes(search.peaks[search.base])}"
-        # the one line a refused budget prints: say why micro-batches were not weighed
-        + (f"; micro-batching left out: {left_out['microbatch']}" if "microbatch" in left_out else "")
-        + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
-        min_peak_bytes=peak,
-        budget_bytes=target,
+    # the one line a refused budget prints: say why micro-batches were not weighed
+    left = [f"micro-batching left out: {left_out['microbatch']}"] if "microbatch" in left_out else []
+    return infeasible(
+        search.budget,
+        peak,
+        search.label(combo) + ("" if combo.offload else " and recompute"),  # offload is not combined with recompute
+        f"as it is the step peaks at {format_bytes(search.peaks[search.base])}",
+        hints=left,
+        opt_in=[lever for lever in OPT_IN_LEVERS if lever not in search.situation.allowed],
     )
 
 
@@ -754,7 +751,7 @@ def _choose_best(search: _Search, queue: _Queue, notes: list[str]) -> Candidate[
     """4. The few predicted fastest, for real (on fake CUDA, by their predicted times)."""
     search.report.start(3)
     if search.fake_cuda:
-        best = _choose(queue.cands)  # by predicted time: nothing runs on fake tensors
+        best = choose(queue.cands, _simpler)  # by predicted time: nothing runs on fake tensors
         search.chosen_by = "the predictions"
     else:
         best = _time_candidates(search, queue, notes)
@@ -980,7 +977,7 @@ class _Queue:
     def bound(self) -> float | None:
         """No combination predicted slower than this (without recompute, which only adds)
         can change which candidates :func:`_time_candidates` runs: they are the one
-        :func:`_choose` picks among those within :data:`~memfit.levers.ties.TIE` of the fastest, and the
+        :func:`~memfit.levers.ties.choose` picks among those within :data:`~memfit.levers.ties.TIE` of the fastest, and the
         fastest others within :data:`_MARGIN`, :data:`_MAX_TIMED` in all."""
         if not self.cands:
             return None
@@ -1018,7 +1015,7 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> Candid
     cands = queue.cands
     fastest = min(c.time_s for c in cands)
     pool = sorted((c for c in cands if c.time_s <= fastest * (1 + _MARGIN)), key=lambda c: c.time_s)
-    pick = _choose(pool)
+    pick = choose(pool, _simpler)
     finalists = [pick] + [c for c in pool if c is not pick][: _MAX_TIMED - 1]
     base = search.times.base
     threshold = None
@@ -1071,10 +1068,10 @@ def _time_candidates(search: _Search, queue: _Queue, notes: list[str]) -> Candid
             f"step times on this host spread by {worst:.0%} while fit measured them (after a retry): too noisy to rank "
             f"{len(ran)} recipes predicted within {_MARGIN:.0%} of each other, so the cost model's predictions chose"
         )
-        best = _choose(ran)
+        best = choose(ran, _simpler)
         search.chosen_by = "the predictions"
     else:
-        best = _choose(ran, key=lambda c: c.measured_s)
+        best = choose(ran, _simpler, measured=True)
     if best.measured is not None and best.measured.peak_bytes is None:
         search.report(f"recording the peak of {search.label(best.choice, best.plan)}")
         got = search.run(best, 0)
@@ -1091,22 +1088,9 @@ def _what_if(search: _Search, singles: list[Combo], base: Combo, best: Candidate
 
     def row(combo: Combo, plan: Plan | None, peak: int, seconds: float | None, fits: bool, note: str = "") -> WhatIf:
         cand = timed.pop((combo, plan is not None and bool(plan.checkpointed)), None)
-        levers = search.levers(combo, plan)
         if cand is None:
-            return WhatIf(search.label(combo, plan), levers, peak, seconds, fits, note=note)
-        m = cand.measured
-        assert m is not None
-        return WhatIf(
-            search.label(cand.choice, cand.plan),
-            cand.levers,
-            cand.peak_bytes,
-            cand.time_s,
-            True,
-            m.peak_bytes,
-            None if math.isinf(m.median) else m.median,
-            note=note,
-            chosen=cand is best,
-        )
+            return WhatIf(search.label(combo, plan), search.levers(combo, plan), peak, seconds, fits, note=note)
+        return cand.row(search.label(cand.choice, cand.plan), chosen=cand is best, note=note)
 
     for combo in singles:
         peak = search.peaks[combo]

@@ -47,7 +47,7 @@ from memfit.levers.catalog.base import opt_in as opt_in_reason
 from memfit.levers.fit import fit_budget
 from memfit.levers.max_batch import BatchLimit, MaxBatch, _largest, largest_of
 from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_reshards
-from memfit.levers.ties import Candidate, simplest_of_fastest, what_if_order
+from memfit.levers.ties import Candidate, choose, infeasible, what_if_order
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
 from memfit.measure.pipeline import refuse_pipelined
@@ -409,7 +409,7 @@ def fit_ranks(
             weighing.variant(_Setting(None, reduce, expandable=True))
     if not weighing.cands:
         raise _infeasible(search, weighing, allowed, left_out)
-    best = _choose(weighing.unique())
+    best = choose(weighing.unique(), _simpler)
     for lever, why in _unused(best).items():
         if lever not in best.levers and lever not in left_out:
             left_out[lever] = why
@@ -516,15 +516,16 @@ def _infeasible(
     search: _RankSearch, weighing: _Weighing, allowed: set[str], left_out: dict[str, Reason]
 ) -> BudgetInfeasibleError:
     assert weighing.lowest is not None
-    lowest, base = weighing.lowest, _Setting()
-    opt_in = [lever for lever in OPT_IN_RANK_LEVERS if lever not in allowed and lever in left_out]
-    return BudgetInfeasibleError(
-        f"budget {format_bytes(search.budget)} per rank is below the lowest peak memfit reaches at {search.n} ranks with the "
-        f"levers allowed: {format_bytes(lowest[0])} ({lowest[0]} bytes) with {lowest[1]}; as it is rank "
-        f"{search.profiled(base).worst_rank} peaks at {format_bytes(search.peak(base))}; more ranks shard more"
-        + (f"; levers that change the numerics may go lower: allow {','.join(opt_in)}" if opt_in else ""),
-        min_peak_bytes=lowest[0],
-        budget_bytes=search.budget,
+    (peak, label), base = weighing.lowest, _Setting()
+    return infeasible(
+        search.budget,
+        peak,
+        label,
+        f"as it is rank {search.profiled(base).worst_rank} peaks at {format_bytes(search.peak(base))}",
+        per=" per rank",
+        reach=f"reaches at {search.n} ranks",
+        hints=["more ranks shard more"],
+        opt_in=[lever for lever in OPT_IN_RANK_LEVERS if lever not in allowed and lever in left_out],
     )
 
 
@@ -587,14 +588,11 @@ def _allocated(search: _RankSearch, best: Candidate[_Setting]) -> int | None:
     return max(p.peak_bytes for p in search.profiled(best.choice).profiles.values())
 
 
-def _choose(cands: list[Candidate[_Setting]]) -> Candidate[_Setting]:
+def _simpler(c: Candidate[_Setting]) -> tuple:
     """The fastest predicted; a lever that changes the numerics only when it is more than
-    :data:`~memfit.levers.ties.TIE` faster than the fastest without one (as fit chooses among near-ties)."""
-    return simplest_of_fastest(
-        cands,
-        lambda c: c.time_s,
-        lambda c: (sum(lev in OPT_IN_RANK_LEVERS for lev in c.levers), c.time_s, len(c.levers), c.peak_bytes),
-    )
+    :data:`~memfit.levers.ties.TIE` faster than the fastest without one (as fit chooses among near-ties);
+    at the same time, fewer levers and the lower peak."""
+    return (sum(lev in OPT_IN_RANK_LEVERS for lev in c.levers), c.time_s, len(c.levers), c.peak_bytes)
 
 
 def _fsdp_args(fsdp: FSDP2, blocks: list[str]) -> dict[str, Any]:
@@ -609,7 +607,7 @@ def _fsdp_args(fsdp: FSDP2, blocks: list[str]) -> dict[str, Any]:
 
 def _what_if(search: _RankSearch, cands: list[Candidate[_Setting]], best: Candidate[_Setting]) -> list[WhatIf]:
     """Every setting weighed: those that fit (fastest first), then those over the budget."""
-    rows = [WhatIf(search.label(c.choice, c.plan), c.levers, c.peak_bytes, c.time_s, True, chosen=c is best) for c in cands]
+    rows = [c.row(search.label(c.choice, c.plan), chosen=c is best) for c in cands]
     shown = {(c.choice, c.plan is not None) for c in cands}
     over = []
     for s, prof in search.profiles.items():

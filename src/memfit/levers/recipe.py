@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from memfit.errors import PlanError
 from memfit.levers import catalog
@@ -20,7 +20,7 @@ from memfit.plan.result import Plan, parse_json, read_versioned
 from memfit.units import format_bytes
 
 __all__ = [
-    *("Recipe", "Decision", "Prediction", "Measurement", "Provenance"),
+    *("FitRecipe", "Recipe", "Decision", "Prediction", "Measurement", "Provenance"),
     *("RankRecipe", "RankDecision", "RankPrediction", "RankProvenance"),
     *("WhatIf", "RECIPE_FORMAT", "RECIPE_VERSION", "LEVERS", "RANK_LEVERS"),
 ]
@@ -53,32 +53,79 @@ class WhatIf:
     chosen: bool = False
 
 
-def choice_fields(
-    levers: Sequence[str], plan: Plan | None, what_if: Sequence[WhatIf], left_out: dict[str, Reason]
-) -> dict[str, Any]:
-    """The JSON of what a recipe chose (levers, plan, the options weighed, why the others were
-    not used): a single device's :class:`Recipe` and a rank's (:class:`RankRecipe`) write them alike."""
-    return {
-        "levers": list(levers),
-        "plan": plan.to_dict() if plan is not None else None,
-        "what_if": [{**asdict(w), "levers": list(w.levers)} for w in what_if],
-        "left_out": {lever: reason_json(why) for lever, why in left_out.items()},
-    }
+class _Reasons:
+    """A decision's ``left_out`` read into :class:`~memfit.levers.catalog.Reason` values once,
+    where the record is made: from recipe JSON (v2 objects, v1 sentences) or a caller's strings."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})  # type: ignore[attr-defined]
 
 
-def read_choice_fields(body: dict[str, Any], known: Collection[str], what: str) -> None:
-    """:func:`choice_fields` read back into ``body`` in place; a lever not in ``known`` is
-    refused, naming the ``what`` JSON it came from."""
-    body["levers"] = tuple(body["levers"])
-    unknown = [lever for lever in body["levers"] if lever not in known]
-    if unknown:
-        raise PlanError(f"{what} JSON names unknown lever {unknown[0]!r}")
-    body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
-    body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+R = TypeVar("R", bound="FitRecipe")
+
+
+class FitRecipe(Sectioned):
+    """What a fit chose, on one device (:class:`Recipe`) or for each rank of a world
+    (:class:`RankRecipe`): the same records under the same names (:attr:`decision`:
+    ``budget_bytes``, ``levers``, ``plan``, ``left_out``, ``budget``, ``allocator_conf``;
+    :attr:`prediction`: ``predicted_peak_bytes``, ``predicted_step_time_s``,
+    ``base_peak_bytes``, ``allocated_peak_bytes``, ``what_if``; :attr:`provenance`:
+    ``batch_size``, ``device``, ``fit_time_s``, ``notes``, ``search``), saved as versioned JSON
+    alike. What differs is what the levers are (:data:`LEVERS` or :data:`RANK_LEVERS`), the
+    per-rank rows and ``fully_shard``'s arguments of a rank's recipe, and a single device's
+    measurement (a rank's step runs on a fake process group: nothing is measured)."""
+
+    FORMAT: ClassVar[str]
+    VERSION: ClassVar[int]
+    KNOWN: ClassVar[Collection[str]]
+    """The levers its JSON may name."""
+    WHAT: ClassVar[str]
+    """What its JSON is called in a refusal: ``"recipe"``, ``"per-rank recipe"``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.flat()
+        plan: Plan | None = data["plan"]
+        data["levers"] = list(data["levers"])
+        data["plan"] = plan.to_dict() if plan is not None else None
+        data["what_if"] = [{**asdict(w), "levers": list(w.levers)} for w in data["what_if"]]
+        data["left_out"] = {lever: reason_json(why) for lever, why in data["left_out"].items()}
+        self._write(data)
+        return {"format": self.FORMAT, "version": self.VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any) -> R:
+        body = read_versioned(data, cls.FORMAT, cls.VERSION, cls.WHAT)
+        try:
+            body["levers"] = tuple(body["levers"])
+            unknown = [lever for lever in body["levers"] if lever not in cls.KNOWN]
+            if unknown:
+                raise PlanError(f"{cls.WHAT} JSON names unknown lever {unknown[0]!r}")
+            body["plan"] = Plan.from_dict(body["plan"]) if body.get("plan") is not None else None
+            body["what_if"] = [WhatIf(**{**w, "levers": tuple(w["levers"])}) for w in body.get("what_if", [])]
+            cls._read(body)
+            return cls(**body)
+        except PlanError:
+            raise
+        except Exception as exc:  # a corrupt file: missing keys, wrong types
+            raise PlanError(f"{cls.WHAT} JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def from_json(cls: type[R], text: str) -> R:
+        return cls.from_dict(parse_json(text, cls.WHAT))
+
+    def _write(self, data: dict[str, Any]) -> None:
+        """The JSON of the fields that are not plain values, in place."""
+
+    @classmethod
+    def _read(cls, body: dict[str, Any]) -> None:
+        """:meth:`_write` undone, in place; a bad value raises."""
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(_Reasons):
     """What :func:`memfit.fit` decided: the levers, the training step they make, the plan, and
     why every other lever was left out; for the budget it meets."""
 
@@ -99,10 +146,6 @@ class Decision:
     allocator_conf: str = ""
     """On CUDA: the ``PYTORCH_CUDA_ALLOC_CONF`` the predicted peak assumes (with the
     ``expandable_segments`` lever, the process's settings plus it)."""
-
-    def __post_init__(self) -> None:
-        # each reason gets its kind here, once: from recipe JSON (v2 objects, v1 sentences) or a caller's strings
-        object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})
 
 
 @dataclass(frozen=True)
@@ -171,7 +214,7 @@ class Provenance:
 
 
 @dataclass(init=False)
-class Recipe(Sectioned):
+class Recipe(FitRecipe):
     """What :func:`memfit.fit` chose, as four frozen records: :attr:`decision` (what to do),
     :attr:`prediction` (what it should do), :attr:`measurement` (what it did, run for real) and
     :attr:`provenance` (what it was fit for, and how the search went). Memory in bytes, times
@@ -184,6 +227,10 @@ class Recipe(Sectioned):
     measurement: Measurement
     provenance: Provenance
 
+    FORMAT: ClassVar[str] = RECIPE_FORMAT
+    VERSION: ClassVar[int] = RECIPE_VERSION
+    KNOWN: ClassVar[Collection[str]] = LEVERS
+    WHAT: ClassVar[str] = "recipe"
     RECORDS: ClassVar[dict[str, type]] = {
         "decision": Decision,
         "prediction": Prediction,
@@ -320,33 +367,15 @@ class Recipe(Sectioned):
 
     # -- JSON ---------------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
-        data = self.flat()
-        data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
+    def _write(self, data: dict[str, Any]) -> None:
         data["step"] = self.step.to_dict()
-        return {"format": RECIPE_FORMAT, "version": RECIPE_VERSION, **data}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, data: Any) -> Recipe:
-        body = read_versioned(data, RECIPE_FORMAT, RECIPE_VERSION, "recipe")
-        try:
-            read_choice_fields(body, LEVERS, "recipe")
-            body["step"] = StepOptions.from_dict(body["step"])
-            for name in ("budget_bytes", "predicted_peak_bytes", "base_peak_bytes"):
-                if isinstance(body[name], bool) or not isinstance(body[name], int):
-                    raise PlanError(f"recipe JSON: {name} must be an integer, got {body[name]!r}")
-            return cls(**body)
-        except PlanError:
-            raise
-        except Exception as exc:  # a corrupt file: missing keys, wrong types, a bad StepOptions
-            raise PlanError(f"recipe JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
-
-    @classmethod
-    def from_json(cls, text: str) -> Recipe:
-        return cls.from_dict(parse_json(text, "recipe"))
+    def _read(cls, body: dict[str, Any]) -> None:
+        body["step"] = StepOptions.from_dict(body["step"])
+        for name in ("budget_bytes", "predicted_peak_bytes", "base_peak_bytes"):
+            if isinstance(body[name], bool) or not isinstance(body[name], int):
+                raise PlanError(f"recipe JSON: {name} must be an integer, got {body[name]!r}")
 
 
 def describe(levers: tuple[str, ...], step: StepOptions, plan: Plan | None, *, optimizer_type: str = "") -> str:
@@ -392,7 +421,7 @@ def describe_reshards(root: bool, blocks: Sequence[bool]) -> str:
 
 
 @dataclass(frozen=True)
-class RankDecision:
+class RankDecision(_Reasons):
     """What :func:`fit_ranks` decided for every rank: the levers, ``fully_shard``'s arguments,
     the plan, and why the other levers were left out; for the per-rank budget it meets."""
 
@@ -413,9 +442,6 @@ class RankDecision:
     allocator_conf: str | None = None
     """Fake CUDA: the caching-allocator settings the reserved peaks are judged under (with the
     ``expandable_segments`` lever, the process's plus it)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "left_out", {lever: read_reason(why) for lever, why in self.left_out.items()})  # as Decision's
 
 
 @dataclass(frozen=True)
@@ -454,7 +480,7 @@ class RankProvenance:
 
 
 @dataclass(init=False)
-class RankRecipe(Sectioned):
+class RankRecipe(FitRecipe):
     """What :func:`fit_ranks` chose for each rank of a distributed step, as three frozen
     records: :attr:`decision`, :attr:`prediction` and :attr:`provenance` (no measurement:
     nothing runs on the fake process group). Memory in bytes (per rank), times in seconds.
@@ -464,6 +490,10 @@ class RankRecipe(Sectioned):
     prediction: RankPrediction
     provenance: RankProvenance
 
+    FORMAT: ClassVar[str] = RANK_RECIPE_FORMAT
+    VERSION: ClassVar[int] = RANK_RECIPE_VERSION
+    KNOWN: ClassVar[Collection[str]] = RANK_LEVERS
+    WHAT: ClassVar[str] = "per-rank recipe"
     RECORDS: ClassVar[dict[str, type]] = {"decision": RankDecision, "prediction": RankPrediction, "provenance": RankProvenance}
     FLAT: ClassVar[tuple[str, ...]] = (
         # the order of the fields when RankRecipe was one flat record: positional calls and the JSON keep it
@@ -541,30 +571,12 @@ class RankRecipe(Sectioned):
         ]
         return "\n".join(lines) + "\n"
 
-    def to_dict(self) -> dict[str, Any]:
-        data = self.flat()
-        data.update(choice_fields(self.levers, self.plan, self.what_if, self.left_out))
+    def _write(self, data: dict[str, Any]) -> None:
         data["rank_peak_bytes"] = {str(r): b for r, b in self.rank_peak_bytes.items()}
-        return {"format": RANK_RECIPE_FORMAT, "version": RANK_RECIPE_VERSION, **data}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, data: Any) -> RankRecipe:
-        body = read_versioned(data, RANK_RECIPE_FORMAT, RANK_RECIPE_VERSION, "per-rank recipe")
-        try:
-            read_choice_fields(body, RANK_LEVERS, "per-rank recipe")
-            body["rank_peak_bytes"] = {int(r): int(b) for r, b in body["rank_peak_bytes"].items()}
-            return cls(**body)
-        except PlanError:
-            raise
-        except Exception as exc:  # a corrupt file: missing keys, wrong types
-            raise PlanError(f"per-rank recipe JSON is missing or has malformed fields ({type(exc).__name__}: {exc})") from exc
-
-    @classmethod
-    def from_json(cls, text: str) -> RankRecipe:
-        return cls.from_dict(parse_json(text, "per-rank recipe"))
+    def _read(cls, body: dict[str, Any]) -> None:
+        body["rank_peak_bytes"] = {int(r): int(b) for r, b in body["rank_peak_bytes"].items()}
 
 
 def _torch_dtype(name: str | None) -> str:

@@ -25,6 +25,8 @@ class Sectioned:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "RECORDS" not in cls.__dict__:  # a base that names no records itself (FitRecipe)
+            return
         cls.WHERE = {f.name: attr for attr, record in cls.RECORDS.items() for f in dataclasses.fields(record)}
         if sorted(cls.WHERE) != sorted(cls.FLAT):  # a record's field missing from FLAT would not be saved
             raise TypeError(f"{cls.__name__}.FLAT must name every field of its records once")

@@ -16,11 +16,14 @@ The figure is the allocator's live bytes: their peak over the step's start is th
 as memfit's eager profile reports it. On fake CUDA, the same allocation sequence is replayed
 through the caching allocator model (:mod:`memfit.cuda.allocator`), which adds CUDA's rounding
 and segments; what it cannot add is what depends on the backend (see ``docs/benchmarks/compile.md``):
-inductor's CPU (C++/OpenMP) code fuses differently from its Triton code, and CUDA picks other
-attention kernels.
+inductor's CPU (C++/OpenMP) code fuses differently from its Triton code. Attention is CUDA's: a
+fake-CUDA step is compiled with the kernel a CUDA build picks
+(:func:`memfit.cuda.fake.host_attention_as_cuda`).
 
-Where the compiled step cannot be run (fake tensors on the host: generated kernels need real
-memory), :func:`profile_compiled_step` falls back to the eager profile, labelled as such.
+A fake step (fake CPU or fake CUDA) is compiled and run on fake host tensors, inductor's kernels
+not run (:mod:`memfit.compat.inductor_fake`); what kernels allocate inside themselves is counted as
+memfit's eager fake profile counts it (:class:`_Scratch`). Where this torch cannot do that, a fake
+CPU step falls back to the eager profile, labelled as such.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.compat import inductor_fake, torch_compat
+from memfit.cuda import fake as cuda_fake
+from memfit.cuda import gpu
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
+from memfit.measure import workspace
 from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import Phase
+from memfit.measure.recorder import BOOKKEEPING_OPS, _attention_backward_estimate
 from memfit.measure.sandbox import step_sandbox
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
@@ -94,6 +101,10 @@ class CompiledProfile:
     """On fake CUDA: the model's reserved peak."""
     events: tuple[tuple[int, int], ...] = ()
     """The step's allocations and frees in order: (key, +bytes) and (key, -bytes)."""
+    unmeasured_ops: int = 0
+    """A fake step: op calls whose kernel's own scratch is not in the figures (no measurement
+    of its kind, too large to run on zeros, or on fake CUDA no estimate), as the eager profile's
+    :attr:`~memfit.measure.ledger.Ledger.unmeasured_ops`."""
 
     @property
     def peak_bytes(self) -> int:
@@ -215,6 +226,8 @@ def _phase_marks(prof: Any) -> list[tuple[int, str]]:
 class _Recorded:
     events: list[tuple[int, int, int]]
     marks: list[tuple[int, str]]
+    unmeasured: int = 0
+    """Fake steps: op calls whose kernel's scratch has no figure (:class:`_Scratch`)."""
 
 
 def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
@@ -235,6 +248,42 @@ def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
     return _Recorded(_allocations(prof), _phase_marks(prof))
 
 
+class _Scratch:
+    """What a kernel allocates for itself and frees before it returns, for each op a fake
+    compiled step runs (inductor's extern and fallback kernels, the eager optimizer), counted
+    as memfit's eager fake profile counts it for the same op (``memfit.measure.recorder``):
+
+    - a fake CPU step: the figure a real step of this process measured for the op's kind
+      (:data:`memfit.measure.workspace.TABLE`), else the op run once on real zeros of its
+      shapes (:func:`memfit.measure.workspace.probe`: oneDNN's convolution backward scratch);
+    - a fake CUDA step (compiled on host tensors, so the host's figures are not CUDA's): the
+      estimate from torch's sources for SDPA's backward kernels, nothing for the rest.
+
+    An op left without a figure is counted in :attr:`unmeasured`."""
+
+    def __init__(self, fake_cuda: bool) -> None:
+        self.fake_cuda = fake_cuda
+        self.unmeasured = 0
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> int:
+        name = func.overloadpacket.__name__
+        if func.is_view or func.namespace in ("prim", "c10d") or name in BOOKKEEPING_OPS:
+            return 0  # no kernel that allocates (the eager recorder's rule)
+        if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            return 0  # the wrapper's empty_strided and other factories: nothing but their output
+        if self.fake_cuda:
+            if name in gpu.ATTENTION_BACKWARD_OPS:
+                return _attention_backward_estimate(name, args)
+            self.unmeasured += 1
+            return 0
+        known = workspace.TABLE.get(workspace.signature(func, args, kwargs))
+        if known is None:
+            known = workspace.probe(func, args, kwargs, workspace.TABLE)
+        if known is None:
+            self.unmeasured += 1
+        return known or 0
+
+
 class _FakeAllocations(TorchDispatchMode):
     """Every storage a fake step makes, and its end, in order: the fake counterpart of the
     allocator events the profiler reports on real tensors. With ``ignore_compile_internals``
@@ -242,9 +291,10 @@ class _FakeAllocations(TorchDispatchMode):
     sees what inductor's wrapper runs (its buffers, extern kernels, views), not the eager ops
     a dispatch mode would otherwise make dynamo fall back to."""
 
-    def __init__(self, start: dict[int, Any]) -> None:
+    def __init__(self, start: dict[int, Any], scratch: _Scratch) -> None:
         super().__init__()
         self.events: list[tuple[float, int, int]] = []
+        self.scratch = scratch
         self.live = {k: s.nbytes() for k, s in start.items()}
         self.open = True
         for k, st in start.items():  # a start storage freed in the step (a gradient set to None) is an event too
@@ -264,7 +314,12 @@ class _FakeAllocations(TorchDispatchMode):
             self.events.append((len(self.events) + 1, key, -nbytes))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        scratch = self.scratch(func, args, kwargs)
+        if scratch:  # alive across the op's outputs, as the eager ledger's workspace block
+            held = -3 - len(self.events)  # below the cuBLAS workspaces' keys; no storage's id
+            self.events.append((len(self.events) + 1, held, scratch))
+        out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
@@ -273,18 +328,20 @@ class _FakeAllocations(TorchDispatchMode):
                     self.live[key] = s.nbytes()
                     self.events.append((len(self.events) + 1, key, self.live[key]))
                     weakref.finalize(s, self._end, key)
+        if scratch:
+            self.events.append((len(self.events) + 1, held, -scratch))
         return out
 
 
-def _fake_recorded_step(box: Any, loss_fn: Any, start: dict[int, Any]) -> _Recorded:
+def _fake_recorded_step(box: Any, loss_fn: Any, start: dict[int, Any], fake_cuda: bool) -> _Recorded:
     """One step of a fake sandbox, its storages' births and ends in order (times are their
-    order), and a mark at each phase's start."""
+    order), kernels' scratch among them, and a mark at each phase's start."""
     marks: list[tuple[float, str]] = []
-    seen = _FakeAllocations(start)
+    seen = _FakeAllocations(start, _Scratch(fake_cuda))
     with seen:
         box.step(loss_fn, lambda phase: marks.append((seen.mark(), phase.value)))
     seen.open = False  # what the sandbox frees when it closes is not the step's
-    return _Recorded(list(seen.events), marks)  # type: ignore[arg-type]
+    return _Recorded(list(seen.events), marks, seen.scratch.unmeasured)  # type: ignore[arg-type]
 
 
 def _timeline(rec: _Recorded) -> tuple[int, int, dict[str, int]]:
@@ -371,7 +428,9 @@ def profile_compiled_step(
     why = inductor_fake.unavailable() if step.fake else None
     if step.fake and not step.fake_cuda and why:
         return _eager_fallback(step, backend, budget, f"fake host tensors cannot run compiled code here: {why}")
-    if step.fake_cuda:
+    if step.fake_cuda or cuda_fake.active():
+        # fake CUDA loaded in this process (MEMFIT_FAKE_CUDA=1) breaks any host compile's cache key,
+        # a fake CPU or real CPU step's too
         torch_compat.host_compile_system_info()
     run_on = Where.FAKE if step.fake and why is None else Where.REAL
     host = step.on(run_on) if step.fake_cuda else step
@@ -394,6 +453,7 @@ def profile_compiled_step(
         graphs=graphs,
         graph_breaks=breaks,
         compile_cpu_s=compile_s,
+        unmeasured_ops=rec.unmeasured,
     )
     if step.fake_cuda:
         allocated, reserved, keyed = _cuda_replay({**start, **_cublas_workspaces()}, rec.events, allocator or AllocatorSettings())
@@ -410,16 +470,19 @@ def _run_compiled(
     step's."""
     fake = step.fake
     kernels = inductor_fake.stubbed_kernels() if fake else contextlib.nullcontext()
+    # fake CUDA compiles on host tensors: attention must be the kernel a CUDA build picks, or the
+    # partitioner saves what the CPU's kernel needs (math with dropout: every T x T weight)
+    attention = cuda_fake.host_attention_as_cuda() if fake and fake_cuda else contextlib.nullcontext()
     with step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets) as box:
         run = replace(box, model=torch.compile(box.model, backend=compile_fn))
         graphs0, breaks0 = _dynamo_counts()
-        with box.active(), kernels, _configured(budget, no_caches=fake_cuda or fake):
+        with box.active(), kernels, attention, _configured(budget, no_caches=fake_cuda or fake):
             t0 = time.process_time()
             run.step(loss_fn)
             compile_s = time.process_time() - t0
             graphs1, breaks1 = _dynamo_counts()
             start = _start_storages(run)
-            rec = _fake_recorded_step(run, loss_fn, start) if fake else _recorded_step(run, loss_fn)
+            rec = _fake_recorded_step(run, loss_fn, start, fake_cuda) if fake else _recorded_step(run, loss_fn)
         if _dynamo_counts()[0] != graphs1:
             return "the recorded step compiled again (dynamic shapes or a guard that failed)"
     return _sizes(start), rec, graphs1 - graphs0, breaks1 - breaks0, compile_s

@@ -230,14 +230,14 @@ def _one_rank(
     """One rank's profile: from fewer layers where that is shown exact (:func:`layered_rank`),
     else the whole model's step (:func:`profile_rank`); ``out.layers`` says which and why."""
     got = layered_rank(workload, group, progress) if on_state is None else "its state was asked for"
-    if isinstance(got, rank_layers.RankLayers):
+    if isinstance(got, rank_layers.RankStep):
         out.layers[group.rank] = None
         return layered_profile(workload, group, got, start_limit)
     out.layers[group.rank] = got
     return profile_rank(workload, group, progress=progress, start_limit=start_limit, on_state=on_state)
 
 
-def layered_rank(workload: Workload, group: FakeGroup, progress: Progress | None = None) -> rank_layers.RankLayers | str:
+def layered_rank(workload: Workload, group: FakeGroup, progress: Progress | None = None) -> rank_layers.RankStep | str:
     """The rank's whole recorded step synthesized from its steps with 2, 3 and 4 layers
     (:mod:`memfit.measure.rank_layers`: checked at 4), or why it is not."""
     if group.device == "cuda":
@@ -248,7 +248,7 @@ def layered_rank(workload: Workload, group: FakeGroup, progress: Progress | None
     return rank_layers.rank_layers(workload, lambda n: _small_step(workload, group, n), where, progress)
 
 
-def _small_step(workload: Workload, group: FakeGroup, n: int) -> rank_layers.Small | str:
+def _small_step(workload: Workload, group: FakeGroup, n: int) -> rank_layers.RankStep | str:
     """The rank's step with ``n`` layers, as :func:`profile_rank` runs it: parallelized, a
     warm-up step, a recorded one."""
     from torch.nn.parallel import DistributedDataParallel
@@ -267,10 +267,10 @@ def _small_step(workload: Workload, group: FakeGroup, n: int) -> rank_layers.Sma
             run_step(box, scope, workload.loss_fn)
             ledger, flops = record_step(box, scope, workload.loss_fn)
             types = {name: type(m).__name__ for m, name in scope.names.items()}
-            return rank_layers.Small(ledger, flops, dict(scope.calls), types, state.resident_bytes, state.layout)
+            return rank_layers.RankStep(ledger, flops, dict(scope.calls), types, state.resident_bytes, state.layout)
 
 
-def layered_profile(workload: Workload, group: FakeGroup, got: rank_layers.RankLayers, start_limit: int | None = None) -> Profile:
+def layered_profile(workload: Workload, group: FakeGroup, got: rank_layers.RankStep, start_limit: int | None = None) -> Profile:
     """The rank's :class:`Profile` from its synthesized step, as :func:`record_rank` makes one
     from a recorded step (``start_limit``: as :func:`profile_rank`'s, on the step's start)."""
     ledger, parallel = got.ledger, _parallel_of(workload)

@@ -193,6 +193,21 @@ class Profile:
     the file in another process can verify on fake copies, which cannot run a kernel. Empty
     for fake profiles."""
 
+    # A single device is rank 0 of a world of one: read as a distributed step's profiles are
+    # (:class:`~memfit.measure.distributed.RankProfiles`), so a caller or a renderer reads both alike.
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def profiles(self) -> dict[int, Profile]:
+        """Per rank, this one: rank 0."""
+        return {0: self}
+
+    @property
+    def worst_rank(self) -> int:
+        return 0
+
     @property
     def where(self) -> Where:
         """The tensors the step was measured on (a plan made from it verifies on the same)."""

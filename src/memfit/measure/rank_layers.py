@@ -35,7 +35,7 @@ from memfit.measure.profile import Progress
 from memfit.recompute.checkpoint import applied_choices
 from memfit.workload import Workload
 
-__all__ = ["EXTRAPOLATE_FROM", "MIN_LAYERS", "Small", "RankLayers", "refused", "rank_layers", "small_signature"]
+__all__ = ["EXTRAPOLATE_FROM", "MIN_LAYERS", "RankStep", "refused", "rank_layers", "small_signature"]
 
 EXTRAPOLATE_FROM = 4
 """k. The first layer follows the embeddings and, under FSDP2, its backward is the last (no
@@ -52,21 +52,9 @@ warm-up step 8.4, its recorded step about as much again)."""
 
 
 @dataclass(frozen=True)
-class Small:
-    """One fewer-layer step of the rank: its recorded ledger, FLOPs, module calls and class
-    names, and what it held before its first step (its ``RankState``'s figures)."""
-
-    ledger: Ledger
-    flops: dict[tuple[Phase, str | None], int]
-    calls: dict[str, int]
-    types: dict[str, str]
-    resident_bytes: int
-    layout: tuple
-
-
-@dataclass(frozen=True)
-class RankLayers:
-    """The whole model's recorded step on one rank, synthesized from fewer-layer steps."""
+class RankStep:
+    """One rank's recorded step, as the fewer-layer steps are recorded and as the whole model's
+    is synthesized from them (:func:`rank_layers`): the same figures either way."""
 
     ledger: Ledger
     flops: dict[tuple[Phase, str | None], int]
@@ -74,9 +62,11 @@ class RankLayers:
     types: dict[str, str]
     """Each module's class name on the parallelized rank (FSDP2 renames the classes it shards)."""
     resident_bytes: int
-    """The whole rank's :attr:`RankState.resident_bytes`, grown as the ledger (checked)."""
+    """What the rank held before its first step (:attr:`RankState.resident_bytes`); the whole
+    rank's grown as the ledger (checked)."""
     layout: tuple
-    """The largest fewer-layer step's layout: equal between ranks exactly when theirs are."""
+    """The rank's layout (:attr:`RankState.layout`); the whole rank's is the largest fewer-layer
+    step's: equal between ranks exactly when theirs are."""
 
 
 def refused(workload: Workload) -> str | None:
@@ -145,8 +135,8 @@ def small_signature(workload: Workload, model: nn.Module, n: int) -> str | None:
     return None
 
 
-def rank_layers(workload: Workload, small: Callable[[int], Small | str], rank: str = "", progress: Progress | None = None) -> RankLayers | str:
-    """The rank's whole recorded step (:class:`RankLayers`) from its steps with fewer layers,
+def rank_layers(workload: Workload, small: Callable[[int], RankStep | str], rank: str = "", progress: Progress | None = None) -> RankStep | str:
+    """The rank's whole recorded step (a :class:`RankStep`) from its steps with fewer layers,
     ``small(n)`` (the step with ``n`` layers, or why it cannot be used), or why not."""
     why = refused(workload)
     if why is not None:
@@ -155,7 +145,7 @@ def rank_layers(workload: Workload, small: Callable[[int], Small | str], rank: s
     assert stack is not None
     k, total, layers = EXTRAPOLATE_FROM, stack.count, Layers(stack.prefix, exact_frees=True)
     report = progress or (lambda desc, done, total: None)
-    smalls: list[Small] = []
+    smalls: list[RankStep] = []
     for i, n in enumerate((k, k + 1, k + 2)):
         report(f"{rank}the step with {n} layers", i, 3)
         try:
@@ -175,7 +165,7 @@ def rank_layers(workload: Workload, small: Callable[[int], Small | str], rank: s
         types = _grown_types(workload.model, smalls[-1].types, layers, k + 1, total)
     except NotPeriodic as exc:
         return str(exc)
-    return RankLayers(whole.ledger(ledger, back=True), whole.counts(flops, back=True), whole.counts(calls, back=True), types, resident, smalls[-1].layout)
+    return RankStep(whole.ledger(ledger, back=True), whole.counts(flops, back=True), whole.counts(calls, back=True), types, resident, smalls[-1].layout)
 
 
 LAST = "@last"

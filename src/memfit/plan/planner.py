@@ -494,7 +494,13 @@ class _Lowest:
 
     def __post_init__(self) -> None:
         self.report("lowest reachable peak", 0, 2)
-        self.lowest = self.problem.min_peak()
+        # With P_min priced first (a budget in bytes), the solve's plan is only priced unless
+        # the answer then needs it run: :meth:`verified` solves again as for a run.
+        self.priced_only = self.s.price_min and self.s.spec.bytes is not None
+        self._solve()
+
+    def _solve(self) -> None:
+        self.lowest = self.problem.min_peak(priced=self.priced_only)
         # The model of the step is conservative (it keeps a checkpointed module's
         # activations alive through its whole forward), so its minimum can miss the
         # plain recipe of recomputing every repeated block: try that too.
@@ -510,6 +516,9 @@ class _Lowest:
 
     def verified(self) -> tuple[int, tuple[list[Option], Run]]:
         """``P_min`` as both plans ran, and the lower plan with its run (the unplanned step if neither is lower)."""
+        if self.priced_only:  # the plans are run now: solved as a plan to run is
+            self.priced_only = False
+            self._solve()
         lowest, none_run = self.lowest, self.none_run
         low_run = self.s.verifier.run(lowest.chosen) if lowest.chosen else none_run
         if self.recipe:

@@ -12,7 +12,8 @@ from memfit.units import format_bytes
 
 BACKEND_NOTE = (
     "depends on the backend: inductor's fusion and buffer reuse (CPU C++ code here; Triton on a GPU fuses differently), "
-    "the partitioner's saved set (the same min-cut for inductor and aot_eager_decomp_partition), the device's attention kernels"
+    "the partitioner's saved set (the same min-cut for inductor and aot_eager_decomp_partition); attention is the kernel the "
+    "device picks (on fake CUDA, the one a CUDA build picks for this GPU)"
 )
 
 
@@ -66,6 +67,7 @@ def render_compiled(
         if any(q.graph_breaks for q in profiles):
             console.print("graph breaks: the step ran several graphs with eager code between them; measured as it ran")
     console.print(f"[dim]{BACKEND_NOTE}[/dim]")
+    _scratch_note(profiles, console)
     if budget is not None:
         if chosen is None:
             console.print(f"[red]no activation_memory_budget tried fits {format_bytes(budget)}[/red]")
@@ -73,3 +75,19 @@ def render_compiled(
             console.print(
                 f"fits {format_bytes(budget)}: torch._functorch.config.activation_memory_budget = {chosen.memory_budget:g}"
             )
+
+
+def _scratch_note(profiles: list[CompiledProfile], console: Console) -> None:
+    """What kernels allocate for themselves and is not in the figures, said as the eager profile says it."""
+    if any(p.allocated_peak_bytes is not None for p in profiles):  # fake CUDA (or a host run replayed as CUDA)
+        console.print(
+            "[dim]fake CUDA: what CUDA kernels take for themselves (cuDNN workspaces, kernels' own temporaries) is not "
+            "counted, attention backward's aside (estimated)[/dim]"
+        )
+        return
+    unmeasured = max(p.unmeasured_ops for p in profiles)
+    if unmeasured:
+        console.print(
+            f"[dim]kernel workspace (memory kernels take for themselves) is not counted for {unmeasured:,} op calls: "
+            "no measurement of their kinds and shapes[/dim]"
+        )

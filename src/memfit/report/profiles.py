@@ -55,8 +55,14 @@ def _top_modules(profile: Profile, limit: int) -> list[ModuleStats]:
     return keep[:limit]
 
 
-def render_profile(profile: Profile, console: Console, *, title: str | None = None, top: int = 12, times: bool = True) -> None:
-    """The breakdown at the peak, when the peak happens, and the heaviest modules."""
+def render_profile(
+    profile: Profile | RankProfiles, console: Console, *, title: str | None = None, top: int = 12, times: bool = True
+) -> None:
+    """The breakdown at the peak, when the peak happens, and the heaviest modules. Ranks of a
+    distributed step (:class:`~memfit.measure.distributed.RankProfiles`): :func:`render_ranks`."""
+    if not isinstance(profile, Profile):
+        render_ranks(profile, console, title=title or profile.parallel, top=top)
+        return
     peak = profile.peak
     where = peak["module"]
     where = "outside the model" if where is None else (where or "the root module")

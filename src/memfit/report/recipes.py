@@ -14,13 +14,12 @@ from rich.table import Table
 
 from memfit.levers.catalog import Reason, Why
 from memfit.levers.max_batch import MaxBatch
-from memfit.levers.recipe import Recipe, WhatIf
+from memfit.levers.recipe import RankRecipe, Recipe, WhatIf
 from memfit.report.layout import add_rows
 from memfit.report.plans import render_left_out
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.levers.recipe import RankRecipe
     from memfit.plan.distributed import WorldSizeFit
 
 
@@ -72,20 +71,21 @@ def render_max_batch(found: MaxBatch, console: Console, *, title: str | None = N
     console.print(f"the fastest recipe at batch {found.batch_size}, measured:")
 
 
-def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, path: str | None = None) -> None:
+def render_fit(recipe: Recipe | RankRecipe, console: Console, *, title: str | None = None, path: str | None = None) -> None:
     """The what-if rows (those that fit first, fastest first), why other levers (and, with
     recompute, modules) were left out, the chosen recipe predicted against measured, and the
-    snippet for the loop. ``path``: where the recipe's JSON was written (None: nowhere)."""
+    snippet for the loop. ``path``: where the recipe's JSON was written (None: nowhere).
+    A recipe per rank: :func:`render_rank_fit`."""
+    if isinstance(recipe, RankRecipe):
+        render_rank_fit(recipe, console, title=title or recipe.parallel, path=path)
+        return
     base_time = f", {recipe.base_step_time_s:.3f} s/step" if recipe.base_step_time_s is not None else ""
     console.print(
         f"[bold]{escape(title or recipe.model_type)}[/] on [bold]{recipe.device}[/]: budget [bold]{format_bytes(recipe.budget_bytes)}[/]"
         f" ({escape(str(recipe.budget))}); as it is: peak {format_bytes(recipe.base_peak_bytes)}{base_time}",
         highlight=False,
     )
-    _what_if_table(recipe.what_if, recipe.base_step_time_s, console)
-    _left_out_levers(recipe.left_out, console)
-    if recipe.plan is not None:
-        render_left_out(recipe.plan.excluded, console, what="recompute")
+    _weighed(recipe, console)
     measured = []
     if recipe.measured_peak_bytes is not None:
         measured.append(f"peak measured {format_bytes(recipe.measured_peak_bytes)} (recorder ledger of the real step)")
@@ -118,13 +118,21 @@ def render_fit(recipe: Recipe, console: Console, *, title: str | None = None, pa
             "run memfit fit again with --json recipe.json):",
             highlight=False,
         )
-        head, _, rest = snippet.partition("\n")
-        snippet = f"{head}\n# recipe.json: written by memfit fit ... --json recipe.json (in Python: recipe.to_json())\n{rest}"
+        snippet = _unwritten(snippet)
     else:
         console.print("in your training loop:", highlight=False)
     console.print(snippet, markup=False, highlight=False, soft_wrap=True)
     render_training_arguments(recipe, console)
     console.print(f"fitted in {recipe.fit_time_s:.1f} s")
+
+
+def _weighed(recipe: Recipe | RankRecipe, console: Console, *, measured_column: bool = True) -> None:
+    """What a fit weighed, on one device or per rank alike: the what-if rows, the levers left
+    out, and the modules a recompute plan left out."""
+    _what_if_table(recipe.what_if, recipe.base_step_time_s, console, measured_column=measured_column)
+    _left_out_levers(recipe.left_out, console)
+    if recipe.plan is not None:
+        render_left_out(recipe.plan.excluded, console, what="recompute")
 
 
 def _what_if_table(what_if: list[WhatIf], base_time: float | None, console: Console, *, measured_column: bool = True) -> None:
@@ -186,10 +194,7 @@ def render_rank_fit(recipe: RankRecipe, console: Console, *, title: str, path: s
         f"{recipe.base_step_time_s:.4f} s/step predicted",
         highlight=False,
     )
-    _what_if_table(recipe.what_if, recipe.base_step_time_s, console, measured_column=False)
-    _left_out_levers(recipe.left_out, console)
-    if recipe.plan is not None:
-        render_left_out(recipe.plan.excluded, console, what="recompute")
+    _weighed(recipe, console, measured_column=False)
     ranks = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(recipe.rank_peak_bytes.items()))
     reserved = "reserved " if recipe.allocated_peak_bytes is not None else ""
     allocated = f", allocating {format_bytes(recipe.allocated_peak_bytes)}" if recipe.allocated_peak_bytes is not None else ""
@@ -204,14 +209,19 @@ def render_rank_fit(recipe: RankRecipe, console: Console, *, title: str, path: s
         console.print(f"[yellow]note[/] {escape(note)}", highlight=False)
     snippet = recipe.snippet(path or "recipe.json")
     if recipe.plan is not None and path is None:
-        head, _, rest = snippet.partition("\n")
-        snippet = f"{head}\n# recipe.json: written by memfit fit ... --json recipe.json (in Python: recipe.to_json())\n{rest}"
+        snippet = _unwritten(snippet)
     console.print("in your training script (model built, before training):", highlight=False)
     console.print(snippet, markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"fitted in {recipe.fit_time_s:.1f} s ({recipe.search.get('profiles', 0)} rank profiles, "
         f"{recipe.search.get('plans', 0)} plans)"
     )
+
+
+def _unwritten(snippet: str) -> str:
+    """A snippet that reads recipe.json, which this run did not write: a line after its head says how to."""
+    head, _, rest = snippet.partition("\n")
+    return f"{head}\n# recipe.json: written by memfit fit ... --json recipe.json (in Python: recipe.to_json())\n{rest}"
 
 
 def render_training_arguments(recipe: Recipe, console: Console) -> None:
