@@ -4,6 +4,7 @@ that train a model with and without a plan and compare the results bitwise."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import socket
@@ -86,6 +87,23 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if not collection_path.name.startswith("test_"):
         return None
     return "mark.timing" not in collection_path.read_text(encoding="utf-8") or None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before each test (and its fixtures), garbage is collected and what survives is moved out
+    of the collector's sight (``gc.freeze``), as ``memfit finetune`` does before its fake sessions.
+
+    Why: each light fake session collects garbage and scans every object the collector tracks
+    for its fake tensors (``measure.profile.live_fake_storages``, twice a session), and with
+    torch, transformers and peft loaded that is ~500,000 objects and ~0.5 CPU s a scan, more
+    than the whole step of a test's tiny model. Frozen, only what was made since is scanned.
+    What a test measures is the same: a fake tensor is made by its own test (or a module
+    fixture's session, whose frozen tensors both scans of the check leave out alike), the
+    recorder disables the collector while it records, and a frozen object still alive is as
+    alive as before; only a reference cycle that dies after its freeze is never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -367,7 +385,7 @@ def shim_cache(tmp_path_factory) -> Path:
 
 
 _FAKE_CUDA_CHILD = r"""
-import contextlib, io, json, os, resource, sys, traceback
+import contextlib, gc, io, json, os, resource, sys, traceback
 reply = os.fdopen(os.dup(1), "w")  # the pipe to the test
 os.dup2(2, 1)  # what writes to fd 1 itself (a process a command starts) goes to the log, not into the replies
 import memfit  # MEMFIT_FAKE_CUDA=1: the shim loads here, before torch
@@ -375,6 +393,8 @@ from memfit.cli import main
 os.environ.pop("MEMFIT_FAKE_CUDA")  # as the relaunched command does: what a command starts does not inherit it
 for line in sys.stdin:
     request = json.loads(line)
+    gc.collect()  # what is alive now is out of the collector's sight: see pytest_runtest_setup
+    gc.freeze()
     saved = dict(os.environ)
     os.environ.update(request["env"])
     for key in request["unset"]:
