@@ -8,11 +8,12 @@ from rich.table import Table
 
 from memfit.measure.compiled import CompiledProfile
 from memfit.report.layout import add_rows
+from memfit.report.profiles import FAKE_CUDA_SCRATCH
 from memfit.units import format_bytes
 
 BACKEND_NOTE = (
     "depends on the backend: inductor's fusion and buffer reuse (CPU C++ code here; Triton on a GPU fuses differently), "
-    "the partitioner's saved set (the same min-cut for inductor and aot_eager_decomp_partition); attention is the kernel the "
+    "the partitioner's saved set (the same min-cut for inductor, aot_eager_decomp_partition and aot_eager); attention is the kernel the "
     "device picks (on fake CUDA, the one a CUDA build picks for this GPU)"
 )
 
@@ -80,10 +81,7 @@ def render_compiled(
 def _scratch_note(profiles: list[CompiledProfile], console: Console) -> None:
     """What kernels allocate for themselves and is not in the figures, said as the eager profile says it."""
     if any(p.allocated_peak_bytes is not None for p in profiles):  # fake CUDA (or a host run replayed as CUDA)
-        console.print(
-            "[dim]fake CUDA: what CUDA kernels take for themselves (cuDNN workspaces, kernels' own temporaries) is not "
-            "counted, attention backward's aside (estimated)[/dim]"
-        )
+        console.print(f"[dim]{FAKE_CUDA_SCRATCH}[/dim]")
         return
     unmeasured = max(p.unmeasured_ops for p in profiles)
     if unmeasured:

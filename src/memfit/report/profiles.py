@@ -55,6 +55,13 @@ def _top_modules(profile: Profile, limit: int) -> list[ModuleStats]:
     return keep[:limit]
 
 
+FAKE_CUDA_SCRATCH = (
+    "fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, kernels' own temporaries) is not counted, "
+    "attention backward's aside (estimated)"
+)
+"""What a fake-CUDA step's figures leave out, said alike for an eager and a compiled step."""
+
+
 def render_profile(
     profile: Profile | RankProfiles, console: Console, *, title: str | None = None, top: int = 12, times: bool = True
 ) -> None:
@@ -138,10 +145,7 @@ def _counting_notes(profile: Profile, console: Console) -> None:
             "not a measurement"
         )
     if profile.device.startswith("fake:cuda"):
-        console.print(
-            "[yellow]note:[/] fake CUDA: what other CUDA kernels take for themselves (cuDNN workspaces, kernels' own "
-            "temporaries) is not counted, attention backward's aside (estimated)"
-        )
+        console.print(f"[yellow]note:[/] {FAKE_CUDA_SCRATCH}")
     elif ledger.unmeasured_ops:
         console.print(
             f"[yellow]note:[/] kernel workspace (memory kernels take for themselves, such as oneDNN's reorders) is not "
