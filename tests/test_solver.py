@@ -175,3 +175,21 @@ def test_identical_blocks_take_their_choices_in_forward_order():
             if block in freed:
                 freed[block] += o.freed_bytes
         assert list(freed.values()) == sorted(freed.values(), reverse=True), (frac, freed, plan.chosen)
+
+
+def test_a_priced_lowest_peak_on_few_rows_is_the_whole_problems(monkeypatch):
+    """``min_peak(priced=True)`` solves on a few rows at a time; its peak is the whole
+    problem's (solved as before), and it came from the rows, not the fallback."""
+    from memfit.plan import solver
+
+    settled = []
+    real = Problem._min_peak_by_rows
+    monkeypatch.setattr(Problem, "_min_peak_by_rows", lambda self: settled.append(real(self)) or settled[-1])
+    for problem in [*_gpt_and_resnet(), *_problems(0.0)]:
+        fast = problem.min_peak(priced=True)
+        assert settled[-1] is not solver._UNSETTLED
+        with monkeypatch.context() as m:
+            m.setattr(solver, "_PEAK_ROUNDS", 0)
+            whole = problem.min_peak(priced=True)
+        assert settled[-1] is solver._UNSETTLED
+        assert fast.model_peak_bytes == whole.model_peak_bytes == problem.model_peak(fast.chosen) < problem.model_peak([])
