@@ -273,7 +273,7 @@ class Problem:
         Few rows bind a rank's plan (on Llama-3-8B dims at 4 ranks one of 845: the end of the
         forward, where every layer's savings count alike), and on those rows the identical
         layers are interchangeable. HiGHS then sees the symmetry and proves the optimum in a
-        few nodes (15 nodes, 1.2 CPU s), where the whole problem, whose other rows tell the
+        few nodes (15 nodes, 0.8 to 1.3 CPU s), where the whole problem, whose other rows tell the
         layers apart, took 2,617 nodes (15 CPU s). The rows start with the highest one (the
         unplanned peak's); each round solves the cost alone (no tie-break: it would hide the
         symmetry), gives identical blocks' choices out in canonical order
