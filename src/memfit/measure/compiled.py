@@ -124,8 +124,12 @@ class CompiledProfile:
         """What the figures are, in a few words (for a report's heading)."""
         if self.fallback:
             return f"eager step (not compiled: {self.fallback})"
-        code = {"triton": ", Triton code", "c++": ", C++ code"}.get(self.code, "")
-        return f"compiled step ({self.backend}{code}, activation_memory_budget={self.memory_budget:g})"
+        return f"compiled step ({self.backend}{self.code_words}, activation_memory_budget={self.memory_budget:g})"
+
+    @property
+    def code_words(self) -> str:
+        """``", Triton code"``, ``", C++ code"`` or nothing: which code inductor generated, for a label."""
+        return {"triton": ", Triton code", "c++": ", C++ code"}.get(self.code, "")
 
 
 def unavailable_on_fake() -> str | None:
