@@ -31,8 +31,19 @@ from torch import nn
 from memfit.compat import triton_fake
 from memfit.measure.compiled import profile_compiled
 
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 1030), nn.Linear(1030, 8)
+
+    def forward(self, x):  # a constant, which inductor's constant folding runs on its device
+        return self.b(nn.functional.gelu(self.a(x)) * torch.full((1030,), 0.5, device=x.device))
+
+
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(64, 1030), nn.GELU(), nn.Linear(1030, 8))
+model = Net()
 x = torch.randn(64, 64)
 out = {"unavailable": triton_fake.unavailable()}
 from triton.runtime.driver import driver
@@ -58,8 +69,9 @@ print(json.dumps(out))
     reason="Triton is not installed (pip install triton): fake CUDA then measures inductor's host code",
 )
 def test_fake_cuda_compiles_inductors_triton_code(shim_cache):
-    """The forward of Linear(64, 1030), GELU, Linear(1030, 8) at 64 rows leaves two 64 x 1030
-    fp32 tensors for backward (the first linear's output and GELU's). Inductor's GPU code pads
+    """The forward of Linear(64, 1030), GELU times a constant, Linear(1030, 8) at 64 rows leaves
+    two 64 x 1030 fp32 tensors for backward (the first linear's output and the product, whose
+    constant inductor folds on the host: a CPU build cannot run it on CUDA). Inductor's GPU code pads
     their rows to 128 bytes (``config.comprehensive_padding``, 1,056 floats a row), which it
     turns off for a graph without GPU tensors: so the Triton code saves 2 x (63 x 1,056 + 1,030)
     x 4 B, the host's C++ code 2 x 64 x 1,030 x 4 B (each with the 64 x 8 output and the loss).
