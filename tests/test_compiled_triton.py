@@ -23,6 +23,20 @@ def test_the_private_corners_of_torch_hold():
     assert triton_fake.torch_lacks() == []
 
 
+def test_misaligned_inputs_are_copied_as_on_a_gpu():
+    """Inductor's CUDA wrapper copies an input whose address is not 16-byte aligned (C++, reading
+    the address, which a fake tensor lacks); memfit decides by the offset into the storage, whose
+    start a caching allocator aligns, and copies as inductor does (strides kept)."""
+    import torch
+
+    base = torch.arange(40.0).view(4, 10)
+    aligned, misaligned = base[:, 4:], base[:, 1:]  # 16 and 4 bytes into the storage
+    assert triton_fake._copy_if_misaligned(aligned) is aligned
+    copy = triton_fake._copy_if_misaligned(misaligned)
+    assert copy.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert copy.stride() == misaligned.stride() and torch.equal(copy, misaligned)
+
+
 TRITON_SCRIPT = """
 import json
 import memfit

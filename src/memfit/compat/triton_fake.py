@@ -16,7 +16,9 @@ answers for one GPU) inductor generates the code a GPU build generates, given:
 - ``AsyncCompile.triton`` returning a kernel that does nothing (as ``cpp`` on the host: fused
   kernels write into buffers the wrapper allocated), and ``_empty_strided_cuda`` (a C++ fast
   path past the dispatcher) made ``torch.empty_strided(device="cuda")``, so the fake mode makes
-  the buffer fake and memfit's recording mode sees it;
+  the buffer fake and memfit's recording mode sees it; ``copy_if_misaligned`` (C++, which reads
+  an input's address: a fake tensor has none) decides by the input's offset in its storage, as a
+  caching allocator's block starts aligned, and copies as it would;
 - inductor's constant folding (``UniformValueConstantFolder``), which runs the graph's
   constants as real one-element tensors on their device to find the ones a ``full`` can
   replace, runs them on the host (a CPU build has no CUDA kernels): the same values, so the
@@ -70,6 +72,7 @@ def torch_lacks() -> list[str]:
     """The private names of torch :func:`cuda_codegen` uses that this torch lacks (Triton or not)."""
     try:
         from torch._dynamo import device_interface
+        from torch._inductor import utils as inductor_utils
         from torch._inductor.async_compile import AsyncCompile
         from torch._inductor.fx_passes.joint_graph import UniformValueConstantFolder
         from torch._inductor.runtime.hints import DeviceProperties
@@ -82,6 +85,9 @@ def torch_lacks() -> list[str]:
         ("AsyncCompile.triton", "triton" in AsyncCompile.__dict__),
         ("UniformValueConstantFolder._deduce_value", "_deduce_value" in UniformValueConstantFolder.__dict__),
         ("_empty_strided_cuda", hasattr(torch._C._dynamo.guards, "_empty_strided_cuda")),
+        ("copy_if_misaligned", hasattr(torch._C._dynamo.guards, "copy_if_misaligned")),
+        ("torch._inductor.utils.ALIGNMENT", hasattr(inductor_utils, "ALIGNMENT")),
+        ("torch._inductor.utils.clone_preserve_strides", hasattr(inductor_utils, "clone_preserve_strides")),
         ("DeviceProperties.create.cache_clear", hasattr(DeviceProperties.create, "cache_clear")),
     ]
     wanted += [(f"torch.utils._triton.{n}.cache_clear", hasattr(getattr(_triton, n, None), "cache_clear")) for n in _CACHED]
@@ -144,12 +150,14 @@ def cuda_codegen() -> Iterator[None]:
     guards = torch._C._dynamo.guards
     folder = UniformValueConstantFolder.__dict__["_deduce_value"]
     saved = (CudaInterface.__dict__["is_available"], AsyncCompile.__dict__["triton"], guards._empty_strided_cuda, folder)
+    misaligned = guards.copy_if_misaligned
     active, had_stream = driver._active, hasattr(torch._C, "_cuda_getCurrentRawStream")
     _clear_caches()
     try:
         CudaInterface.is_available = staticmethod(lambda: True)  # type: ignore[method-assign]
         AsyncCompile.triton = _no_kernel  # type: ignore[method-assign]
         guards._empty_strided_cuda = _empty_strided_cuda
+        guards.copy_if_misaligned = _copy_if_misaligned
         UniformValueConstantFolder._deduce_value = _folded_on_host(folder)  # type: ignore[method-assign]
         driver.set_active(_driver())
         if not had_stream:
@@ -159,6 +167,7 @@ def cuda_codegen() -> Iterator[None]:
     finally:
         CudaInterface.is_available, AsyncCompile.triton, guards._empty_strided_cuda, folder = saved  # type: ignore[method-assign]
         UniformValueConstantFolder._deduce_value = folder  # type: ignore[method-assign]
+        guards.copy_if_misaligned = misaligned
         driver._active = active
         if not had_stream:
             del torch._C._cuda_getCurrentRawStream  # type: ignore[attr-defined]
@@ -189,6 +198,13 @@ def _folded_on_host(deduce: Any) -> Any:
 
 def _empty_strided_cuda(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _copy_if_misaligned(t: torch.Tensor) -> torch.Tensor:
+    from torch._inductor.utils import ALIGNMENT, clone_preserve_strides
+
+    # a CUDA caching allocator's block starts 512-byte aligned: only the offset into it can misalign
+    return t if (t.storage_offset() * t.element_size()) % ALIGNMENT == 0 else clone_preserve_strides(t)
 
 
 def _raw_stream(device: int) -> int:
