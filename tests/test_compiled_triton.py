@@ -105,3 +105,15 @@ def test_fake_cuda_compiles_inductors_triton_code(shim_cache):
     code, label, fallback, graphs, saved = out["host"]
     assert (code, fallback, graphs) == ("c++", None, 1) and "C++ code" in label, out
     assert saved == 2 * 64 * 1030 * 4 + rest, out
+
+
+def test_fake_cuda_answers_the_device_guard_of_inductors_cuda_wrapper(fake_cuda):
+    """Inductor's CUDA wrapper runs its call under ``torch.cuda._DeviceGuard(0)``, which a CPU
+    build refuses ("compiled without CUDA support"); fake CUDA answers for its one device."""
+    done = fake_cuda.script(
+        "import torch\n"
+        "with torch.cuda._DeviceGuard(0), torch.cuda.device(0):\n"
+        "    print(torch.cuda._exchange_device(0), torch.cuda._maybe_exchange_device(-1))\n"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "-1"], done.stdout
