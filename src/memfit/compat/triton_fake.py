@@ -107,8 +107,7 @@ def _driver() -> Any:
     class Utils:
         def get_device_properties(self, device: int = 0) -> dict[str, int]:
             p = torch.cuda.get_device_properties(device)
-            cc = (p.major, p.minor)
-            shared = _SHARED_MEMORY.get(cc, _SHARED_MEMORY.get((p.major, 0), 101376) if p.minor else 101376)
+            shared = _SHARED_MEMORY.get((p.major, p.minor), 101376)
             return {"max_shared_mem": shared, "multiprocessor_count": p.multi_processor_count, "warpSize": 32}
 
     class FakeGpuDriver(CudaDriver):
