@@ -40,13 +40,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.compat import inductor_fake, torch_compat, triton_fake
 from memfit.cuda import fake as cuda_fake
-from memfit.cuda import gpu
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
 from memfit.measure import workspace
 from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import Phase
-from memfit.measure.recorder import BOOKKEEPING_OPS, _attention_backward_estimate
+from memfit.measure.recorder import kernel_scratch
 from memfit.measure.sandbox import step_sandbox
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
@@ -259,8 +258,9 @@ def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
 
 class _Scratch:
     """What a kernel allocates for itself and frees before it returns, for each op a fake
-    compiled step runs (inductor's extern and fallback kernels, the eager optimizer), counted
-    as memfit's eager fake profile counts it for the same op (``memfit.measure.recorder``):
+    compiled step runs (inductor's extern and fallback kernels, the eager optimizer), by the
+    eager recorder's rule (:func:`memfit.measure.recorder.kernel_scratch`, which says where
+    and why a compiled step's arguments differ):
 
     - a fake CPU step: the figure a real step of this process measured for the op's kind
       (:data:`memfit.measure.workspace.TABLE`), else the op run once on real zeros of its
@@ -275,19 +275,19 @@ class _Scratch:
         self.unmeasured = 0
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> int:
-        name = func.overloadpacket.__name__
-        if func.is_view or func.namespace in ("prim", "c10d") or name in BOOKKEEPING_OPS:
-            return 0  # no kernel that allocates (the eager recorder's rule)
-        if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-            return 0  # the wrapper's empty_strided and other factories: nothing but their output
-        if self.fake_cuda:
-            if name in gpu.ATTENTION_BACKWARD_OPS:
-                return _attention_backward_estimate(name, args)
-            self.unmeasured += 1
-            return 0
-        known = workspace.TABLE.get(workspace.signature(func, args, kwargs))
-        if known is None:
-            known = workspace.probe(func, args, kwargs, workspace.TABLE)
+        known, _ = kernel_scratch(
+            func,
+            args,
+            kwargs,
+            # compiled on host tensors: their signatures would find the host's figures, not CUDA's
+            table=None if self.fake_cuda else workspace.TABLE,
+            attention=self.fake_cuda,
+            probe=not self.fake_cuda,
+            # this dispatch mode is off inside an op: what bitsandbytes' Python kernels run is not seen
+            inside=False,
+            as_cuda=False,
+            tensorless=True,  # the wrapper's empty_strided and other factories: nothing but their output
+        )
         if known is None:
             self.unmeasured += 1
         return known or 0
