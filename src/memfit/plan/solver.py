@@ -126,8 +126,9 @@ class Problem:
     """Rows and columns built once per (curve, options); solved for any bound.
 
     Columns are the options, then one per interacting pair (:class:`_Pair`), which the
-    constraint ``x_i + x_k - y <= 1`` forces to 1 when both are chosen (nothing rewards
-    a pair column, so it is never 1 otherwise)."""
+    constraint ``x_i + x_k - y <= 1`` forces to 1 when both are chosen. A pair that adds
+    bytes is never 1 otherwise (nothing rewards it); one that takes bytes off would be, so
+    ``y <= x_i`` and ``y <= x_k`` hold it to the product."""
 
     def __init__(
         self,
@@ -171,18 +172,31 @@ class Problem:
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.
-        link_rows = []
+        link_rows, link_ub = [], []  # each row's upper bound
         for name in by_module:
             cols_on_path = [j for anc in ancestors(name) for j in by_module.get(anc, [])]
             row = np.zeros(width)
             row[cols_on_path] = 1
             link_rows.append(row)
+            link_ub.append(1.0)
         for q, p in enumerate(self.pairs):
             row = np.zeros(width)
             row[[p.i, p.k]] = 1
             row[n_opt + q] = -1
             link_rows.append(row)
+            link_ub.append(1.0)
+            if p.nbytes < 0:
+                # a pair that lowers memory rewards its column: y <= x_i and y <= x_k keep it
+                # at 0 unless both are chosen (else the rows hold with y = 1 and one option alone,
+                # and the plan's real peak is over the bound)
+                for j in (p.i, p.k):
+                    row = np.zeros(width)
+                    row[j] = -1
+                    row[n_opt + q] = 1
+                    link_rows.append(row)
+                    link_ub.append(0.0)
         self._links = np.array(link_rows) if link_rows else np.zeros((0, width))
+        self._link_ub = np.array(link_ub)
         self._cost = np.array([(cost or _seconds)(o) for o in options] + [0.0] * len(self.pairs))
         self._tie = self._tie_break()
         self._blocks: dict[tuple[str, str], list[tuple[int, tuple[str, str, tuple[str, ...]]]]] | None = None
@@ -210,7 +224,7 @@ class Problem:
         cons = []
         if len(self._links):
             links = np.hstack([self._links, np.zeros((len(self._links), 1))]) if extra else self._links
-            cons.append(LinearConstraint(links, -np.inf, 1))
+            cons.append(LinearConstraint(links, -np.inf, self._link_ub))
         if extra:
             cons.append(LinearConstraint(np.hstack([rows, -np.ones((rows.shape[0], 1))]), -np.inf, -base))
         else:
