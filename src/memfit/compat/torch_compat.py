@@ -586,12 +586,18 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
 
     lock = threading.Lock()  # the engine runs each device's part of a backward on its own thread
 
-    def hook(_grad: torch.Tensor) -> None:
+    def hook(_grad: torch.Tensor, i: int) -> None:
         task = torch._C._current_graph_task_id()
         with lock:
             seen = count.get(task, 0)
             if seen == 0:
                 expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+            # A backward's root (``torch.autograd.backward(t, grad)``: a pipeline stage's
+            # output, which the stage after sends the gradient of) gets its gradient, yet the
+            # engine says it will not execute its node: counted as it arrives, else a module
+            # whose output is a root never entered backward.
+            if not torch._C._will_engine_execute_node(grad_fns[i]):
+                expected[task] += 1
             count[task] = seen + 1
             last = seen + 1 == expected[task]
             if last:
@@ -599,7 +605,7 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
         if last:
             fn()
 
-    return _Handles([t.register_hook(hook) for t in tensors])
+    return _Handles([t.register_hook(lambda g, i=i: hook(g, i)) for i, t in enumerate(tensors)])
 
 
 def host_compile_system_info() -> None:
