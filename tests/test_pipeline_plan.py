@@ -153,3 +153,12 @@ def test_bad_ranks_still_refused_before_work():
     with pytest.raises(MemfitError, match="rank 2") as info:
         plan_ranks(_llama("1f1b"), "50%", world_size=2, ranks=(0, 2))
     assert "\n" not in str(info.value)
+
+
+def test_a_stage_that_cannot_fit_is_named_in_one_line():
+    from memfit.errors import BudgetInfeasibleError
+
+    # 1 MB: over each stage's start (0.49 MB) but under stage 0's lowest reachable peak (1.62 MB)
+    with pytest.raises(BudgetInfeasibleError, match="stage rank 0 of 2: budget .* is below the lowest peak") as info:
+        plan_ranks(_llama("1f1b"), 1_000_000, world_size=2, ranks=(0, 1))
+    assert "\n" not in str(info.value) and info.value.min_peak_bytes > 1_000_000

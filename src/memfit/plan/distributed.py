@@ -148,7 +148,12 @@ def _stage_plans(
             # The stateful check's second forward is a whole step here (a stage's forward is its
             # schedule's): the recorded step, even where ``unplanned`` holds the rank's already.
             recorded = _checked_and_recorded(verifier, workload, None)
-            plans[r], _, _, settings[r] = _searched_on(verifier, recorded, workload, how, report)
+            try:
+                plans[r], _, _, settings[r] = _searched_on(verifier, recorded, workload, how, report)
+            except BudgetInfeasibleError as exc:  # which stage cannot fit: its own modules are what it could recompute
+                raise BudgetInfeasibleError(
+                    f"stage rank {r} of {n}: {exc}", min_peak_bytes=exc.min_peak_bytes, budget_bytes=exc.budget_bytes
+                ) from exc
     worst = max(ranks, key=lambda r: (plans[r].none_peak_bytes, -r))
     plan = dataclasses.replace(
         plans[worst],
