@@ -5,6 +5,8 @@ bitwise as the unplanned step on two real gloo ranks; what stays unplanned is re
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import gloo_ranks, needs
 
@@ -133,20 +135,56 @@ def test_stage_plans_train_bitwise_on_real_gloo_ranks(planned):
         assert got["grads_differ"] == [] and got["params_differ"] == [], (r, got)
 
 
-@pytest.mark.parametrize("command", ["fit", "--max-batch", "--min-world-size"])
-def test_what_stays_unplanned_is_refused_in_one_line(command, capsys):
+TINY = ["llama", *(a for k, v in SIZES.items() if k != "batch_size" for a in ("--size", f"{k}={v}")), "--batch-size", "8"]
+
+
+def test_min_world_size_stays_refused_in_one_line(capsys):
     from memfit.cli import main
 
-    tiny = ["llama", *(a for k, v in SIZES.items() if k != "batch_size" for a in ("--size", f"{k}={v}")), "--batch-size", "8"]
-    argv = {
-        "fit": ["fit", *tiny, "--world-size", "2", "--budget", "2MB"],
-        "--max-batch": ["fit", *tiny, "--world-size", "2", "--budget", "2MB", "--max-batch"],
-        "--min-world-size": ["plan", *tiny, "--min-world-size", "--budget", "2MB"],
-    }[command]
-    assert main([*argv, "--size", "parallel=pp", "--device", "fake"]) == 2
+    assert main(["plan", *TINY, "--min-world-size", "--budget", "2MB", "--size", "parallel=pp", "--device", "fake"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "under pipeline parallelism (pp) is not modelled yet: memfit plan --world-size N plans each stage" in err
+    assert (
+        "--min-world-size under pipeline parallelism (pp) is not modelled yet: memfit plan --world-size N plans each stage" in err
+    )
     assert "\n" not in err
+
+
+def test_fit_per_stage_recomputes_each_stages_own_modules():
+    from memfit.levers.rank_fit import fit_ranks
+
+    work = _llama("1f1b")
+    budget = BUDGETS["1f1b"]
+    recipe = fit_ranks(work, budget, world_size=2, ranks=(0, 1))
+    # no FSDP2 to vary: recompute is the lever, its plan the stages' plans together
+    assert recipe.levers == ("recompute",) and recipe.plan is not None
+    assert set(recipe.rank_peak_bytes) == {0, 1} and recipe.rank_peak_bytes == recipe.plan.rank_peak_bytes
+    assert "reshard_after_forward" in recipe.left_out
+    again = profile_ranks(with_recompute(work, _choices(recipe.plan)), world_size=2, ranks=(0, 1))
+    for r in (0, 1):
+        assert again.profiles[r].peak_bytes == recipe.rank_peak_bytes[r] <= budget
+
+
+def test_cli_fit_under_pp_takes_every_stage_rank(tmp_path, capsys):
+    from memfit.cli import main
+
+    out = tmp_path / "r.json"
+    # 3 MB: both 1F1B stages fit as they are (2.76 and 1.93 MB), so no plan is searched
+    argv = ["fit", *TINY, "--size", "parallel=pp", "--size", "microbatches=4", "--world-size", "2", "--device", "fake"]
+    assert main([*argv, "--budget", "3MB", "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert sorted(data["rank_peak_bytes"]) == ["0", "1"] and max(data["rank_peak_bytes"].values()) <= 3_000_000
+
+
+def test_max_batch_under_pp_is_a_multiple_of_the_microbatches():
+    from memfit.levers.rank_fit import _at_batch, max_batch_ranks
+
+    work = _llama("1f1b")
+    found = max_batch_ranks(work, 3_000_000, world_size=2, ranks=(0, 1), multiple_of=2, recompute=False, recipe=False)
+    assert found.multiple_of == 4 and found.batch_size % 4 == 0 and found.batch_size > 0  # 4 microbatches
+    (limit,) = found.limits
+    assert limit.max_batch == found.batch_size and limit.peak_bytes <= 3_000_000  # the search's own profile there
+    # the next multiple of 4 microbatches does not fit: its stages profiled afresh
+    assert profile_ranks(_at_batch(work, found.batch_size + 4), world_size=2, ranks=(0, 1)).budget_peak_bytes > 3_000_000
 
 
 def test_bad_ranks_still_refused_before_work():

@@ -273,9 +273,10 @@ def own_pipeline(workload: Any) -> bool:
 
 
 def refuse_pipelined(workload: Any, what: str, own_ok: bool = False) -> None:
-    """Fitting is not yet done per pipeline stage, nor planning under another's pipeline
-    (torchtitan's job): ``what`` (``plan``, ``fit``, ...) on such a pipelined workload is
-    refused in one line. ``own_ok``: memfit's own :class:`Pipeline` passes (``plan``: per stage)."""
+    """What is not modelled under pipeline parallelism is refused in one line: ``what``
+    (``plan``, ``fit``, ``--min-world-size``, ...) under another's pipeline (torchtitan's job), or
+    under memfit's own :class:`Pipeline` unless ``own_ok`` (``plan``, ``fit`` and ``--max-batch``
+    work per stage; ``--min-world-size`` does not: more ranks are more stages, another split)."""
     from memfit.errors import PlanError
 
     parallel = getattr(workload, "parallel", None)
