@@ -78,7 +78,9 @@ def plan_ranks(
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
-    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned peak.
+    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned peak;
+    under memfit's own pipeline parallelism (``parallel=pp``) every one of ``ranks`` is planned on
+    its own stage step and the plan holds all their modules (:func:`_stage_plans`).
 
     Returns a :class:`Plan` whose :attr:`~Plan.rank_peak_bytes` holds each asked-for rank's
     verified peak: that rank profiled again on the fake group, the plan applied to the model
