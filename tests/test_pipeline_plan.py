@@ -200,3 +200,25 @@ def test_a_stage_that_cannot_fit_is_named_in_one_line():
     with pytest.raises(BudgetInfeasibleError, match="stage rank 0 of 2: budget .* is below the lowest peak") as info:
         plan_ranks(_llama("1f1b"), 1_000_000, world_size=2, ranks=(0, 1))
     assert "\n" not in str(info.value) and info.value.min_peak_bytes > 1_000_000
+
+
+def test_a_backward_root_is_reached():
+    # a pipeline stage's output is the root of its backward (torch.autograd.backward(out, grad)):
+    # the module that returned it enters backward there, once, as the other modules do
+    from memfit.compat.torch_compat import when_all_grads
+
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 2).sin()
+    z = y * 3
+    fired: list[str] = []
+    handles = [when_all_grads([y], lambda: fired.append("y")), when_all_grads([z], lambda: fired.append("z"))]
+    torch.autograd.backward(y, torch.ones(3), retain_graph=True)  # y the root, z not reached
+    assert fired == ["y"]
+    w = y * 2
+    both = when_all_grads([y, w], lambda: fired.append("y, w"))
+    torch.autograd.backward([y, w], [torch.ones(3), torch.ones(3)], retain_graph=True)  # two roots: called once
+    assert fired == ["y", "y", "y, w"]
+    torch.autograd.backward(z.sum())  # a later backward through y, no root watched: called again
+    assert fired == ["y", "y", "y, w", "z", "y", "y, w"]
+    for h in [*handles, both]:
+        h.remove()

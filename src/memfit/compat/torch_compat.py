@@ -585,10 +585,13 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
     expected: dict[int, int] = {}  # graph task -> gradients it will make
 
     lock = threading.Lock()  # the engine runs each device's part of a backward on its own thread
+    fired = [None]  # the graph task fn was last called in: once a task (roots counted as they come)
 
     def hook(_grad: torch.Tensor, i: int) -> None:
         task = torch._C._current_graph_task_id()
         with lock:
+            if task == fired[0]:
+                return  # a second root of a backward that has already called fn
             seen = count.get(task, 0)
             if seen == 0:
                 expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
@@ -602,6 +605,7 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
             last = seen + 1 == expected[task]
             if last:
                 del count[task], expected[task]
+                fired[0] = task
         if last:
             fn()
 
