@@ -222,3 +222,15 @@ def test_a_backward_root_is_reached():
     assert fired == ["y", "y", "y, w", "z", "y", "y, w"]
     for h in [*handles, both]:
         h.remove()
+
+
+def test_plan_says_each_stage_ranks_share(planned):
+    from memfit import Plan
+
+    _, _, unplanned, plan = planned
+    assert plan.rank_modules is not None and set(plan.rank_modules) == {0, 1}
+    assert [m for r in (0, 1) for m in plan.rank_modules[r]] == list(plan.checkpointed)
+    for r, names in plan.rank_modules.items():
+        assert names and all(name in unplanned.profiles[r].modules for name in names)
+    again = Plan.from_json(plan.to_json())
+    assert again.rank_modules == plan.rank_modules and again.rank_peak_bytes == plan.rank_peak_bytes

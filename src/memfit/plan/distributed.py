@@ -167,6 +167,7 @@ def _stage_plans(
         # the stages run at once: the step waits for the stage that recomputes the most
         extra_compute_s=max((p.extra_compute_s for p in plans.values() if p.extra_compute_s is not None), default=None),
         extra_flops=max(p.extra_flops for p in plans.values()),
+        rank_modules={r: tuple(plans[r].checkpointed) for r in ranks},
     )
     peaks, allocated = {}, {}
     for i, r in enumerate(ranks):
