@@ -204,24 +204,31 @@ def test_a_stage_that_cannot_fit_is_named_in_one_line():
 
 def test_a_backward_root_is_reached():
     # a pipeline stage's output is the root of its backward (torch.autograd.backward(out, grad)):
-    # the module that returned it enters backward there, once, as the other modules do
+    # the module that returned it enters backward there, once, as the other modules do (roots=True;
+    # the model's own output, the loss, stays as it was: roots=False)
     from memfit.compat.torch_compat import when_all_grads
 
     x = torch.randn(3, requires_grad=True)
     y = (x * 2).sin()
     z = y * 3
     fired: list[str] = []
-    handles = [when_all_grads([y], lambda: fired.append("y")), when_all_grads([z], lambda: fired.append("z"))]
-    torch.autograd.backward(y, torch.ones(3), retain_graph=True)  # y the root, z not reached
+    handles = [
+        when_all_grads([y], lambda: fired.append("y"), roots=True),
+        when_all_grads([z], lambda: fired.append("z"), roots=True),
+        when_all_grads([y], lambda: fired.append("y, roots not counted")),
+    ]
+    torch.autograd.backward(y, torch.ones(3), retain_graph=True)  # y the one root, z not reached
     assert fired == ["y"]
-    w = y * 2
-    both = when_all_grads([y, w], lambda: fired.append("y, w"))
-    torch.autograd.backward([y, w], [torch.ones(3), torch.ones(3)], retain_graph=True)  # two roots: called once
-    assert fired == ["y", "y", "y, w"]
-    torch.autograd.backward(z.sum())  # a later backward through y, no root watched: called again
-    assert fired == ["y", "y", "y, w", "z", "y", "y, w"]
-    for h in [*handles, both]:
+    w = (x * 5).cos()  # another root, apart from y
+    handles.append(when_all_grads([y, w], lambda: fired.append("y, w"), roots=True))
+    # two roots hang off a node of the engine's own, and are reported as any node is: each watcher called once
+    torch.autograd.backward([y, w], [torch.ones(3), torch.ones(3)], retain_graph=True)
+    assert fired == ["y", "y", "y, roots not counted", "y, w"]
+    torch.autograd.backward(z.sum())  # a later backward through y, no root watched: each called
+    assert fired[4:] == ["z", "y", "y, roots not counted", "y, w"]
+    for h in handles:
         h.remove()
+
 
 
 def test_plan_says_each_stage_ranks_share(planned):
