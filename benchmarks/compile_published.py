@@ -22,7 +22,9 @@ cuBLAS workspaces included):
 memfit's side: ``memfit.measure.compiled.profile_compiled`` on fake CUDA as a T4 (the GTX 1650's
 compute capability, which picks the attention kernel and the cuBLAS workspace size), the step with
 gradients kept (``StepOptions(set_to_none=False)``) and SGD with lr 0 (allocates nothing): its
-``allocated_peak_bytes``. The eager row is ``memfit.profile`` of the same step.
+``allocated_peak_bytes``. The eager row is ``memfit.profile`` of the same step. The inductor rows are
+inductor's CUDA (Triton) code where Triton is importable (``memfit.compat.triton_fake``), else its
+host C++ code; the heading says which.
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ def main() -> int:
             f"{(gpu - RESIDENT) / 1e6:.1f} / {(got - RESIDENT) / 1e6:.1f} | {cpu:.1f} |"
         )
         print(rows[-1], flush=True)
-    emit(rows, "fake-cuda (T4: compute capability 7.5, as the GTX 1650)", args.out)
+    from memfit.compat import triton_fake
+
+    why = triton_fake.unavailable()
+    code = "inductor's Triton code" if why is None else f"inductor's host C++ code ({why})"
+    emit(rows, f"fake-cuda (T4: compute capability 7.5, as the GTX 1650), {code}", args.out)
     return 0
 
 

@@ -4,6 +4,9 @@ what a warm-up step leaves (issue 27: ``memfit finetune`` under 30 s for a 7-8B 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -127,3 +130,87 @@ def test_one_session_answers_as_fresh_profiles():
             for k in (2, 4):
                 fresh = profile_step(_step(model, x, StepOptions(micro_batches=k))).budget_peak_bytes
                 assert session.peak(micro_batches=k) == fresh
+
+
+class _ReplacesBufferStorage(nn.Module):
+    """The first forward gives a buffer a storage of its own (``.data =``): a tensor older than
+    the step, holding a storage made in it. The warm-up step makes it, a light warm-up does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("buf", torch.zeros(1))
+
+    def forward(self, x):
+        if self.buf.numel() == 1:
+            self.buf.data = torch.zeros(256, device=x.device)
+        return self.lin(x) + self.buf[:1]
+
+
+_OTHER_MODE: list = []
+_KEPT: list = []
+
+
+class _KeepsAnotherModesTensor(nn.Module):
+    """The first forward keeps a fake tensor of another FakeTensorMode than the session's:
+    not the session's state, left out of its check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        from memfit.compat.torch_compat import no_dispatch_modes
+
+        if not _KEPT:
+            with no_dispatch_modes():
+                _OTHER_MODE[:] = _OTHER_MODE or [FakeTensorMode()]
+                _KEPT.append(_OTHER_MODE[0].from_tensor(torch.zeros(512)))
+        return self.lin(x)
+
+
+def _light_findings(monkeypatch, make, *, freeze: bool) -> tuple[list[bool], list[list[int]], list[int]]:
+    """A light profile of ``make()``: the check's answers, each scan's fake storages (their
+    sizes) and how many objects the collector tracked at each scan."""
+    checks: list[bool] = []
+    found: list[list[int]] = []
+    tracked: list[int] = []
+    held, scan = profile_module.light_warm_up_held, profile_module.live_fake_storages
+
+    def counted(mode):
+        got = scan(mode)
+        found.append(sorted(s.nbytes() for s in got.values()))
+        tracked.append(len(gc.get_objects()))
+        return got
+
+    monkeypatch.setattr(profile_module, "light_warm_up_held", lambda *a: checks.append(held(*a)) or checks[-1])
+    monkeypatch.setattr(profile_module, "live_fake_storages", counted)
+    if not freeze:
+        monkeypatch.setattr(profile_module, "older_objects_frozen", contextlib.nullcontext)
+    _KEPT.clear()
+    torch.manual_seed(0)
+    profile_step(_step(make(), torch.randn(8, 16)), light=True)
+    monkeypatch.undo()
+    return checks, found, tracked
+
+
+def test_a_light_sessions_scan_leaves_out_older_objects_and_finds_what_the_whole_heap_scan_found(monkeypatch):
+    """With nothing frozen, a light session freezes what exists when it begins, so its checks
+    scan only what was made since, and finds the same fake storages as scanning every object:
+    state a first forward makes (a new tensor, or a new storage under a buffer made before the
+    step) still fails the check, another FakeTensorMode's tensor kept by the step does not.
+    The freeze is undone after; a freeze made before the session is left as it was."""
+    gc.unfreeze()  # the tests' set-up froze what existed (conftest): here nothing is
+    cases = [(_mlp, True), (_MakesStateOnFirstCall, False), (_ReplacesBufferStorage, False), (_KeepsAnotherModesTensor, True)]
+    for make, holds in cases:
+        whole = _light_findings(monkeypatch, make, freeze=False)
+        assert gc.get_freeze_count() == 0
+        frozen = _light_findings(monkeypatch, make, freeze=True)
+        assert gc.get_freeze_count() == 0  # undone
+        assert frozen[0] == whole[0] == [holds], make
+        assert frozen[1] == whole[1] and len(frozen[1]) == 2, make
+        assert max(frozen[2]) * 5 < min(whole[2]), (make, frozen[2], whole[2])
+    assert _KEPT and _KEPT[0].fake_mode is _OTHER_MODE[0]
+    gc.freeze()
+    assert _light_findings(monkeypatch, _MakesStateOnFirstCall, freeze=True)[0] == [False]
+    assert gc.get_freeze_count() > 0  # someone else's freeze: left to them, not undone

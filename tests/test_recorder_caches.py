@@ -29,15 +29,22 @@ def test_op_facts_are_per_overload_and_as_computed_at_each_call():
         assert facts.cublas == (name in recorder.CUBLAS_OPS)
         assert facts.nondeterministic == (name in determinism.WATCHED_OPS)
         assert facts.twin == (name in observer.TWIN_OPS)
-        assert facts.no_workspace == (
+        # the eager recorder gives no workspace block to these (kernel_scratch with inside=True)
+        kind = recorder._scratch_kind(func)
+        assert recorder._scratch_kind(func) == kind and recorder._SCRATCH_KIND[func] == kind  # remembered
+        assert (kind in (recorder._NO_KERNEL, recorder._RUN_INSIDE)) == (
             func.is_view or name in recorder.BOOKKEEPING_OPS or qualified in recorder._RECORD_INSIDE_ON_CPU
             or func.namespace == "c10d"
+        )
+        assert (kind == recorder._RUN_AS_CUDA) == (
+            qualified in recorder._AS_CUDA_ALLOCATES and kind not in (recorder._NO_KERNEL, recorder._RUN_INSIDE)
         )
     # two overloads of one op: the same name, not the same schema
     assert recorder._facts(aten.add.Tensor).name == recorder._facts(aten.add.out).name == "add"
     assert not recorder._facts(aten.add.Tensor).writes and recorder._facts(aten.add.out).writes
-    assert recorder._facts(aten.select.int).no_workspace and not recorder._facts(aten.mm.default).no_workspace
-    assert recorder._facts(aten.mm.default).cublas and recorder._facts(torch.ops.c10d.allreduce_.default).no_workspace
+    no_kernel = recorder._NO_KERNEL
+    assert recorder._scratch_kind(aten.select.int) == no_kernel and recorder._scratch_kind(aten.mm.default) == recorder._KERNEL
+    assert recorder._facts(aten.mm.default).cublas and recorder._scratch_kind(torch.ops.c10d.allreduce_.default) == no_kernel
     # what the recorder skips when the fact says no: nothing to find there
     x = torch.zeros(4)
     assert torch_compat.written_arguments(aten.add.Tensor, (x, x), {}) == []

@@ -263,3 +263,34 @@ def test_probing_a_random_op_leaves_the_generator_as_it_was():
         args = (mode.from_tensor(x), 0.5, True)
         assert workspace.probe(torch.ops.aten.native_dropout.default, args, {}, workspace.TABLE) is not None
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_probe_bounds_what_an_op_returns_and_makes_nothing_to_learn_it(monkeypatch):
+    """The probe runs an op for real on a fake step's behalf, so its bound counts the new tensors
+    the op returns as well as its inputs: a factory (``zeros``) or an op whose output dwarfs its
+    inputs (the whole table's gradient of ``embedding_dense_backward``) is left unmeasured
+    instead of allocating its output here. Their sizes come from meta kernels, which allocate
+    nothing. An output that is an input (in place) is not counted twice."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.compat import torch_compat
+
+    aten = torch.ops.aten
+    monkeypatch.setattr(workspace, "PROBE_LIMIT_BYTES", 2**20)
+    with FakeTensorMode() as mode:
+        grad = mode.from_tensor(torch.zeros(4, 8))
+        ids = mode.from_tensor(torch.zeros(4, dtype=torch.long))
+        small = mode.from_tensor(torch.zeros(2**20 // 4 * 3 // 4))  # 0.75 of the bound
+        other = mode.from_tensor(torch.zeros(2**20 // 4 * 3 // 4))
+    factory = (aten.zeros.default, ([2**20],), {"dtype": torch.float32, "device": torch.device("cpu")})
+    table_grad = (aten.embedding_dense_backward.default, (grad, ids, 2**16, -1, False), {})  # 2 MiB out
+    with torch_compat.AllocationTrace() as trace, torch.profiler.record_function("sizes"):
+        sizes = [workspace._output_bytes(*call) for call in (factory, table_grad)]
+    assert sizes == [4 * 2**20, 2**16 * 8 * 4]
+    assert trace.peaks("sizes", "cpu").get("sizes", (0, 0))[0] < 2**16  # the 4 MiB and 2 MiB were not made
+    assert workspace.probe(*factory, workspace.TABLE) is None
+    assert workspace.probe(*table_grad, workspace.TABLE) is None
+    assert workspace.probe(aten.add_.Tensor, (small, other), {}, workspace.TABLE) is None  # inputs 1.5x the bound
+    assert workspace.probe(aten.mul_.Tensor, (small, 2.0), {}, workspace.TABLE) == 0  # in place: 0.75, not 1.5
+    tiny = (aten.zeros.default, ([16],), {"dtype": torch.float32, "device": torch.device("cpu")})
+    assert workspace.probe(*tiny, workspace.TABLE) == 0  # a small factory is still measured

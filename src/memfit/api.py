@@ -60,6 +60,18 @@ class World:
     def one_device(self) -> bool:
         return self.workload is None or self.workload.parallel is None
 
+    def per_rank(self, fake: bool | str | Where, progress: Progress | None) -> dict[str, Any]:
+        """What every per-rank function takes besides the workload and its own arguments: the
+        world's size and asked-for ranks, the progress callback, and where a rank's step runs
+        (fake tensors: on the CPU unless fake CUDA is asked for)."""
+        where = Where.of(fake)
+        return {
+            "world_size": self.size,
+            "ranks": self.ranks,
+            "progress": progress,
+            "fake": Where.FAKE if where is Where.REAL else where,
+        }
+
     def as_held(self, plan: Plan | None) -> Plan | None:
         """``plan`` for the model the training script holds: a target that wraps it
         (:attr:`Workload.plan_root`) is planned whole, the plan handed over re-rooted."""
@@ -147,12 +159,6 @@ def _one_device_only(**given: tuple[Any, Any]) -> None:
         raise WorkloadError(f"per rank (parallel=), {', '.join(set_)}= is not modelled yet: drop it, or ask about one device")
 
 
-def _rank_where(fake: bool | str | Where) -> Where:
-    """A rank's step runs on fake tensors: on the CPU unless fake CUDA is asked for."""
-    where = Where.of(fake)
-    return Where.FAKE if where is Where.REAL else where
-
-
 def profile(
     model: nn.Module | Workload,
     inputs: Any = None,
@@ -175,15 +181,7 @@ def profile(
         options = dict(fake=fake, progress=progress, step=step, gpu=gpu, capacity=capacity)
         return single_profile.profile(model, inputs, **parts, **options)
     _one_device_only(step=(step, None))
-    return profile_ranks(
-        world.workload,  # type: ignore[arg-type]
-        world_size=world.size,
-        ranks=world.ranks,
-        progress=progress,
-        fake=_rank_where(fake),
-        gpu=gpu,
-        capacity=capacity,
-    )
+    return profile_ranks(world.workload, gpu=gpu, capacity=capacity, **world.per_rank(fake, progress))  # type: ignore[arg-type]
 
 
 def plan(
@@ -229,15 +227,7 @@ def plan(
         profile=(profile, None), step=(step, None), op_overhead_s=(op_overhead_s, None),
         on_profile=(on_profile, None), on_planned=(on_planned, None),
     )  # fmt: skip
-    planned = plan_ranks(
-        world.workload,  # type: ignore[arg-type]
-        budget,
-        world_size=world.size,
-        ranks=world.ranks,
-        objective=objective,
-        progress=progress,
-        fake=_rank_where(fake),
-    )
+    planned = plan_ranks(world.workload, budget, objective=objective, **world.per_rank(fake, progress))  # type: ignore[arg-type]
     return world.as_held(planned)  # type: ignore[return-value]
 
 
@@ -264,16 +254,7 @@ def fit(
         options = dict(allow=allow, set_to_none=set_to_none, progress=progress, exclude=exclude, fake=fake)
         return world.recipe_as_held(single_fit.fit(model, inputs, budget, **parts, **options))
     _one_device_only(set_to_none=(set_to_none, True))
-    recipe = fit_ranks(
-        world.workload,  # type: ignore[arg-type]
-        budget,
-        world_size=world.size,
-        ranks=world.ranks,
-        allow=allow,
-        exclude=exclude,
-        progress=progress,
-        fake=_rank_where(fake),
-    )
+    recipe = fit_ranks(world.workload, budget, allow=allow, exclude=exclude, **world.per_rank(fake, progress))  # type: ignore[arg-type]
     return world.recipe_as_held(recipe)
 
 
@@ -303,14 +284,7 @@ def max_batch(
         return found
     _one_device_only(set_to_none=(set_to_none, True))
     found = max_batch_ranks(
-        world.workload,  # type: ignore[arg-type]
-        budget,
-        world_size=world.size,
-        ranks=world.ranks,
-        multiple_of=multiple_of,
-        allow=allow,
-        progress=progress,
-        fake=_rank_where(fake),
+        world.workload, budget, multiple_of=multiple_of, allow=allow, **world.per_rank(fake, progress)  # type: ignore[arg-type]
     )
     world.recipe_as_held(found.recipe)
     return found

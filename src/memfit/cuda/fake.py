@@ -436,6 +436,9 @@ def _install_stubs(torch: Any) -> None:
         "get_device_properties": properties,
         "get_device_name": lambda device=None: gpu().name,
         "is_bf16_supported": lambda including_emulation=True: gpu().capability >= (8, 0),
+        # device guards (torch.cuda._DeviceGuard, in inductor's CUDA wrapper code): one device, 0
+        "_exchange_device": lambda device: -1 if device < 0 else 0,
+        "_maybe_exchange_device": lambda device: -1 if device < 0 else 0,
     }
     for name, fn in stubs.items():
         setattr(cuda, name, fn)

@@ -38,15 +38,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.compat import inductor_fake, torch_compat
+from memfit.compat import inductor_fake, torch_compat, triton_fake
 from memfit.cuda import fake as cuda_fake
-from memfit.cuda import gpu
 from memfit.cuda.allocator import Alloc, AllocatorSettings, Free, replay
 from memfit.errors import BudgetError, MemfitError
 from memfit.measure import workspace
 from memfit.measure.checked import Step, checked_step
 from memfit.measure.ledger import Phase
-from memfit.measure.recorder import BOOKKEEPING_OPS, _attention_backward_estimate
+from memfit.measure.recorder import kernel_scratch
 from memfit.measure.sandbox import step_sandbox
 from memfit.measure.step import StepOptions
 from memfit.units import parse_bytes
@@ -105,6 +104,10 @@ class CompiledProfile:
     """A fake step: op calls whose kernel's own scratch is not in the figures (no measurement
     of its kind, too large to run on zeros, or on fake CUDA no estimate), as the eager profile's
     :attr:`~memfit.measure.ledger.Ledger.unmeasured_ops`."""
+    code: str = ""
+    """The code inductor generated for the step: ``"triton"`` (its CUDA code, on fake CUDA with
+    Triton installed: :mod:`memfit.compat.triton_fake`), ``"c++"`` (its CPU code, the host's, which
+    a fake-CUDA step without Triton runs too); ``""`` for the backends that generate none."""
 
     @property
     def peak_bytes(self) -> int:
@@ -120,7 +123,12 @@ class CompiledProfile:
         """What the figures are, in a few words (for a report's heading)."""
         if self.fallback:
             return f"eager step (not compiled: {self.fallback})"
-        return f"compiled step ({self.backend}, activation_memory_budget={self.memory_budget:g})"
+        return f"compiled step ({self.backend}{self.code_words}, activation_memory_budget={self.memory_budget:g})"
+
+    @property
+    def code_words(self) -> str:
+        """``", Triton code"``, ``", C++ code"`` or nothing: which code inductor generated, for a label."""
+        return {"triton": ", Triton code", "c++": ", C++ code"}.get(self.code, "")
 
 
 def unavailable_on_fake() -> str | None:
@@ -250,8 +258,9 @@ def _recorded_step(box: Any, loss_fn: Any) -> _Recorded:
 
 class _Scratch:
     """What a kernel allocates for itself and frees before it returns, for each op a fake
-    compiled step runs (inductor's extern and fallback kernels, the eager optimizer), counted
-    as memfit's eager fake profile counts it for the same op (``memfit.measure.recorder``):
+    compiled step runs (inductor's extern and fallback kernels, the eager optimizer), by the
+    eager recorder's rule (:func:`memfit.measure.recorder.kernel_scratch`, which says where
+    and why a compiled step's arguments differ):
 
     - a fake CPU step: the figure a real step of this process measured for the op's kind
       (:data:`memfit.measure.workspace.TABLE`), else the op run once on real zeros of its
@@ -266,19 +275,19 @@ class _Scratch:
         self.unmeasured = 0
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> int:
-        name = func.overloadpacket.__name__
-        if func.is_view or func.namespace in ("prim", "c10d") or name in BOOKKEEPING_OPS:
-            return 0  # no kernel that allocates (the eager recorder's rule)
-        if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-            return 0  # the wrapper's empty_strided and other factories: nothing but their output
-        if self.fake_cuda:
-            if name in gpu.ATTENTION_BACKWARD_OPS:
-                return _attention_backward_estimate(name, args)
-            self.unmeasured += 1
-            return 0
-        known = workspace.TABLE.get(workspace.signature(func, args, kwargs))
-        if known is None:
-            known = workspace.probe(func, args, kwargs, workspace.TABLE)
+        known, _ = kernel_scratch(
+            func,
+            args,
+            kwargs,
+            # compiled on host tensors: their signatures would find the host's figures, not CUDA's
+            table=None if self.fake_cuda else workspace.TABLE,
+            attention=self.fake_cuda,
+            probe=not self.fake_cuda,
+            # this dispatch mode is off inside an op: what bitsandbytes' Python kernels run is not seen
+            inside=False,
+            as_cuda=False,
+            tensorless=True,  # the wrapper's empty_strided and other factories: nothing but their output
+        )
         if known is None:
             self.unmeasured += 1
         return known or 0
@@ -432,13 +441,16 @@ def profile_compiled_step(
         # fake CUDA loaded in this process (MEMFIT_FAKE_CUDA=1) breaks any host compile's cache key,
         # a fake CPU or real CPU step's too
         torch_compat.host_compile_system_info()
+    # inductor's CUDA code where it can be generated (fake CUDA tensors, Triton installed); else the
+    # step runs on the host, as fake host tensors where it can, compiled as the host's code
+    triton = backend == "inductor" and step.fake_cuda and why is None and triton_fake.unavailable() is None
     run_on = Where.FAKE if step.fake and why is None else Where.REAL
-    host = step.on(run_on) if step.fake_cuda else step
-    if step.fake_cuda and step.options.foreach is None:
+    host = step.on(run_on) if step.fake_cuda and not triton else step
+    if step.fake_cuda and not triton and step.options.foreach is None:
         # CUDA's optimizers default to foreach (one kernel over every tensor, with temporaries
         # over all of them); the host's to a loop per tensor
         host = host.on(run_on, replace(step.options, foreach=True))
-    ran = _run_compiled(host, step.loss_fn, compile_fn, budget, step.fake_cuda)
+    ran = _run_compiled(host, step.loss_fn, compile_fn, budget, step.fake_cuda, triton)
     if isinstance(ran, str):
         return _eager_fallback(step, backend, budget, ran)
     start, rec, graphs, breaks, compile_s = ran
@@ -454,6 +466,7 @@ def profile_compiled_step(
         graph_breaks=breaks,
         compile_cpu_s=compile_s,
         unmeasured_ops=rec.unmeasured,
+        code=("triton" if triton else "c++") if backend == "inductor" else "",
     )
     if step.fake_cuda:
         allocated, reserved, keyed = _cuda_replay({**start, **_cublas_workspaces()}, rec.events, allocator or AllocatorSettings())
@@ -462,17 +475,17 @@ def profile_compiled_step(
 
 
 def _run_compiled(
-    step: Step, loss_fn: Any, compile_fn: Callable[..., Any], budget: float, fake_cuda: bool
+    step: Step, loss_fn: Any, compile_fn: Callable[..., Any], budget: float, fake_cuda: bool, triton: bool = False
 ) -> tuple[dict[int, int], _Recorded, int, int, float] | str:
     """Compile ``step``'s model in its sandbox, run a warm-up step (it compiles, and makes the
     optimizer state) and a recorded one: the start storages' sizes, the record, the graphs and
     graph breaks compiled and the warm-up's CPU seconds; or why the record is not a compiled
-    step's."""
+    step's. ``triton``: the step is on fake CUDA tensors, compiled to inductor's CUDA code."""
     fake = step.fake
-    kernels = inductor_fake.stubbed_kernels() if fake else contextlib.nullcontext()
-    # fake CUDA compiles on host tensors: attention must be the kernel a CUDA build picks, or the
+    kernels = _stubbed(fake, triton)
+    # fake CUDA compiled on host tensors: attention must be the kernel a CUDA build picks, or the
     # partitioner saves what the CPU's kernel needs (math with dropout: every T x T weight)
-    attention = cuda_fake.host_attention_as_cuda() if fake and fake_cuda else contextlib.nullcontext()
+    attention = cuda_fake.host_attention_as_cuda() if fake and fake_cuda and not triton else contextlib.nullcontext()
     with step_sandbox(step.where, step.model, step.args, step.kwargs, step.optimizer, step=step.options, targets=step.targets) as box:
         run = replace(box, model=torch.compile(box.model, backend=compile_fn))
         graphs0, breaks0 = _dynamo_counts()
@@ -486,6 +499,16 @@ def _run_compiled(
         if _dynamo_counts()[0] != graphs1:
             return "the recorded step compiled again (dynamic shapes or a guard that failed)"
     return _sizes(start), rec, graphs1 - graphs0, breaks1 - breaks0, compile_s
+
+
+@contextlib.contextmanager
+def _stubbed(fake: bool, triton: bool) -> Iterator[None]:
+    """Inductor's kernels not run (fake tensors), its CUDA code generated (``triton``)."""
+    with (
+        inductor_fake.stubbed_kernels() if fake else contextlib.nullcontext(),
+        triton_fake.cuda_codegen() if triton else contextlib.nullcontext(),
+    ):
+        yield
 
 
 def _eager_fallback(step: Step, backend: str, budget: float, why: str) -> CompiledProfile:

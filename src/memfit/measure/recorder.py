@@ -122,10 +122,6 @@ class _OpFacts:
     name: str
     """The overload packet's name: what ticks and op calls are put under (``self._op``)."""
     qualified: str
-    no_workspace: bool
-    """Never given a workspace block: a view (allocates nothing; a select's index would make
-    each call a kind of its own), a bookkeeping op, one run with the recorder inside it, a
-    communication backend's own (gloo's copies, NCCL's buffers: not the step's)."""
     record_inside: bool
     as_cuda: Any
     """:data:`_AS_CUDA_ALLOCATES`' kernel for it, or None."""
@@ -156,7 +152,6 @@ def _facts(func: Any) -> _OpFacts:
     known = _FACTS[func] = _OpFacts(
         name=name,
         qualified=qualified,
-        no_workspace=func.is_view or name in BOOKKEEPING_OPS or record_inside or func.namespace == "c10d",
         record_inside=record_inside,
         as_cuda=_AS_CUDA_ALLOCATES.get(qualified),
         alias=qualified in _distributed.ALIAS_OPS,
@@ -191,6 +186,84 @@ def _attention_backward_estimate(op: str, args: tuple) -> int:
         # the kernels take it as (batch, seq, heads, dim), contiguous, copying it if not
         grad_out_copy=not grad_out.transpose(1, 2).is_contiguous(),
     )
+
+
+# What kind of op a kernel-scratch figure is asked for (:func:`kernel_scratch`), by op.
+_NO_KERNEL, _RUN_INSIDE, _RUN_AS_CUDA, _KERNEL = range(4)
+_SCRATCH_KIND: dict[Any, int] = {}
+
+
+def _scratch_kind(func: Any) -> int:
+    """:func:`kernel_scratch`'s kind of ``func``, remembered per op (asked at every call)."""
+    kind = _SCRATCH_KIND.get(func)
+    if kind is None:
+        name = func.overloadpacket.__name__
+        qualified = func.overloadpacket._qualified_op_name
+        if func.is_view or func.namespace in ("prim", "c10d") or name in BOOKKEEPING_OPS:
+            # a view allocates nothing (and a select's index would make each call a kind of its
+            # own); a communication backend's own ops (gloo's copies, NCCL's buffers) are not the step's
+            kind = _NO_KERNEL
+        elif qualified in _RECORD_INSIDE_ON_CPU:
+            kind = _RUN_INSIDE
+        elif qualified in _AS_CUDA_ALLOCATES:
+            kind = _RUN_AS_CUDA
+        else:
+            kind = _KERNEL
+        _SCRATCH_KIND[func] = kind
+    return kind
+
+
+def kernel_scratch(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    table: workspace.WorkspaceTable | None,
+    attention: bool,
+    probe: bool,
+    inside: bool,
+    as_cuda: bool,
+    tensorless: bool,
+) -> tuple[int | None, bool]:
+    """What the kernel of one op call allocates for itself and frees before it returns, as
+    memfit counts it on a step where no kernel's allocations can be read (fake tensors, or a
+    real op of a kind not measured yet): ``(bytes, estimated)``, bytes None when there is no
+    figure (the caller counts it unmeasured, or measures it), 0 for none; ``estimated``: the
+    figure is SDPA backward's estimate from torch's sources.
+
+    The rule, in order: no kernel that allocates (a view, the recorder's bookkeeping, a
+    communication backend's own op: not the step's), 0; the figure a real step of this process
+    measured for the op's kind (``table``); on fake CUDA (``attention``), SDPA backward's
+    estimate; on a fake CPU step (``probe``), the op run once on real zeros of its shapes
+    (:func:`memfit.measure.workspace.probe`); else None. Where the eager recorder and a
+    compiled fake step differ, an argument says so:
+
+    - ``table`` None: the step's tensors are not the device's (a fake-CUDA step compiled on
+      host tensors, whose signatures would find the host's figures), so no table;
+    - ``inside``: ops the caller runs with itself recording the torch ops inside them
+      (bitsandbytes' Python CPU kernels under the eager recorder) get 0, their scratch being
+      recorded as those ops; a compiled step's dispatch mode is off inside an op, so there
+      they take the rule;
+    - ``as_cuda``: ops the caller runs as their CUDA kernel allocates (bitsandbytes' 4-bit
+      and int8 matmuls under the eager fake recorder) get 0, for the same reason;
+    - ``tensorless``: an op without a tensor argument (a factory; inductor's wrapper makes its
+      buffers with ``empty_strided``) makes nothing but its output, 0; the eager recorder
+      keeps its figures as they were for those (the table's, the probe's, or unmeasured)."""
+    kind = _SCRATCH_KIND.get(func)
+    if kind is None:
+        kind = _scratch_kind(func)
+    if kind == _NO_KERNEL or (inside and kind == _RUN_INSIDE) or (as_cuda and kind == _RUN_AS_CUDA):
+        return 0, False
+    if tensorless and not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return 0, False
+    known = table.get(workspace.signature(func, args, kwargs)) if table is not None else None
+    if known is None and attention:
+        name = func.overloadpacket.__name__
+        if name in gpu.ATTENTION_BACKWARD_OPS:
+            return _attention_backward_estimate(name, args), True
+    if known is None and probe and table is not None:
+        known = workspace.probe(func, args, kwargs, table)  # the table learns it
+    return known, False
 
 
 def _cuda_capability(device: torch.device | None) -> tuple[int, int]:
@@ -762,17 +835,22 @@ class Recorder(TorchDispatchMode):
     def _open_workspace(self, func: Any, facts: _OpFacts, args: tuple, kwargs: dict) -> tuple[int | None, str | None]:
         """The workspace block of this op call (its record index, born now) and the profiler
         tag to run it under when it is still to be measured; Nones when the op needs none."""
-        if not self._workspace or facts.no_workspace or (self._trace is None and facts.as_cuda is not None):
+        if not self._workspace:
             return None, None
-        sig = workspace.signature(func, args, kwargs)
-        known = self.table.get(sig)
-        if known is None and self._trace is None and self.device_type == "cuda" and self._op in gpu.ATTENTION_BACKWARD_OPS:
-            # fake CUDA runs no kernel to measure: SDPA's backward temporaries from torch's sources
-            known = _attention_backward_estimate(self._op, args)
-            self.attention_estimates += 1
-        if known is None and self._trace is None and self._probe:
-            known = workspace.probe(func, args, kwargs, self.table)
-        if known is None and self._trace is None:
+        fake = self._trace is None
+        known, estimated = kernel_scratch(
+            func,
+            args,
+            kwargs,
+            table=self.table,
+            attention=fake and self.device_type == "cuda",  # fake CUDA runs no kernel to measure
+            probe=self._probe,
+            inside=True,
+            as_cuda=fake,
+            tensorless=False,
+        )
+        self.attention_estimates += estimated
+        if known is None and fake:
             self.unmeasured_ops += 1
             return None, None
         if known == 0:
@@ -781,6 +859,7 @@ class Recorder(TorchDispatchMode):
         idx = len(self.records) - 1
         if known is not None:
             return idx, None
+        sig = workspace.signature(func, args, kwargs)  # measured in this step: the table learns it after
         self._pending.append((idx, sig))
         if sig in self._tagged:  # the first call of this kind measures it for all
             return idx, None

@@ -127,15 +127,16 @@ class WorkspaceTable:
 
 
 PROBE_LIMIT_BYTES = 256 * 2**20
-"""An op whose tensors hold more than this is not run for real to measure its workspace
-(:func:`probe`): a fake step is often one too big for this machine."""
+"""An op whose tensors, its inputs and the new ones it returns, hold more than this is not run
+for real to measure its workspace (:func:`probe`): a fake step is often one too big for this
+machine."""
 
 
 def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | None:
     """Measure the workspace of one CPU op call made on fake tensors by running it once on
     real zero-filled tensors of the same shapes, strides and dtypes (a workspace depends on
     those, not on values: :func:`signature`), outside every dispatch mode; the table learns
-    it. None when it cannot be measured that way: tensors over :data:`PROBE_LIMIT_BYTES`,
+    it. None when it cannot be measured that way: tensors (inputs and outputs) over :data:`PROBE_LIMIT_BYTES`,
     or the op refusing zeros (an index out of range, say), or a profiler already running."""
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -145,7 +146,8 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     if any(t.device.type != "cpu" or t.layout is not torch.strided for t in tensors):
         return None
-    if sum(t.untyped_storage().nbytes() for t in tensors) > PROBE_LIMIT_BYTES:
+    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    if held > PROBE_LIMIT_BYTES or held + _output_bytes(func, args, kwargs) > PROBE_LIMIT_BYTES:
         return None
     sig = signature(func, args, kwargs)
     tag = "memfit.workspace.probe"
@@ -167,6 +169,33 @@ def probe(func: Any, args: tuple, kwargs: dict, table: WorkspaceTable) -> int | 
     except Exception:  # noqa: BLE001 - any refusal leaves the op unmeasured, as before
         return None
     return table.record(sig, workspace_bytes(peak, net))
+
+
+def _output_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """The bytes of the new tensors ``func`` returns, from its meta kernel: the probe makes
+    them for real too, and a factory (``zeros``) or an op whose output dwarfs its inputs
+    (``embedding_dense_backward``'s whole-table gradient) would otherwise allocate gigabytes on
+    a fake step's behalf. An output that is an input (in place, ``out=``) is not new. 0 where
+    the op has no meta kernel: then only its inputs bound it, as before."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    from memfit.compat import torch_compat
+
+    def meta(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    margs, mkwargs = tree_map(meta, (args, kwargs))
+    given = {id(t) for t in tree_leaves((margs, mkwargs)) if isinstance(t, torch.Tensor)}
+    if "device" in mkwargs or not given:  # a factory makes its output where it is told: on meta
+        mkwargs = {**mkwargs, "device": torch.device("meta")}
+    try:
+        with torch_compat.no_dispatch_modes(), torch.no_grad():
+            out = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: the inputs' bound alone, as before
+        return 0
+    return sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t) not in given)
 
 
 TABLE = WorkspaceTable()

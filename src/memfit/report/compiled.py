@@ -12,7 +12,8 @@ from memfit.report.profiles import FAKE_CUDA_SCRATCH
 from memfit.units import format_bytes
 
 BACKEND_NOTE = (
-    "depends on the backend: inductor's fusion and buffer reuse (CPU C++ code here; Triton on a GPU fuses differently), "
+    "depends on the backend: inductor's fusion and buffer reuse (its code for the device: C++ on the host, Triton on CUDA; "
+    "on fake CUDA its Triton code where Triton is installed, else the host's C++ code, as the label says), "
     "the partitioner's saved set (the same min-cut for inductor, aot_eager_decomp_partition and aot_eager); attention is the kernel the "
     "device picks (on fake CUDA, the one a CUDA build picks for this GPU)"
 )
@@ -63,7 +64,7 @@ def render_compiled(
             break
     else:
         p = profiles[0]
-        what = p.label if len(profiles) == 1 else f"compiled steps ({p.backend}), one compile per memory budget"
+        what = p.label if len(profiles) == 1 else f"compiled steps ({p.backend}{p.code_words}), one compile per memory budget"
         console.print(f"{what}; warm-up steps (they compile) {sum(q.compile_cpu_s for q in profiles):.1f} CPU s")
         if any(q.graph_breaks for q in profiles):
             console.print("graph breaks: the step ran several graphs with eager code between them; measured as it ran")
