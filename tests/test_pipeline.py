@@ -109,12 +109,13 @@ def test_bad_pipeline_input_is_one_line(kw, world_size, words):
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
-def test_pipeline_settings_without_pp_and_planning_refused(capsys):
+def test_pipeline_settings_without_pp_and_min_world_size_refused(capsys):
+    # (plan, fit and --max-batch work per stage: tests/test_pipeline_plan.py)
     from memfit import zoo
     from memfit.cli import main
 
     with pytest.raises(MemfitError, match="schedule=gpipe is a setting of parallel=pp, not of parallel=fsdp2"):
         zoo.build("llama", schedule="gpipe", **SIZES)
-    assert main(["plan", *TINY, "--size", "parallel=pp", "--world-size", "2", "--device", "fake", "--budget", "50%"]) == 2
+    assert main(["plan", *TINY, "--size", "parallel=pp", "--min-world-size", "--device", "fake", "--budget", "2MB"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "plan under pipeline parallelism (pp) is not modelled yet" in err and "\n" not in err
+    assert "--min-world-size under pipeline parallelism (pp) is not modelled yet" in err and "\n" not in err

@@ -63,7 +63,7 @@ def add_parser(sub: Any) -> None:
         "reshard_after_forward, on fake-cuda expandable_segments and, with --allow reduce_bf16, a bfloat16 reduce "
         "dtype; budget per rank (--gpu: its memory less the CUDA context and NCCL's buffers)",
     )
-    ranks_arg(p, "with --world-size: the ranks to fit (default 0)")
+    ranks_arg(p, "with --world-size: the ranks to fit (default 0; under --size parallel=pp every stage rank, each planned on its own)")
     gpu_options(p)
     p.add_argument(
         "--max-batch",
@@ -98,7 +98,11 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     if per_rank:
         raw, label = rank_budget(ns, work, raw, label)
         budget = fit_budget(raw)
-        model, inputs, asked = work, None, dict(world_size=ns.world_size, ranks=read_ranks(ns.ranks, ns.world_size))
+        from memfit.measure.pipeline import own_pipeline
+
+        # each pipeline stage holds its own modules: every one is fitted unless --ranks says which
+        ranks = read_ranks("all" if ns.ranks is None and own_pipeline(work) else ns.ranks, ns.world_size)
+        model, inputs, asked = work, None, dict(world_size=ns.world_size, ranks=ranks)
     else:
         model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
         optimizer = work.make_optimizer()

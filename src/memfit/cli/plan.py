@@ -59,8 +59,8 @@ def add_parser(sub: Any) -> None:
     world_size_arg(p, "plan one rank of N of the target's distributed step (--device fake, or fake-cuda: reserved peaks)")
     ranks_arg(
         p,
-        "with --world-size: the ranks to verify the plan on (default 0); with --min-world-size: the ranks that must "
-        "fit, negative from the last (default 0,-1)",
+        "with --world-size: the ranks to verify the plan on (default 0; under --size parallel=pp every stage rank, each "
+        "planned on its own); with --min-world-size: the ranks that must fit, negative from the last (default 0,-1)",
     )
     p.add_argument(
         "--min-world-size",
@@ -111,7 +111,11 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     planned: list[memfit.Profile] = []
     if per_rank:
         raw, label = rank_budget(ns, work, raw, label)
-        model, inputs, asked = work, None, dict(budget=raw, world_size=ns.world_size, ranks=read_ranks(ns.ranks, ns.world_size))
+        from memfit.measure.pipeline import own_pipeline
+
+        # each pipeline stage holds its own modules: every one is planned unless --ranks says which
+        ranks = read_ranks("all" if ns.ranks is None and own_pipeline(work) else ns.ranks, ns.world_size)
+        model, inputs, asked = work, None, dict(budget=raw, world_size=ns.world_size, ranks=ranks)
     else:
         model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
         asked = dict(budget=budget, loss_fn=work.loss_fn, targets=work.targets, optimizer=work.make_optimizer(), profile=saved,

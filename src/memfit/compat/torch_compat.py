@@ -570,14 +570,19 @@ class _Handles:
             h.remove()
 
 
-def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
+def when_all_grads(tensors: list[torch.Tensor], fn: Any, roots: bool = False) -> Any:
     """Call ``fn()`` once every one of ``tensors`` that this backward reaches has its
     gradient, as ``torch.autograd.graph.register_multi_grad_hook(tensors, fn)`` (mode
     "all") does, but without its buffer: that one keeps each gradient until the last
     arrives, so watching a module whose outputs' gradients come at different times (BART's
     logits and its encoder's output, whose gradient arrives after the whole decoder's
     backward) kept a logits-sized gradient alive that the step frees at once. Returns a
-    handle with ``remove()``."""
+    handle with ``remove()``.
+
+    ``roots``: a tensor that is the one root of a backward (``torch.autograd.backward(t, grad)``)
+    counts as reached when its gradient comes: the engine answers False for that node (it is
+    the graph's root itself; several roots hang off a node of the engine's own and are answered
+    as any node), which left ``fn`` uncalled in that backward."""
     from torch.autograd.graph import _get_grad_fn_or_grad_acc  # private: where torch's own hook gets it
 
     grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
@@ -586,12 +591,17 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
 
     lock = threading.Lock()  # the engine runs each device's part of a backward on its own thread
 
-    def hook(_grad: torch.Tensor) -> None:
+    def hook(_grad: torch.Tensor, i: int) -> None:
         task = torch._C._current_graph_task_id()
         with lock:
             seen = count.get(task, 0)
             if seen == 0:
                 expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+            # A backward's one root (a pipeline stage's output, whose gradient the stage after
+            # sends) gets its gradient, yet the engine says it will not execute its node:
+            # counted as it arrives, else a module whose output is the root never entered backward.
+            if roots and not torch._C._will_engine_execute_node(grad_fns[i]):
+                expected[task] += 1
             count[task] = seen + 1
             last = seen + 1 == expected[task]
             if last:
@@ -599,7 +609,7 @@ def when_all_grads(tensors: list[torch.Tensor], fn: Any) -> Any:
         if last:
             fn()
 
-    return _Handles([t.register_hook(hook) for t in tensors])
+    return _Handles([t.register_hook(lambda g, i=i: hook(g, i)) for i, t in enumerate(tensors)])
 
 
 def host_compile_system_info() -> None:

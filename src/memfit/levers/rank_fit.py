@@ -33,6 +33,7 @@ per-rank peaks), then :func:`fit_ranks` at that batch for its recipe.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from memfit.levers.recipe import RANK_LEVERS, RankRecipe, WhatIf, describe_resha
 from memfit.levers.ties import Candidate, choose, infeasible, what_if_order
 from memfit.measure.distributed import FSDP2, FakeGroup, RankProfiles, profile_ranks, rank_device, world_size_of
 from memfit.measure.ledger import Category, Ledger
-from memfit.measure.pipeline import refuse_pipelined
+from memfit.measure.pipeline import own_pipeline, refuse_pipelined
 from memfit.measure.profile import Progress, allocator_settings_from_env
 from memfit.plan.candidates import DeviceRates
 from memfit.plan.distributed import plan_ranks
@@ -385,7 +386,7 @@ def fit_ranks(
         BudgetInfeasibleError: nothing weighed fits; the message states the lowest peak reached.
         PlanError: an ``allow`` name that is not an opt-in lever here, or one this workload cannot use.
     """
-    refuse_pipelined(workload, "fit")
+    refuse_pipelined(workload, "fit", own_ok=True)
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)
@@ -655,13 +656,12 @@ def max_batch_ranks(
     ``recompute=False`` leaves the recompute limits out (each batch tried is then one
     profile, not a plan: minutes less on an 8B model). ``fake="cuda"``: each rank on fake CUDA,
     the budget bounding its reserved peak (as :func:`fit_ranks`)."""
-    refuse_pipelined(workload, "--max-batch")
+    refuse_pipelined(workload, "--max-batch", own_ok=True)
     started = time.perf_counter()
     target = fit_budget(budget)
     allowed = parse_rank_allow(allow)
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
     n = world_size_of(workload, world_size)
+    multiple_of = _batch_multiple(workload, n, multiple_of)
     ranks = list(dict.fromkeys(ranks)) or [0]
     where = Where.of(fake)
     device = rank_device(where)
@@ -684,7 +684,9 @@ def max_batch_ranks(
     def recomputed(work: Workload) -> Callable[[int], int]:
         def peak(b: int) -> int:
             report(f"lowest recompute peak at batch {b}", 0, 0)
-            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=ranks[:1], fake=where).min_peak_bytes
+            # (a pipeline's stages each hold their own modules: every one planned, the worst stage's lowest peak)
+            planned = ranks if own_pipeline(work) else ranks[:1]
+            return plan_ranks(_at_batch(work, b), 0.0, world_size=n, ranks=planned, fake=where).min_peak_bytes
 
         return peak
 
@@ -712,6 +714,16 @@ def max_batch_ranks(
         device=f"fake:{device}",
         world_size=n,
     )
+
+
+def _batch_multiple(workload: Workload, n: int, multiple_of: int) -> int:
+    """``multiple_of`` checked; under memfit's own pipeline at ``n`` ranks raised to a multiple of
+    its microbatches' count (the schedule cuts each batch into them: another batch is refused)."""
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise WorkloadError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+    if own_pipeline(workload):
+        return math.lcm(multiple_of, workload.parallel.parallelize.microbatches or n)  # type: ignore[union-attr]
+    return multiple_of
 
 
 def _batch_variants(workload: Workload, allowed: set[str]) -> dict[str, Workload]:

@@ -33,7 +33,7 @@ from memfit.measure import _distributed
 from memfit.measure.ledger import Phase
 from memfit.measure.step import OwnPasses
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineRank", "stage_indices", "phased", "stage_buffers", "static_stage", "on_fake_group", "schedule_step"]
+__all__ = ["SCHEDULES", "Pipeline", "PipelineRank", "own_pipeline", "refuse_pipelined", "stage_indices", "phased", "stage_buffers", "static_stage", "on_fake_group", "schedule_step"]
 
 SCHEDULES: dict[str, tuple[str, int, str]] = {
     # name: (torch's class in torch.distributed.pipelining.schedules, stages per rank, placement)
@@ -265,17 +265,28 @@ def _stage_metas(whole: nn.Module, inputs: tuple, rows: int, num_stages: int, sp
     return out
 
 
-def refuse_pipelined(workload: Any, what: str) -> None:
-    """Planning and fitting are not yet done per pipeline stage (each stage holds other modules,
-    so a plan is the stage's own, and a stage's peak depends on the microbatches in flight there):
-    ``what`` (``plan``, ``fit``, ...) on a pipelined workload is refused in one line."""
+def own_pipeline(workload: Any) -> bool:
+    """Whether ``workload`` is pipelined by memfit's own :class:`Pipeline` (``parallel=pp``),
+    which :func:`memfit.plan_ranks` plans per stage."""
+    parallel = getattr(workload, "parallel", None)
+    return parallel is not None and isinstance(parallel.parallelize, Pipeline)
+
+
+def refuse_pipelined(workload: Any, what: str, own_ok: bool = False) -> None:
+    """What is not modelled under pipeline parallelism is refused in one line: ``what``
+    (``plan``, ``fit``, ``--min-world-size``, ...) under another's pipeline (torchtitan's job), or
+    under memfit's own :class:`Pipeline` unless ``own_ok`` (``plan``, ``fit`` and ``--max-batch``
+    work per stage; ``--min-world-size`` does not: more ranks are more stages, another split)."""
     from memfit.errors import PlanError
 
     parallel = getattr(workload, "parallel", None)
     # a parallelize of another's pipeline (torchtitan's job) says so with ``pipelined``
-    if parallel is not None and (isinstance(parallel.parallelize, Pipeline) or getattr(parallel.parallelize, "pipelined", False)):
+    own = own_pipeline(workload)
+    if parallel is not None and (own or getattr(parallel.parallelize, "pipelined", False)) and not (own and own_ok):
+        # what does work: memfit's own Pipeline's plan at a given world size, per stage
+        planned = "memfit plan --world-size N plans " + ("each stage; " if own else "memfit's own parallel=pp per stage; ")
         raise PlanError(
-            f"{what} under pipeline parallelism ({parallel.name}) is not modelled yet: profile its stages "
+            f"{what} under pipeline parallelism ({parallel.name}) is not modelled yet: {planned}profile its stages "
             "(memfit profile ... --world-size N --ranks all; --capacity BYTES or --gpu NAME judges each stage rank's peak "
             "against it) and see docs/limitations.md"
         )

@@ -189,7 +189,12 @@ class Scope:
             passed = frames.pop() if frames else {}
             tensors = [t for t in _grad_tensors(output) if passed.get(id(t)) != t._version]
             if tensors:
-                self._grad_handles.append(torch_compat.when_all_grads(tensors, lambda n=name: self._enter_bw(n)))
+                # An output that is its backward's root enters backward as it gets its gradient
+                # (a pipeline stage's last module: its output's gradient comes from the next
+                # stage), but the model's own: its output is the step's loss, whose backward is
+                # the whole backward, kept outside any module as every profile has it.
+                enter = torch_compat.when_all_grads(tensors, lambda n=name: self._enter_bw(n), roots=name != "")
+                self._grad_handles.append(enter)
 
     def _enter_bw(self, name: str) -> None:
         self._backward.append((name, self._mark()))

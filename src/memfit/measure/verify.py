@@ -21,7 +21,7 @@ from torch import nn
 from memfit.compat import torch_compat
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.measure.cache_check import switch_changes_numbers
-from memfit.measure.distributed import FakeGroup, rank_sandbox, record_rank
+from memfit.measure.distributed import FakeGroup, named_model, rank_sandbox, record_rank
 from memfit.measure.ledger import Ledger, Phase
 from memfit.measure.profile import Profile, record_step, step_errors
 from memfit.measure.replay import replay_training
@@ -88,9 +88,10 @@ class Verifier:
         entered here and closed by :meth:`close`."""
         self._stack = ExitStack()
         self.box = self._stack.enter_context(sandbox)
-        self.model = unwrap(self.box.model)
+        self.model = named_model(unwrap(self.box.model))
         """The model plans name modules of and are applied to: the sandbox's, or the module
-        inside its wrapper (a rank's DistributedDataParallel, which calls it every step)."""
+        inside its wrapper (a rank's DistributedDataParallel, which calls it every step; a
+        pipeline rank's model pruned to its stages, which its schedule runs)."""
         self.loss_fn = loss_fn
         self.runs = 0
         self._real: Verifier | None = None
@@ -214,7 +215,7 @@ class Verifier:
                 raise RecomputeFailed(key, f"{mode} recompute not reproducible: {type(exc).__name__}: {first}"[:300]) from exc
             raise
         finally:
-            remove(self.box.model)
+            remove(self.model)
         if ledger.unmeasured_ops and self._fallback() is not None:
             return self._fallback().run(chosen)
         fake = self.box.fake_mode is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from memfit.cuda.gpu import DATASHEETS, GpuSpec, datasheet
 from memfit.measure.ledger import CHECKPOINT_BYTES_PER_NODE, Category, Ledger, Phase, Span, ancestors
@@ -127,6 +127,17 @@ class Option:
     because the other module saves it dies when the other checkpoint lets its inputs go
     (``-bytes`` from the end of its backward to when it died without either)."""
 
+    repeats: tuple[Option, ...] = ()
+    """The same choice at M's other calls, chosen with this one: a pipeline stage calls M once
+    per microbatch, and a checkpoint applies to every call (:func:`build_candidates`'s
+    ``per_pass``). Each holds that call's ticks and bytes; :attr:`cost_s` and
+    :attr:`cost_flops` here are every call's together."""
+
+    @property
+    def calls(self) -> tuple[Option, ...]:
+        """This option at each call of M: itself, then :attr:`repeats`."""
+        return (self, *self.repeats)
+
     def extra_at(self, tick: int) -> int:
         """Bytes this option adds over the unplanned curve at ``tick`` of M's backward."""
         if not self.bwd_start <= tick < self.bwd_end:
@@ -166,16 +177,22 @@ def build_candidates(
     exclude: dict[str, str] | None = None,
     max_selective: int = 3,
     op_overhead_s: float = 0.0,
+    per_pass: bool = False,
 ) -> Candidates:
     """Options for every module called once in the step, except those in ``exclude``
     (a module name excludes the module; ``"name:selective"`` only its selective options).
+
+    ``per_pass``: the step is several forward and backward passes (a pipeline stage's
+    microbatches), which a module called once per pass joins in order: its k-th forward's
+    saved tensors are the k-th backward's. Such a module is a candidate too, one option for all
+    its calls (:attr:`Option.repeats`), as its checkpoint applies to each.
 
     ``forward_time`` maps module names to measured forward seconds (``None`` where only
     estimates exist, as on fake tensors). ``op_overhead_s`` is what a Python dispatch mode
     adds per op on this host: selective recompute pays it twice for each forward op (in
     the forward and in the recompute).
     """
-    step = _Step.of(ledger)
+    step = _Step.of(ledger, per_pass)
     excluded = dict(exclude or {})
     options: list[Option] = []
     for name, by_phase in step.spans.items():
@@ -186,20 +203,31 @@ def build_candidates(
         # (calls are counted per forward pass: a step of several passes, micro-batches or
         # accumulation, calls a module once in each, which its forward spans count)
         n_calls = max(calls.get(name, 0), len(by_phase.get(Phase.FORWARD, [])))
-        if n_calls != 1:
+        if n_calls != 1 and (calls.get(name, 0) > 1 or name not in step.paired):
             excluded[name] = f"called {n_calls} times in a step (memfit plans modules called once)"
             continue
-        if len(by_phase.get(Phase.BACKWARD, [])) != 1:
+        if name not in step.paired:
             continue  # no gradient flows through it: nothing saved for backward
-        m = _region(step, name, by_phase[Phase.FORWARD][0], by_phase[Phase.BACKWARD][0])
-        if m.full_freed <= step.floor:
+        regions = [_region(step, name, fwd, bwd) for fwd, bwd in step.paired[name]]
+        if regions[0].full_freed <= step.floor:
             continue
-        cost = _cost(step, m, rates, forward_time)
-        options.append(_full_option(step, m, cost))
+        costs = [_cost(step, m, rates, forward_time) for m in regions]
+        options.append(_together([_full_option(step, m, cost) for m, cost in zip(regions, costs)]))
         if f"{name}:selective" in excluded:
             continue
-        options += _selective_options(step, m, cost, max_selective, op_overhead_s)
+        per_call = [_selective_options(step, m, cost, max_selective, op_overhead_s) for m, cost in zip(regions, costs)]
+        for first in per_call[0]:
+            same = [next((o for o in opts if o.save_ops == first.save_ops), None) for opts in per_call[1:]]
+            if all(o is not None for o in same):
+                options.append(_together([first, *same]))  # type: ignore[list-item]
     return Candidates(options, excluded)
+
+
+def _together(calls: list[Option]) -> Option:
+    """One option for a module's calls (each call's own, in order): the first, with the
+    others as its :attr:`Option.repeats`. Each call's cost already counts every call's ops
+    (a region's ops are the module's, over the step), so the first's is the whole cost."""
+    return calls[0] if len(calls) == 1 else replace(calls[0], repeats=tuple(calls[1:]))
 
 
 @dataclass
@@ -219,10 +247,18 @@ class _Step:
     once: dict[str, tuple[Span, Span]]
     """Modules that could be checkpointed (one forward and one backward call): those spans."""
     consumers: dict[int, list[str]]
-    """Block id -> the modules of :attr:`once` taking it as an input (a checkpoint there would keep it)."""
+    """Block id -> the modules of :attr:`paired` taking it as an input (a checkpoint there would keep it)."""
+    per_pass: bool = False
+    paired: dict[str, list[tuple[Span, Span]]] = field(default_factory=dict)
+    """Modules that could be checkpointed: each call's (forward, backward) spans. One call
+    (:attr:`once`), or with ``per_pass`` one a pass (:func:`_per_pass_calls`)."""
+
+    def call_of(self, module: str, block_id: int) -> tuple[Span, Span] | None:
+        """The call of ``module`` (in :attr:`paired`) whose forward takes block ``block_id`` in."""
+        return next((c for c in self.paired.get(module, ()) if block_id in c[0].inputs), None)
 
     @classmethod
-    def of(cls, ledger: Ledger) -> _Step:
+    def of(cls, ledger: Ledger, per_pass: bool = False) -> _Step:
         spans = _span_map(ledger)
         # An option must free more than a thousandth of the peak: a deep CNN has hundreds of
         # modules whose checkpoint would free a few saved records' worth, which cannot move the
@@ -239,32 +275,51 @@ class _Step:
             for module, by_phase in spans.items()
             if module and len(by_phase.get(Phase.FORWARD, [])) == 1 and len(by_phase.get(Phase.BACKWARD, [])) == 1
         }
+        paired = {module: [call] for module, call in once.items()}
+        if per_pass:
+            paired.update(_per_pass_calls(spans, once))
         consumers: dict[int, list[str]] = defaultdict(list)
-        for module, (fwd, _) in once.items():
-            for i in fwd.inputs:
-                consumers[i].append(module)
-        return cls(ledger, spans, floor, op_bytes, born_op, order, [b.born for b in order], ops_by_module, once, consumers)
+        for module, calls in paired.items():
+            for fwd, _ in calls:
+                for i in fwd.inputs:
+                    consumers[i].append(module)
+        borns = [b.born for b in order]
+        return cls(ledger, spans, floor, op_bytes, born_op, order, borns, ops_by_module, once, consumers, per_pass, paired)
 
     def pairs(self, name: str, fe: int, be: int, freed: list, copied: list) -> tuple[tuple[str, int, int, int], ...]:
         """:attr:`Option.pairs` of an option of ``name`` that frees ``freed`` and copies ``copied``."""
-        once = self.once
         out: dict[tuple[str, int, int], int] = defaultdict(int)
         for b in freed:
             for other in self.consumers.get(b.id, ()):
                 if not _within(other, name) and not _within(name, other):
-                    out[(other, fe, once[other][1].end)] += b.nbytes
+                    out[(other, fe, self.call_of(other, b.id)[1].end)] += b.nbytes  # type: ignore[index]
         for b in copied:
             outside = [s for s in b.savers if not _within(s, name)]
             if not outside or b.died is None or b.died > be:
                 continue  # kept by the caller: no other checkpoint lets it go
             # Every module holding all outside savers whose checkpoint would take b in.
             for other in ancestors(outside[0]):
-                if other not in once or _within(name, other) or not all(_within(s, other) for s in outside):
+                if other not in self.paired or _within(name, other) or not all(_within(s, other) for s in outside):
                     continue
-                fwd, bwd = once[other]
-                if b.id in fwd.inputs and bwd.end < b.died:
+                call = self.call_of(other, b.id)
+                if call is not None and call[1].end < b.died:
+                    bwd = call[1]
                     out[(other, bwd.end, b.died)] -= b.nbytes
         return tuple(sorted((m, a, z, n) for (m, a, z), n in out.items() if n))
+
+
+def _per_pass_calls(spans: dict[str, dict[Phase, list[Span]]], once: dict[str, tuple[Span, Span]]) -> dict[str, list[tuple[Span, Span]]]:
+    """Modules called once a pass over a step of several passes: as many backward calls as
+    forward ones, the k-th backward after the k-th forward (a pipeline schedule runs each
+    stage's microbatches' backwards in the order of their forwards: GPipe, 1F1B, interleaved)."""
+    out = {}
+    for module, by_phase in spans.items():
+        fwd, bwd = by_phase.get(Phase.FORWARD, []), by_phase.get(Phase.BACKWARD, [])
+        if not module or module in once or len(fwd) < 2 or len(fwd) != len(bwd):
+            continue
+        if all(f.end <= b.start for f, b in zip(fwd, bwd)):
+            out[module] = list(zip(fwd, bwd))
+    return out
 
 
 @dataclass
@@ -329,7 +384,8 @@ class _Cost:
 
 def _cost(step: _Step, m: _Region, rates: DeviceRates, forward_time: dict[str, float | None]) -> _Cost:
     ops = step.ledger.ops
-    copy_until = {b.id: _saved_until(b, m.name, step.spans, m.be) for b in m.kept_anyway}
+    fifo = step.paired if step.per_pass else {}
+    copy_until = {b.id: _saved_until(b, m.name, step.spans, m.be, fifo) for b in m.kept_anyway}
     # Estimated seconds per forward op call of M, scaled to M's measured forward time.
     est = {i: rates.estimate(ops[i].flops, step.op_bytes[i]) for i in m.my_ops}
     total_est = sum(est.values()) or 1e-12
@@ -411,11 +467,14 @@ def _selective_options(step: _Step, m: _Region, cost: _Cost, max_selective: int,
     return options
 
 
-def _saved_until(block, name: str, spans: dict[str, dict[Phase, list[Span]]], be: int) -> int:
+def _saved_until(
+    block, name: str, spans: dict[str, dict[Phase, list[Span]]], be: int, fifo: dict[str, list[tuple[Span, Span]]] | None = None
+) -> int:
     """When the recomputed copy of ``block`` dies: after the backward of the modules inside
     ``name`` that saved it (the checkpoint hands each recomputed tensor to its op once).
     For a module called several times (one ReLU module used three times in a block), the
-    backward of the call that saved it: backward runs the calls in reverse order."""
+    backward of the call that saved it: backward runs the calls in reverse order, but for a
+    module of ``fifo`` (called once a pass: its calls' spans in order, each pass its own)."""
     ends = []
     for s in block.savers:
         if not _within(s, name):
@@ -425,6 +484,9 @@ def _saved_until(block, name: str, spans: dict[str, dict[Phase, list[Span]]], be
             continue
         fwd, bwd = spans.get(s, {}).get(Phase.FORWARD, []), spans.get(s, {}).get(Phase.BACKWARD, [])
         call = next((k for k, f in enumerate(fwd) if f.start <= block.born < f.end), None)
+        if fifo and s in fifo and call is not None:
+            ends.append(fifo[s][call][1].end)
+            continue
         ends.append(bwd[len(bwd) - 1 - call].end if call is not None and len(fwd) == len(bwd) else be)
     return min(max(ends, default=be), be)
 

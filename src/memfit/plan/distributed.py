@@ -45,11 +45,12 @@ from memfit.measure.distributed import (
     with_recompute,
     world_size_of,
 )
-from memfit.measure.pipeline import refuse_pipelined
+from memfit.measure.pipeline import own_pipeline, refuse_pipelined
 from memfit.measure.profile import Profile, Progress
 from memfit.measure.rank_layers import EXTRAPOLATE_FROM
 from memfit.measure.rank_layers import refused as layered_refused
 from memfit.measure.scope import Scope
+from memfit.measure.step import OwnPasses
 from memfit.measure.verify import Run, Verifier, rank_verifier, record_rank_on
 from memfit.plan.budget import parse_budget
 from memfit.plan.planner import Search, check_objective, make_plan, search
@@ -77,7 +78,9 @@ def plan_ranks(
 ) -> Plan:
     """Choose what to recompute so each of ``ranks`` of the distributed step peaks within
     ``budget`` (bytes per rank, or a fraction as for :func:`memfit.plan`, of the planned
-    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned peak.
+    rank's figures). The planned rank is the one of ``ranks`` with the highest unplanned peak;
+    under memfit's own pipeline parallelism (``parallel=pp``) every one of ``ranks`` is planned on
+    its own stage step and the plan holds all their modules (:func:`_stage_plans`).
 
     Returns a :class:`Plan` whose :attr:`~Plan.rank_peak_bytes` holds each asked-for rank's
     verified peak: that rank profiled again on the fake group, the plan applied to the model
@@ -110,11 +113,13 @@ def plan_ranks(
     report = progress or (lambda desc, done, total: None)
     if unplanned is not None and (unplanned.world_size != n or not set(ranks) <= set(unplanned.profiles)):
         raise PlanError(f"unplanned holds ranks {sorted(unplanned.profiles)} of {unplanned.world_size}, not {ranks} of {n}")
+    how = _How(spec, budget, objective, settings, verify_min, afresh, started)
+    if own_pipeline(workload):
+        return _stage_plans(workload, n, ranks, device, how, report, unplanned)
     planned_rank = ranks[0]
     if len(ranks) > 1:
         measured = unplanned or profile_ranks(workload, world_size=n, ranks=ranks, fake=fake)
         planned_rank = max(ranks, key=lambda r: (measured.profiles[r].budget_peak_bytes, -r))
-    how = _How(spec, budget, objective, settings, verify_min, afresh, started)
     with ExitStack() as closing:
         verifier = rank_verifier(workload, FakeGroup(n, planned_rank, device))
         closing.callback(verifier.close)
@@ -123,6 +128,54 @@ def plan_ranks(
         recorded = _checked_and_recorded(verifier, workload, unplanned.profiles[planned_rank] if unplanned else None)
         searched = _searched_on(verifier, recorded, workload, how, report)
     return _verified_plan(workload, searched, wrapped, FakeGroup(n, planned_rank, device), ranks, how, report)
+
+
+def _stage_plans(
+    workload: Workload, n: int, ranks: list[int], device: str, how: _How, report: Progress, unplanned: RankProfiles | None
+) -> Plan:
+    """:func:`plan_ranks` under memfit's own pipeline parallelism: each stage rank holds other
+    modules, so each is planned on its own step (its modules the candidates, each call of one
+    per microbatch counted where the schedule holds that microbatch: ``per_pass``), and the
+    plan is the stage plans together (their modules are disjoint: each names its own stage's).
+    Every rank is then profiled afresh with that plan applied before ``parallelize``, as it
+    trains, and must peak within its own budget (a fraction is of each stage's own figures).
+    ``unplanned`` is not read (see below): it was only checked to hold the ranks."""
+    plans: dict[int, Plan] = {}
+    settings: dict[int, AllocatorSettings | None] = {}
+    for r in ranks:
+        with ExitStack() as closing:
+            verifier = rank_verifier(workload, FakeGroup(n, r, device))
+            closing.callback(verifier.close)
+            report(f"stage rank {r} of {n}: warm-up and recorded step", 0, 3)
+            # The stateful check's second forward is a whole step here (a stage's forward is its
+            # schedule's): the recorded step, even where ``unplanned`` holds the rank's already.
+            recorded = _checked_and_recorded(verifier, workload, None)
+            try:
+                plans[r], _, _, settings[r] = _searched_on(verifier, recorded, workload, how, report)
+            except BudgetInfeasibleError as exc:  # which stage cannot fit: its own modules are what it could recompute
+                raise BudgetInfeasibleError(
+                    f"stage rank {r} of {n}: {exc}", min_peak_bytes=exc.min_peak_bytes, budget_bytes=exc.budget_bytes
+                ) from exc
+    worst = max(ranks, key=lambda r: (plans[r].none_peak_bytes, -r))
+    plan = dataclasses.replace(
+        plans[worst],
+        checkpointed={k: c for r in ranks for k, c in plans[r].checkpointed.items()},
+        excluded={k: why for r in ranks for k, why in plans[r].excluded.items()},
+        use_cache_off=tuple(dict.fromkeys(m for r in ranks for m in plans[r].use_cache_off)),
+        min_peak_bytes=max(p.min_peak_bytes for p in plans.values()),
+        min_peak_verified=all(p.min_peak_verified for p in plans.values()),
+        # the stages run at once: the step waits for the stage that recomputes the most
+        extra_compute_s=max((p.extra_compute_s for p in plans.values() if p.extra_compute_s is not None), default=None),
+        extra_flops=max(p.extra_flops for p in plans.values()),
+        rank_modules={r: tuple(plans[r].checkpointed) for r in ranks},
+    )
+    peaks, allocated = {}, {}
+    for i, r in enumerate(ranks):
+        report(f"stage rank {r} of {n}: verifying the plan", i, len(ranks))
+        own = dataclasses.replace(plan, budget_bytes=plans[r].budget_bytes)
+        got = _verified(workload, own, [FakeGroup(n, r, device)], r, lambda *a: None, settings=settings[r])
+        peaks[r], allocated[r] = got[0][r], got[1][r]
+    return _with_rank_figures(plan, n, peaks, allocated, how.started)
 
 
 @dataclass(frozen=True)
@@ -153,7 +206,11 @@ def _searched_on(
     prof = recorded[0].under(how.settings)
     # on fake CUDA every verified run is replayed through the allocator model (reserved peaks)
     verifier.settings = prof.cuda_memory.settings if prof.cuda_memory is not None else None
-    found = search(Search(prof, verifier, workload.model, how.spec, how.objective, excluded, price_min=not how.verify_min), report)
+    # a pipeline rank's step is its microbatches' passes (OwnPasses): modules called once a pass are candidates
+    passes = isinstance(verifier.box.model, OwnPasses)
+    found = search(
+        Search(prof, verifier, workload.model, how.spec, how.objective, excluded, per_pass=passes, price_min=not how.verify_min), report
+    )
     plan = make_plan(found, use_cache_off=recorded[2], budget=how.budget, started=how.started)
     return plan, found, prof, verifier.settings
 
@@ -212,8 +269,8 @@ def _checked_and_recorded(
 
 
 def _world_size(workload: Workload, world_size: int | None) -> int:
-    """The world size :func:`plan_ranks` plans at (a pipelined workload refused in one line)."""
-    refuse_pipelined(workload, "plan")
+    """The world size :func:`plan_ranks` plans at (another's pipelined workload refused in one line)."""
+    refuse_pipelined(workload, "plan", own_ok=True)
     return world_size_of(workload, world_size)
 
 
@@ -600,6 +657,8 @@ def min_world_size(
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise PlanError(f"how many ranks needs a budget in bytes per rank ('40GiB'), not a fraction ({budget!r})")
+    # more ranks make more pipeline stages, each another split of the model: not this search's question
+    refuse_pipelined(workload, "--min-world-size")
     sizes = world_size_candidates(workload, world_sizes=world_sizes, node_size=node_size, max_world_size=max_world_size)
     asked_at = _asked_ranks(ranks)
     report = progress or (lambda desc, done, total: None)

@@ -419,6 +419,9 @@ class Search:
     """Seconds selective recompute's dispatch mode adds per op (0 on fake tensors)."""
     costing: Costing | None = None
     """The profile's costing when the caller has made it (for its timing note); else made here."""
+    per_pass: bool = False
+    """The step is a pipeline stage's microbatches, each a forward and backward pass: modules
+    called once a pass are candidates (:func:`~memfit.plan.candidates.build_candidates`)."""
     price_min: bool = False
     """With a budget in bytes, run the cheapest plan first and verify ``P_min`` only when the
     answer needs it (the plan does not verify within the budget: the budget may be infeasible);
@@ -454,7 +457,9 @@ def search(s: Search, report: Progress) -> Found:
     none_peak = _none_peak(prof)
     none_run = Run(none_peak, _none_allocated(prof), prof.step_flops)
     for _ in range(_MAX_EXCLUSIONS):
-        cands = build_candidates(ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=s.overhead)
+        cands = build_candidates(
+            ledger, forward_time, rates=rates, calls=calls, exclude=excluded, op_overhead_s=s.overhead, per_pass=s.per_pass
+        )
         # Measured costs move by a few percent from run to run: within 5% of the cheapest,
         # the simplest plan (see Problem.min_cost).
         near = _NEAR if timed and not timing_note else 0.0

@@ -138,6 +138,9 @@ class Plan:
     rank_peak_bytes: dict[int, int] | None = None
     """Per rank of a distributed step: its peak with the plan applied, each verified on the
     fake process group (:attr:`predicted_peak_bytes` is the highest)."""
+    rank_modules: dict[int, tuple[str, ...]] | None = None
+    """Under pipeline parallelism (each rank its own stages' modules, planned on its own): each
+    stage rank's share of :attr:`checkpointed`. None where one plan serves every rank."""
     min_peak_verified: bool = True
     """Whether :attr:`min_peak_bytes` was measured by running the lowest plans (as every other
     peak of a plan is); False: priced on the ledger's model of the step instead (MiB-rounded
@@ -191,7 +194,7 @@ class Plan:
             del data["use_cache_off"]
         if not self.reproducibility_note:
             del data["reproducibility_note"]  # as use_cache_off: plans read as before
-        for key in ("world_size", "rank_peak_bytes"):
+        for key in ("world_size", "rank_peak_bytes", "rank_modules"):
             if data[key] is None:
                 del data[key]  # one process's plans read as before
         if not self.verify_note:
@@ -200,6 +203,8 @@ class Plan:
             del data["min_peak_verified"]  # as verify_note
         if self.rank_peak_bytes is not None:
             data["rank_peak_bytes"] = {str(r): b for r, b in sorted(self.rank_peak_bytes.items())}
+        if self.rank_modules is not None:
+            data["rank_modules"] = {str(r): list(m) for r, m in sorted(self.rank_modules.items())}
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
 
     def to_json(self) -> str:
@@ -233,6 +238,12 @@ class Plan:
                 body["rank_peak_bytes"] = {int(r): int(b) for r, b in ranks.items()}
             except (AttributeError, TypeError, ValueError):
                 raise PlanError(f"plan JSON: rank_peak_bytes must map ranks to bytes, got {ranks!r}") from None
+        shares = body.get("rank_modules")
+        if shares is not None:
+            try:
+                body["rank_modules"] = {int(r): tuple(str(n) for n in m) for r, m in shares.items()}
+            except (AttributeError, TypeError, ValueError):
+                raise PlanError(f"plan JSON: rank_modules must map ranks to module names, got {shares!r}") from None
         try:
             body["checkpointed"] = {
                 k: Choice(v["mode"], tuple(v.get("save_ops", ()))) for k, v in body.get("checkpointed", {}).items()

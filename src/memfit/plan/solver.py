@@ -10,6 +10,8 @@ the segment's highest tick) plus one row per recompute covers every tick exactly
 At most one option is chosen on any root-to-leaf path of the module tree: a recomputed
 parent makes its children's choice moot. Two options interact when a tensor one frees is
 the input of the other's module, whose checkpoint then keeps it: a pair column adds it back.
+An option for a module called once a pass (a pipeline stage's microbatches: :attr:`Option.repeats`)
+is one column whose delta is every call's, with a recompute row per call.
 
 Two problems share those rows:
 
@@ -71,7 +73,12 @@ def _seconds(option: Option) -> float:
 
 
 def _delta(option: Option, tick: int) -> int:
-    """What choosing ``option`` changes memory by at ``tick`` (outside its recompute)."""
+    """What choosing ``option`` changes memory by at ``tick`` (outside its recompute), at
+    every call of its module."""
+    return sum(_call_delta(o, tick) for o in option.calls)
+
+
+def _call_delta(option: Option, tick: int) -> int:
     if option.fwd_end <= tick < option.bwd_start:
         return -option.freed_bytes
     return option.extra_at(tick)
@@ -84,15 +91,16 @@ def _deltas(options: list[Option], pairs: list[_Pair], ticks: list[int]) -> np.n
     were 800k Python calls)."""
     t = np.asarray(ticks, dtype=np.int64)
     out = np.zeros((len(t), len(options) + len(pairs)))
-    for j, o in enumerate(options):
-        col = np.where((o.fwd_end <= t) & (t < o.bwd_start), -o.freed_bytes, 0)
-        extra = (o.bwd_start <= t) & (t < o.bwd_end)  # outside [fwd_end, bwd_start): extra_at's
-        if extra.any():
-            held = np.full(len(t), o.held_bytes, dtype=np.int64)
-            for until, nbytes in o.copies:
-                held += np.where(t < until, nbytes, 0)
-            col = np.where(extra, held, col)
-        out[:, j] = col
+    for j, option in enumerate(options):
+        for o in option.calls:
+            col = np.where((o.fwd_end <= t) & (t < o.bwd_start), -o.freed_bytes, 0)
+            extra = (o.bwd_start <= t) & (t < o.bwd_end)  # outside [fwd_end, bwd_start): extra_at's
+            if extra.any():
+                held = np.full(len(t), o.held_bytes, dtype=np.int64)
+                for until, nbytes in o.copies:
+                    held += np.where(t < until, nbytes, 0)
+                col = np.where(extra, held, col)
+            out[:, j] += col
     for q, p in enumerate(pairs):
         out[:, len(options) + q] = np.where((p.start <= t) & (t < p.end), p.nbytes, 0)
     return out
@@ -116,7 +124,8 @@ class _Pair:
 def _pairs(options: list[Option], by_module: dict[str, list[int]]) -> list[_Pair]:
     return [
         _Pair(i, k, start, end, nbytes)
-        for i, o in enumerate(options)
+        for i, option in enumerate(options)
+        for o in option.calls
         for module, start, end, nbytes in o.pairs
         for k in by_module.get(module, [])
     ]
@@ -149,7 +158,8 @@ class Problem:
         self.start_bytes = start_bytes
         n, n_opt = len(curve), len(options)
         width = n_opt + len(self.pairs)
-        ticks = {0, n, *(t for o in options for t in (o.fwd_end, o.bwd_start, o.bwd_end, *(u for u, _ in o.copies)))}
+        calls = [(j, o) for j, option in enumerate(options) for o in option.calls]
+        ticks = {0, n, *(t for _, o in calls for t in (o.fwd_end, o.bwd_start, o.bwd_end, *(u for u, _ in o.copies)))}
         ticks |= {t for p in self.pairs for t in (p.start, p.end)}
         bounds = sorted(b for b in ticks if 0 <= b <= n)
         # Segment rows: every column is constant between two boundaries, so the segment's
@@ -160,15 +170,17 @@ class Problem:
         # curve, its held inputs already on it) plus the recompute's own peak. Other options
         # count as at M's first backward tick: a backward that ended there has let go of what
         # it held before M's recompute starts.
-        recompute_tick = [min(o.bwd_start, n) - 1 for o in options]
-        base = np.zeros(len(rows_tick) + n_opt)
+        # (one a call: an option of several calls recomputes at each call's backward, where
+        # its other calls count as at that tick)
+        recompute_tick = [min(o.bwd_start, n) - 1 for _, o in calls]
+        base = np.zeros(len(rows_tick) + len(calls))
         for r, t in enumerate(rows_tick):
             base[r] = self.curve[t]
-        for j, t in enumerate(recompute_tick):
-            base[len(rows_tick) + j] = self.curve[t] if t >= 0 else start_bytes
+        for c, t in enumerate(recompute_tick):
+            base[len(rows_tick) + c] = self.curve[t] if t >= 0 else start_bytes
         a_rows = _deltas(options, self.pairs, [seg_start[t] for t in rows_tick] + [t + 1 for t in recompute_tick])
-        for j, (o, t) in enumerate(zip(options, recompute_tick)):
-            a_rows[len(rows_tick) + j, j] = _delta(o, t) + o.transient_bytes
+        for c, ((j, o), t) in enumerate(zip(calls, recompute_tick)):
+            a_rows[len(rows_tick) + c, j] += _call_delta(o, t) - _call_delta(o, t + 1) + o.transient_bytes
         self._rows = a_rows / _MiB
         self._base = base / _MiB
         # One option per root-to-leaf path: for each module, its options and its ancestors'.

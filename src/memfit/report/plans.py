@@ -196,18 +196,7 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
     if not plan.checkpointed:
         console.print("nothing to recompute: the step already fits")
     else:
-        rows = [
-            [name or "(root)", choice.mode, describe_ops(choice.save_ops)]
-            for name, choice in list(plan.checkpointed.items())[:top]
-        ]
-        if len(plan.checkpointed) > top:
-            rows.append([f"... and {len(plan.checkpointed) - top} more", "", ""])
-        table = Table(title=f"Recomputed modules ({len(plan.checkpointed)})", title_justify="left", box=box.SIMPLE_HEAD)
-        table.add_column("module", no_wrap=True)
-        table.add_column("recompute", no_wrap=True)
-        table.add_column("keeps outputs of")
-        add_rows(console, table, rows)
-        console.print(table)
+        console.print(_recomputed_table(plan, console, top))
         if any(c.mode == "selective" for c in plan.checkpointed.values()):
             console.print(
                 "selective rows run through torch_remat where it is installed and the kept ops run in submodules "
@@ -216,6 +205,27 @@ def render_plan(plan: Plan, console: Console, *, top: int = 20, times: bool = Tr
             )
     render_left_out(plan.excluded, console)
     console.print(f"planned in {plan.planning_time_s:.1f} s")
+
+
+def _recomputed_table(plan: Plan, console: Console, top: int) -> Table:
+    """The plan's modules, how each is recomputed; under pipeline parallelism the stage rank
+    whose module it is (:attr:`Plan.rank_modules`)."""
+    owner = {name: r for r, names in (plan.rank_modules or {}).items() for name in names}
+    lead = ["stage rank"] if owner else []
+    rows = [
+        [*([str(owner.get(name, "-"))] if owner else []), name or "(root)", choice.mode, describe_ops(choice.save_ops)]
+        for name, choice in list(plan.checkpointed.items())[:top]
+    ]
+    if len(plan.checkpointed) > top:
+        rows.append([*([""] if owner else []), f"... and {len(plan.checkpointed) - top} more", "", ""])
+    table = Table(title=f"Recomputed modules ({len(plan.checkpointed)})", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in lead:
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("module", no_wrap=True)
+    table.add_column("recompute", no_wrap=True)
+    table.add_column("keeps outputs of")
+    add_rows(console, table, rows, names=len(lead))
+    return table
 
 
 def render_before_after(
