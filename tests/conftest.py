@@ -106,6 +106,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     gc.freeze()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Back in the collector's sight before the interpreter ends: frozen objects are never
+    collected at shutdown, and Triton's nanobind extension (imported by torch's flop counter
+    where Triton is installed, as ``make test`` installs it) then prints ~40 lines of "leaked
+    instances" per process."""
+    gc.unfreeze()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With MEMFIT_TEST_CPU=FILE, each test's CPU seconds (its process and the children it waited
@@ -416,6 +424,7 @@ for line in sys.stdin:
     cpu = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
     reply.write(json.dumps({"returncode": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue(), "cpu": cpu}) + "\n")
     reply.flush()
+gc.unfreeze()  # see pytest_unconfigure
 """
 
 

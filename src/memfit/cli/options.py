@@ -326,7 +326,9 @@ def compile_args(p: argparse.ArgumentParser) -> None:
         const="inductor",
         metavar="BACKEND",
         help="the step of torch.compile(model, backend=BACKEND) (default inductor; aot_eager, aot_eager_decomp_partition), "
-        "run compiled on real tensors and read from the CPU allocator (fake-cuda: replayed through the caching allocator model)",
+        "run compiled and read from the CPU allocator; on --device fake|fake-cuda compiled on fake tensors, inductor's "
+        "kernels not run (fake-cuda: inductor's CUDA code where Triton is installed, else the host's; replayed through "
+        "the caching allocator model)",
     )
     p.add_argument(
         "--memory-budget",
