@@ -27,10 +27,10 @@ from memfit.cli.options import (
     gpu_options,
     json_arg,
     picture_args,
+    planned_ranks,
     rank_budget,
     ranks_arg,
     read_budget,
-    read_ranks,
     target_args,
     world_size_arg,
 )
@@ -98,10 +98,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     if per_rank:
         raw, label = rank_budget(ns, work, raw, label)
         budget = fit_budget(raw)
-        from memfit.measure.pipeline import own_pipeline
-
-        # each pipeline stage holds its own modules: every one is fitted unless --ranks says which
-        ranks = read_ranks("all" if ns.ranks is None and own_pipeline(work) else ns.ranks, ns.world_size)
+        ranks = planned_ranks(ns.ranks, work, ns.world_size)
         model, inputs, asked = work, None, dict(world_size=ns.world_size, ranks=ranks)
     else:
         model, inputs = on_device(work, "cpu" if fake.fake else ns.device)

@@ -312,6 +312,14 @@ def read_ranks(text: str | None, world_size: int) -> list[int]:
     return asked_ranks(int_list("--ranks", text, "0,3"), world_size, name="--ranks")
 
 
+def planned_ranks(text: str | None, workload: Any, world_size: int) -> list[int]:
+    """``--ranks`` of ``plan`` and ``fit``: as :func:`read_ranks`, but under memfit's own pipeline
+    parallelism every stage rank by default (each stage holds its own modules and is planned on its own)."""
+    from memfit.measure.pipeline import own_pipeline
+
+    return read_ranks("all" if text is None and own_pipeline(workload) else text, world_size)
+
+
 def int_list(flag: str, text: str, example: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]

@@ -21,12 +21,12 @@ from memfit.cli.options import (
     int_list,
     json_arg,
     picture_args,
+    planned_ranks,
     positive,
     rank_budget,
     ranks_arg,
     read_budget,
     read_memory_budgets,
-    read_ranks,
     step_args,
     step_label,
     step_options,
@@ -111,10 +111,7 @@ def run(ns: argparse.Namespace, console: Console) -> int:
     planned: list[memfit.Profile] = []
     if per_rank:
         raw, label = rank_budget(ns, work, raw, label)
-        from memfit.measure.pipeline import own_pipeline
-
-        # each pipeline stage holds its own modules: every one is planned unless --ranks says which
-        ranks = read_ranks("all" if ns.ranks is None and own_pipeline(work) else ns.ranks, ns.world_size)
+        ranks = planned_ranks(ns.ranks, work, ns.world_size)
         model, inputs, asked = work, None, dict(budget=raw, world_size=ns.world_size, ranks=ranks)
     else:
         model, inputs = on_device(work, "cpu" if fake.fake else ns.device)
