@@ -80,3 +80,14 @@ def test_one_device_is_rank_0_of_a_world_of_one():
     assert _text(rc.render_profile, world, title="mlp") == _text(rc.render_ranks, world, title="mlp")
     alone = _text(rc.render_profile, prof, title="mlp")
     assert alone.startswith("mlp on fake:cpu") and "per rank" not in alone
+
+
+@pytest.mark.parametrize("cls", [Recipe, RankRecipe])
+def test_a_recipe_reads_its_per_rank_peaks_alike_one_device_as_rank_0_of_1(cls):
+    recipe = cls.from_json((DATA / FILES[cls]).read_text())
+    assert recipe.world_size >= 1 and recipe.rank_peak_bytes
+    assert max(recipe.rank_peak_bytes.values()) == recipe.predicted_peak_bytes
+    assert set(recipe.rank_peak_bytes) <= set(range(recipe.world_size))
+    if cls is Recipe:
+        assert (recipe.world_size, recipe.rank_peak_bytes) == (1, {0: recipe.predicted_peak_bytes})
+        assert "world_size" not in recipe.to_dict() and cls.from_json(recipe.to_json()) == recipe  # JSON unchanged

@@ -246,6 +246,17 @@ class Recipe(FitRecipe):
         "allocator_conf", "times_predicted", "host_speed", "search",
     )  # fmt: skip
 
+    # One device is rank 0 of a world of one: read as a per-rank recipe's rows are
+    # (:class:`RankRecipe`), as :class:`~memfit.measure.profile.Profile` reads as a world's profiles.
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank_peak_bytes(self) -> dict[int, int]:
+        """Per rank, the predicted peak: rank 0's, this device's."""
+        return {0: self.predicted_peak_bytes}
+
     @property
     def micro_batches(self) -> int:
         return self.step.micro_batches
