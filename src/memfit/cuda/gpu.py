@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memfit.cuda import nccl
 from memfit.errors import MemfitError
 
 __all__ = [
@@ -253,25 +255,52 @@ CUDA_CONTEXT = Estimate(
 )
 
 
-def nccl_estimate(world_size: int = 1, communicators: int = 1) -> Estimate:
+def nccl_estimate(
+    communicators: Sequence[nccl.Communicator] = (),
+    gpu: GpuSpec | None = None,
+    settings: nccl.NcclSettings | None = None,
+) -> Estimate:
     """NCCL's device memory outside the caching allocator, per rank: none in a single-process
-    step (no process group, NCCL not loaded); else per communicator what PyTorch users
-    measured once its first collective had run: 544 MiB for a group of two GPUs and 688 MiB
-    for more, A100s over NVLink (NVIDIA/nccl issue #964; its FIFOs are NCCL_BUFFSIZE, 4 MiB,
-    per channel and peer, and channels grow with the topology). An estimate: the transport,
-    channel count, NCCL version and NCCL_BUFFSIZE move it by hundreds of MiB either way."""
-    if world_size <= 1:
+    step (no process group, NCCL not loaded); else the sum over the rank's ``communicators`` of
+    what NCCL's source allocates for each (:mod:`memfit.cuda.nccl`) on ``gpu``'s usual board
+    (None: H100-80GB), under ``settings`` (NCCL's variables; None: its defaults). A stated
+    estimate: the channel count is the topology's, taken from public logs."""
+    comms = [c for c in communicators if c.ranks > 1]
+    if not comms:
         return Estimate("nccl", 0, "a single-process step initialises no NCCL communicator")
-    if communicators < 1:
-        raise ValueError(f"communicators must be at least 1, got {communicators}")
-    per = (544 if world_size == 2 else 688) * MiB
+    s = settings or nccl.NcclSettings()
+    key = _gpu_key(gpu)
+    topo = nccl.topology(key)
+    each = [sum(p.bytes for p in nccl.communicator_parts(c, topo, s)) for c in comms]
+    channels = sorted({nccl.channel_counts(topo, s, c.ranks > c.local_ranks)[0] for c in comms})
+    what = ", ".join(f"{c.ranks} ranks{_role(c)}: {b // MiB} MiB" for c, b in zip(comms, each))
+    given = f"; NCCL variables set: {', '.join(s.given)}" if s.given else ""
     return Estimate(
         "nccl",
-        per * communicators,
-        f"estimate, not measured: {communicators} NCCL communicator{'s' if communicators > 1 else ''} of "
-        f"{world_size} ranks at {per // MiB} MiB each, as PyTorch users measured on A100s over NVLink (NVIDIA/nccl "
-        "issue #964: 544 MiB for 2 GPUs, 688 MiB for more); the transport, channels and NCCL_BUFFSIZE change it",
+        sum(each),
+        f"estimate from NCCL's source, not measured: {len(comms)} communicator{'s' if len(comms) > 1 else ''} ({what}) "
+        f"on {key or 'H100-80GB'}, {' and '.join(map(str, channels))} channels ({topo.source}), each connection's buffers "
+        f"{_mib(s.ll_buffsize + s.ll128_buffsize + s.buffsize)} MiB (LL, LL128, NCCL_BUFFSIZE), connected as each "
+        f"algorithm is first used (NCCL 2.22+){given}",
     )
+
+
+def _gpu_key(gpu: GpuSpec | None) -> str | None:
+    """The ``--gpu`` key of a spec (a real GPU's spec is keyed by the name torch reports)."""
+    if gpu is None:
+        return None
+    found = [g.key for g in GPUS.values() if gpu.key in (g.key, g.name) or gpu.name == g.name]
+    return found[0] if found else gpu.key
+
+
+def _role(c: nccl.Communicator) -> str:
+    if not c.collectives:
+        return " (send/recv)"
+    return " (all-reduce)" if c.allreduce else ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.4g}"
 
 
 # --- the answer ------------------------------------------------------------------------------
