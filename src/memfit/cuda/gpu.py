@@ -271,18 +271,30 @@ def nccl_estimate(
     s = settings or nccl.NcclSettings()
     key = _gpu_key(gpu)
     topo = nccl.topology(key)
-    each = [sum(p.bytes for p in nccl.communicator_parts(c, topo, s)) for c in comms]
-    channels = sorted({nccl.channel_counts(topo, s, c.ranks > c.local_ranks)[0] for c in comms})
-    what = ", ".join(f"{c.ranks} ranks{_role(c)}: {b // MiB} MiB" for c, b in zip(comms, each))
+    each = [_summed(nccl.communicator_parts(c, topo, s)) for c in comms]
+    what = "; ".join(
+        f"{c.ranks} ranks{_role(c)}: "
+        + " + ".join(f"{k} {b // MiB}" for k, b in parts.items())
+        + f" = {sum(parts.values()) // MiB} MiB"
+        for c, parts in zip(comms, each)
+    )
     given = f"; NCCL variables set: {', '.join(s.given)}" if s.given else ""
     return Estimate(
         "nccl",
-        sum(each),
-        f"estimate from NCCL's source, not measured: {len(comms)} communicator{'s' if len(comms) > 1 else ''} ({what}) "
-        f"on {key or 'H100-80GB'}, {' and '.join(map(str, channels))} channels ({topo.source}), each connection's buffers "
-        f"{_mib(s.ll_buffsize + s.ll128_buffsize + s.buffsize)} MiB (LL, LL128, NCCL_BUFFSIZE), connected as each "
-        f"algorithm is first used (NCCL 2.22+){given}",
+        sum(sum(parts.values()) for parts in each),
+        f"estimate from NCCL's source, not measured: {what}; on {key or 'H100-80GB'}: {topo.source}; "
+        f"{_mib(s.ll_buffsize + s.ll128_buffsize + s.buffsize)} MiB of buffers a connection (NCCL_BUFFSIZE and LL, LL128); "
+        f"NCCL 2.22+, every algorithm the group may use counted{given}",
     )
+
+
+def _summed(parts: list[nccl.Part]) -> dict[str, int]:
+    """The parts by kind (ring, tree, NVLS, send/recv, bookkeeping)."""
+    out: dict[str, int] = {}
+    for p in parts:
+        kind = p.name.split()[0].rstrip(":")
+        out[kind] = out.get(kind, 0) + p.bytes
+    return out
 
 
 def _gpu_key(gpu: GpuSpec | None) -> str | None:
