@@ -145,3 +145,20 @@ def test_a_ranks_communicators_from_its_mesh_and_its_device_fit():
     outside = {e.name: e.bytes for e in fit.outside}
     assert outside["nccl"] == nccl_outside(parallel, 32, h100, NcclSettings()).bytes > 0
     assert fit.headroom_bytes == h100.total_memory - 12 * MiB - outside["nccl"] - outside["cuda_context"]
+
+
+def test_profile_ranks_refuses_a_bad_nccl_variable_before_any_rank_runs(monkeypatch):
+    from memfit.measure import distributed
+    from memfit.workload import Parallel, Workload
+
+    def never(*args, **kwargs):
+        raise AssertionError("a rank ran")
+
+    monkeypatch.setattr(distributed, "rank_device", lambda fake: "cuda")
+    monkeypatch.setattr(distributed, "_one_rank", never)
+    monkeypatch.setenv("NCCL_BUFFSIZE", "4MB")
+    import torch
+
+    work = Workload(model=torch.nn.Linear(2, 2), inputs=(), parallel=Parallel(lambda m, mesh: None, name="fsdp2"))
+    with pytest.raises(NcclConfigError, match="NCCL_BUFFSIZE='4MB' is not an integer"):
+        distributed.profile_ranks(work, world_size=2, fake="cuda")

@@ -210,6 +210,8 @@ def profile_ranks(
     if spec is not None and device != "cuda":
         raise gpus.GpuError(f"gpu={spec.key!r} is the GPU fake CUDA simulates: pass fake='cuda' (--device fake-cuda)")
     capacity_bytes = None if capacity is None else parse_bytes(capacity)
+    if device == "cuda":
+        nccl.settings_from_env()  # a bad NCCL variable is refused in one line before any rank runs
     out = RankProfiles(n, parallel.name)
     with _simulated(spec):
         for i, r in enumerate(dict.fromkeys(ranks)):
