@@ -19,7 +19,8 @@ it matters) and the environment variables a job sets. What a communicator alloca
 - **NVLink SHARP** (NVLS: H100-class GPUs on an NVSwitch): ``nvls channels x 2 x NVLS_CHUNKSIZE
   (128 KiB) x 8 steps x its ranks on the node``, 16 channels on sm90: 256 MiB for 8 ranks
   (``transport/nvls.cc`` ``ncclNvlsBufferSetup``; 2.18 to 2.20 used ``NCCL_BUFFSIZE`` + 2 MiB per
-  step buffer, 1.5 GiB), plus a 2 MiB credit block and one 2 MiB peer table per NVLS channel.
+  1 MiB here, 1.5 GiB; 2.21 1 + 2 MiB), plus a 2 MiB credit block and one 2 MiB peer table per
+  NVLS channel.
 - **bookkeeping**: with cuMem each ``ncclCudaCalloc`` takes a whole 2 MiB granule: three per
   channel set up at init (``channel.cc``: the peer tables and the ring's ranks, for
   ``max(channels, p2p channels)`` channels) and two per communicator (``ncclDevComm`` and its
