@@ -78,7 +78,10 @@ SCRIPT = textwrap.dedent(
     out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(BASE + ".json"))}
     # how many ranks for a GPU's memory: NCCL's estimate comes off the budget at each size tried
     from memfit.cuda.gpu import CUDA_CONTEXT
-    capacity = out["cli"]["json"]["reserved_peak_bytes"] + CUDA_CONTEXT.bytes + 544 * 2**20  # just fits 2 ranks
+    from memfit.measure.distributed import nccl_outside
+    nccl2 = nccl_outside(work("fsdp2").parallel, 2).bytes  # on the H100, the default GPU
+    out["nccl2"] = nccl2
+    capacity = out["cli"]["json"]["reserved_peak_bytes"] + CUDA_CONTEXT.bytes + nccl2  # just fits 2 ranks
     with redirect_stdout(io.StringIO()):
         code = main(["plan", "llama", "--size", "vocab_size=256", "--size", "seq_len=16", "--batch-size", "2", *sizes,
                      "--min-world-size", "--world-sizes", "2,4", "--device", "fake-cuda", "--capacity", f"{capacity}B",
@@ -90,7 +93,7 @@ SCRIPT = textwrap.dedent(
     big = dict(SIZES, hidden_size=256, intermediate_size=1024, vocab_size=256, seq_len=1024)
     unplanned = profile_ranks(memfit.load_target("llama", batch_size=4, sizes=big), world_size=2, fake="cuda")
     none = unplanned.profiles[0].reserved_peak_bytes  # H100, the default GPU
-    capacity = 512 * 2**20 + 544 * 2**20 + none * 9 // 10
+    capacity = 512 * 2**20 + nccl2 + none * 9 // 10
     with redirect_stdout(io.StringIO()):
         code = main(["plan", "llama", *(a for k, v in big.items() for a in ("--size", f"{k}={v}")), "--batch-size", "4",
                      "--world-size", "2", "--device", "fake-cuda", "--capacity", f"{capacity}B",
@@ -189,11 +192,20 @@ def test_fsdp2_collective_buffers_on_their_own_streams(result):
     assert not result["ddp:2"]["streams"]  # DDP allocates on the default stream only
 
 
+# one communicator of 2 ranks on A100s (memfit.cuda.nccl): the ring's 24 channels x (10 + 2) MiB of
+# connection buffers, and 2 MiB blocks of bookkeeping, 3 for each of 32 channels and 2 more
+A100_2 = 24 * 12 * MiB + (32 * 3 + 2) * 2 * MiB
+# on H100s NVLS too: 16 channels x 2 x 1 MiB x 2 ranks of buffers, 16 + 1 blocks of 2 MiB
+H100_2 = A100_2 + 16 * 2 * 2 * MiB + 17 * 2 * MiB
+
+
 def test_nccl_estimate_per_communicator(result):
-    assert result["fsdp2:2"]["outside"] == {"cuda_context": 512 * MiB, "nccl": 544 * MiB}
-    assert result["ddp:2"]["outside"]["nccl"] == 544 * MiB
+    assert result["fsdp2:2"]["outside"] == {"cuda_context": 512 * MiB, "nccl": A100_2} and A100_2 == 484 * MiB
+    # DDP all-reduces, but with 2 ranks the tree's peers are the ring's: the same connections
+    assert result["ddp:2"]["outside"]["nccl"] == A100_2
     # HSDP on 4 ranks as (2 replicate, 2 shard): two communicators of two ranks
-    assert result["hsdp:4"]["outside"]["nccl"] == 2 * 544 * MiB
+    assert result["hsdp:4"]["outside"]["nccl"] == 2 * A100_2
+    assert result["nccl2"] == H100_2 == 582 * MiB
 
 
 def test_cli_profiles_each_rank_on_fake_cuda(result):
@@ -214,8 +226,8 @@ def test_plan_per_rank_within_a_gpu_capacity(result):
     r = result["plan"]
     plan = r["plan"]
     assert r["code"] == 0 and plan["device"] == "fake:cuda:0" and plan["peak_basis"] == "reserved_peak_bytes"
-    # the budget: the capacity less the CUDA context (512 MiB) and one NCCL communicator of 2 ranks (544 MiB)
-    assert plan["budget_bytes"] == r["capacity"] - 512 * MiB - 544 * MiB
+    # the budget: the capacity less the CUDA context (512 MiB) and one NCCL communicator of 2 H100s
+    assert plan["budget_bytes"] == r["capacity"] - 512 * MiB - H100_2
     # each rank's reserved peak, profiled afresh with the plan applied, within it; without the plan, over it
     assert plan["predicted_peak_bytes"] == plan["rank_peak_bytes"]["0"] <= plan["budget_bytes"] < r["unplanned"]
     assert plan["checkpointed"] and plan["allocated_peak_bytes"] <= plan["predicted_peak_bytes"]
@@ -259,6 +271,6 @@ def test_min_world_size_takes_nccls_estimate_off_each_size(result):
     found = r["json"]
     assert r["code"] == 0 and found["without_recompute"] == 2 == found["with_recompute"]
     row = found["rows"][0]
-    # the GPU's memory less the CUDA context and NCCL's 2-rank communicator (544 MiB): the step's own
+    # the GPU's memory less the CUDA context and NCCL's 2-rank communicator: the step's own
     # reserved peak exactly, which fits
-    assert row["budget_bytes"] == r["capacity"] - r["context"] - 544 * MiB == row["none_peak_bytes"]
+    assert row["budget_bytes"] == r["capacity"] - r["context"] - H100_2 == row["none_peak_bytes"]

@@ -64,12 +64,20 @@ def test_attention_backward_temporaries_follow_torchs_allocations():
 
 
 def test_nccl_estimate_per_communicator_and_none_for_one_process():
-    assert gpu.nccl_estimate().bytes == 0
-    two, eight = gpu.nccl_estimate(2), gpu.nccl_estimate(8, communicators=2)
-    assert two.bytes == 544 * 2**20 and eight.bytes == 2 * 688 * 2**20
-    assert "estimate" in eight.source and "#964" in eight.source
-    with pytest.raises(ValueError, match="communicators"):
-        gpu.nccl_estimate(4, communicators=0)
+    from memfit.cuda.nccl import Communicator
+
+    MiB = 2**20
+    assert gpu.nccl_estimate().bytes == 0 and gpu.nccl_estimate([Communicator(1, 1)]).bytes == 0
+    a100 = gpu.GPUS["A100-80GB"]
+    two = gpu.nccl_estimate([Communicator(2, 2, allreduce=False)], a100)
+    # the ring's 24 channels x (10 + 2) MiB, and 3 blocks of 2 MiB for each of 32 channels, 2 more
+    assert two.bytes == 24 * 12 * MiB + 98 * 2 * MiB
+    both = gpu.nccl_estimate([Communicator(2, 2, allreduce=False)] * 2, a100)
+    assert both.bytes == 2 * two.bytes and both.source.count("2 ranks: ring 288 + bookkeeping 196 = 484 MiB") == 2
+    assert "estimate" in two.source and "nccl-tests#100" in two.source and "24 channels" in two.source
+    # a real GPU's spec is keyed by the name torch reports: the same board
+    named = gpu.GpuSpec(a100.name, a100.name, a100.total_memory, a100.capability, a100.multi_processor_count)
+    assert gpu.nccl_estimate([Communicator(2, 2, allreduce=False)], named).bytes == two.bytes
 
 
 def test_cuda_rates_follow_the_gpus_datasheet():

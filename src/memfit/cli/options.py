@@ -207,7 +207,8 @@ def rank_budget(ns: argparse.Namespace, work: Any, raw: Any, label: str) -> tupl
         return raw, label
     from memfit.measure.distributed import nccl_outside, world_size_of
 
-    nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size))
+    spec, _ = gpu_args(ns)
+    nccl = nccl_outside(work.parallel, world_size_of(work, ns.world_size), spec)
     return raw - nccl.bytes, f"{label} - {memfit.format_bytes(nccl.bytes)} NCCL estimate"
 
 

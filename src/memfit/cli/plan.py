@@ -17,6 +17,7 @@ from memfit.cli.options import (
     budget_arg,
     compile_args,
     device_arg,
+    gpu_args,
     gpu_options,
     int_list,
     json_arg,
@@ -220,9 +221,16 @@ def _run_min_world_size(ns: argparse.Namespace, console: Console, raw: Any, labe
     outside = None
     if ns.device == "fake-cuda" and ns.budget is None:
         # the GPU's memory: NCCL's buffers come off it at each size tried (its communicators grow)
-        from memfit.measure.distributed import nccl_outside
+        from memfit.cuda.nccl import settings_from_env
+        from memfit.measure.distributed import NODE_SIZE, nccl_outside
 
-        outside, label = (lambda n: nccl_outside(work.parallel, n).bytes), f"{label} - NCCL estimate at each size"
+        spec, _ = gpu_args(ns)
+        env, node = settings_from_env(), ns.node_size or NODE_SIZE
+
+        def nccl_at(n: int) -> int:
+            return nccl_outside(work.parallel, n, spec, env, node).bytes
+
+        outside, label = nccl_at, f"{label} - NCCL estimate at each size"
     with progress_bar(console, f"world sizes for {work.name}") as progress:
         found = min_world_size(
             work,

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memfit.cuda import nccl
 from memfit.errors import MemfitError
 
 __all__ = [
@@ -253,25 +255,64 @@ CUDA_CONTEXT = Estimate(
 )
 
 
-def nccl_estimate(world_size: int = 1, communicators: int = 1) -> Estimate:
+def nccl_estimate(
+    communicators: Sequence[nccl.Communicator] = (),
+    gpu: GpuSpec | None = None,
+    settings: nccl.NcclSettings | None = None,
+) -> Estimate:
     """NCCL's device memory outside the caching allocator, per rank: none in a single-process
-    step (no process group, NCCL not loaded); else per communicator what PyTorch users
-    measured once its first collective had run: 544 MiB for a group of two GPUs and 688 MiB
-    for more, A100s over NVLink (NVIDIA/nccl issue #964; its FIFOs are NCCL_BUFFSIZE, 4 MiB,
-    per channel and peer, and channels grow with the topology). An estimate: the transport,
-    channel count, NCCL version and NCCL_BUFFSIZE move it by hundreds of MiB either way."""
-    if world_size <= 1:
+    step (no process group, NCCL not loaded); else the sum over the rank's ``communicators`` of
+    what NCCL's source allocates for each (:mod:`memfit.cuda.nccl`) on ``gpu``'s usual board
+    (None: H100-80GB), under ``settings`` (NCCL's variables; None: its defaults). A stated
+    estimate: the channel count is the topology's, taken from public logs."""
+    comms = [c for c in communicators if c.ranks > 1]
+    if not comms:
         return Estimate("nccl", 0, "a single-process step initialises no NCCL communicator")
-    if communicators < 1:
-        raise ValueError(f"communicators must be at least 1, got {communicators}")
-    per = (544 if world_size == 2 else 688) * MiB
+    s = settings or nccl.NcclSettings()
+    key = _gpu_key(gpu)
+    topo = nccl.topology(key)
+    each = [_summed(nccl.communicator_parts(c, topo, s)) for c in comms]
+    what = "; ".join(
+        f"{c.ranks} ranks{_role(c)}: "
+        + " + ".join(f"{k} {b // MiB}" for k, b in parts.items())
+        + f" = {sum(parts.values()) // MiB} MiB"
+        for c, parts in zip(comms, each)
+    )
+    given = f"; NCCL variables set: {', '.join(s.given)}" if s.given else ""
     return Estimate(
         "nccl",
-        per * communicators,
-        f"estimate, not measured: {communicators} NCCL communicator{'s' if communicators > 1 else ''} of "
-        f"{world_size} ranks at {per // MiB} MiB each, as PyTorch users measured on A100s over NVLink (NVIDIA/nccl "
-        "issue #964: 544 MiB for 2 GPUs, 688 MiB for more); the transport, channels and NCCL_BUFFSIZE change it",
+        sum(sum(parts.values()) for parts in each),
+        f"estimate from NCCL's source, not measured: {what}; on {key or 'H100-80GB'}: {topo.source}; "
+        f"{_mib(s.ll_buffsize + s.ll128_buffsize + s.buffsize)} MiB of buffers a connection (NCCL_BUFFSIZE and LL, LL128); "
+        f"NCCL 2.22+, every algorithm the group may use counted{given}",
     )
+
+
+def _summed(parts: list[nccl.Part]) -> dict[str, int]:
+    """The parts by kind (ring, tree, NVLS, send/recv, bookkeeping)."""
+    out: dict[str, int] = {}
+    for p in parts:
+        kind = p.name.split()[0].rstrip(":")
+        out[kind] = out.get(kind, 0) + p.bytes
+    return out
+
+
+def _gpu_key(gpu: GpuSpec | None) -> str | None:
+    """The ``--gpu`` key of a spec (a real GPU's spec is keyed by the name torch reports)."""
+    if gpu is None:
+        return None
+    found = [g.key for g in GPUS.values() if gpu.key in (g.key, g.name) or gpu.name == g.name]
+    return found[0] if found else gpu.key
+
+
+def _role(c: nccl.Communicator) -> str:
+    if not c.collectives:
+        return " (send/recv)"
+    return " (all-reduce)" if c.allreduce else ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.4g}"
 
 
 # --- the answer ------------------------------------------------------------------------------

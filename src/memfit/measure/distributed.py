@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.compat import torch_compat
 from memfit.cuda import gpu as gpus
+from memfit.cuda import nccl
 from memfit.cuda.allocator import AllocatorSettings
 from memfit.errors import MemfitError, WorkloadError
 from memfit.measure import _distributed, rank_layers
@@ -70,6 +71,7 @@ __all__ = [
     "rank_device",
     "mesh_device",
     "nccl_outside",
+    "nccl_communicators",
     "rank_device_fit",
     "world_size_of",
     "named_model",
@@ -208,6 +210,8 @@ def profile_ranks(
     if spec is not None and device != "cuda":
         raise gpus.GpuError(f"gpu={spec.key!r} is the GPU fake CUDA simulates: pass fake='cuda' (--device fake-cuda)")
     capacity_bytes = None if capacity is None else parse_bytes(capacity)
+    if device == "cuda":
+        nccl.settings_from_env()  # a bad NCCL variable is refused in one line before any rank runs
     out = RankProfiles(n, parallel.name)
     with _simulated(spec):
         for i, r in enumerate(dict.fromkeys(ranks)):
@@ -297,26 +301,52 @@ def layered_profile(workload: Workload, group: FakeGroup, got: rank_layers.RankS
     return prof
 
 
-def nccl_outside(parallel: Parallel, world_size: int) -> gpus.Estimate:
+NODE_SIZE = 8
+"""GPUs a node, for what NCCL keeps per communicator (NVLS spans a node's ranks): an HGX board's."""
+
+
+def nccl_communicators(parallel: Parallel, world_size: int, node_size: int = NODE_SIZE) -> list[nccl.Communicator]:
+    """The NCCL communicators one rank of ``parallel`` at ``world_size`` holds: one per dimension
+    of its mesh wider than one rank (FSDP2 or DDP: one over all ranks; FSDP2+TP: the dp and the
+    tp groups; HSDP: the replicate and the shard groups; a pipeline: the pp group). A dimension
+    spans ``node_size // (the ranks of the dimensions after it)`` ranks of a node."""
+    shape = parallel.mesh(world_size)
+    names = parallel.mesh_dim_names or (parallel.name,) * len(shape)
+    out = []
+    for i, (width, name) in enumerate(zip(shape, names)):
+        if width > 1:
+            stride = 1
+            for d in shape[i + 1 :]:
+                stride *= d
+            out.append(_communicator(parallel.name, name.lower(), width, min(width, max(1, node_size // stride))))
+    return out
+
+
+def _communicator(scheme: str, dim: str, ranks: int, local: int) -> nccl.Communicator:
+    """What a mesh dimension's group runs: FSDP's shard group all-gathers and reduce-scatters (ring,
+    NVLS); DDP, HSDP's replicate group and TP all-reduce too (the tree); a pipeline's group sends
+    and receives to its two neighbours. torchtitan's step clips gradients: an all-reduce of the norm
+    on every group, its pipeline's included."""
+    every = scheme == "torchtitan"
+    if dim == "pp":
+        return nccl.Communicator(ranks, local, allreduce=every, p2p_peers=2, collectives=every)
+    shard = dim in ("fsdp2", "dp", "dp_shard", "shard", "dp_shard_cp")
+    return nccl.Communicator(ranks, local, allreduce=every or not shard)
+
+
+def nccl_outside(
+    parallel: Parallel,
+    world_size: int,
+    gpu: gpus.GpuSpec | None = None,
+    settings: nccl.NcclSettings | None = None,
+    node_size: int = NODE_SIZE,
+) -> gpus.Estimate:
     """NCCL's device memory outside the caching allocator for one rank of ``parallel`` at
-    ``world_size``: one communicator per dimension of its mesh wider than one rank (FSDP2 or
-    DDP: one over all ranks; FSDP2+TP: the dp and the tp groups; HSDP: the replicate and the
-    shard groups), each :func:`memfit.cuda.gpu.nccl_estimate` of its width. A stated estimate,
-    never in the allocator's figures."""
-    widths = [w for w in parallel.mesh(world_size) if w > 1]
-    parts = [gpus.nccl_estimate(w) for w in widths]
-    if not parts:
-        return gpus.nccl_estimate(1)
-    if len(parts) == 1:
-        return parts[0]
-    groups = " and ".join(f"{w} ranks" for w in widths)
-    return gpus.Estimate(
-        "nccl",
-        sum(p.bytes for p in parts),
-        f"estimate, not measured: {len(parts)} NCCL communicators ({groups}), each at 544 MiB for 2 ranks and 688 MiB "
-        "for more, as PyTorch users measured on A100s over NVLink (NVIDIA/nccl issue #964); the transport, channels "
-        "and NCCL_BUFFSIZE change it",
-    )
+    ``world_size`` on ``gpu`` (None: H100-80GB): :func:`memfit.cuda.gpu.nccl_estimate` of its
+    communicators (:func:`nccl_communicators`), under ``settings`` (None: NCCL's variables as this
+    process's environment sets them, read here). A stated estimate, never in the allocator's figures."""
+    s = nccl.settings_from_env() if settings is None else settings
+    return gpus.nccl_estimate(nccl_communicators(parallel, world_size, node_size), gpu, s)
 
 
 def rank_device_fit(
@@ -328,8 +358,8 @@ def rank_device_fit(
     fit = _device_fit(prof, capacity, spec)
     if fit is None or not any(e.name == "nccl" for e in fit.outside):
         return fit
-    nccl = nccl_outside(parallel, world_size)
-    outside = tuple(nccl if e.name == "nccl" else e for e in fit.outside)
+    est = nccl_outside(parallel, world_size, fit.gpu)
+    outside = tuple(est if e.name == "nccl" else e for e in fit.outside)
     return dataclasses.replace(fit, outside=outside)
 
 
