@@ -44,17 +44,27 @@ REPO, COMMIT, TRACE = "cranberrii/ftcourse", "a8cedf28ee118bdd0d50773780885e0e3a
 
 
 @contextlib.contextmanager
-def matmul4bit_keeps_input() -> Iterator[None]:
-    """bitsandbytes before 0.43.2: ``MatMul4Bit.forward`` keeps its input on ``ctx`` for backward
-    (``ctx.tensors = (A, B)``), though backward uses only the weight."""
+def matmul4bit_0431() -> Iterator[None]:
+    """bitsandbytes 0.43.1's ``MatMul4Bit.forward``: the weight dequantized to the dtype it was
+    quantized from, cast to the input's dtype, ``F.linear``; and the input kept on ``ctx`` for
+    backward (``ctx.tensors = (A, B)``), though backward uses only the weight (bitsandbytes#1270,
+    in 0.43.2, stopped keeping it). Today's forward runs bitsandbytes' ``gemm_4bit`` op, which
+    dequantizes straight to the input's dtype. Backward is the installed one (the same as 0.43.1's)."""
+    import torch
+    from bitsandbytes import functional as F
     from bitsandbytes.autograd._functions import MatMul4Bit
 
     kept = MatMul4Bit.forward
 
     def forward(ctx, A, B, out=None, bias=None, quant_state=None):  # noqa: ANN001, ANN202, N803
-        output = kept(ctx, A, B, out, bias, quant_state)
-        if not ctx.is_empty and any(ctx.needs_input_grad[:2]):
-            ctx.tensors = (A, B)
+        if A.numel() == 0 or out is not None:
+            return kept(ctx, A, B, out, bias, quant_state)
+        ctx.is_empty = False
+        B = B.view(-1, 1)  # the installed backward's canonical form
+        output = torch.nn.functional.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype), bias)
+        ctx.state = quant_state
+        ctx.dtype_A, ctx.dtype_B, ctx.dtype_bias = A.dtype, B.dtype, None if bias is None else bias.dtype
+        ctx.tensors = (A, B) if any(ctx.needs_input_grad[:2]) else (None, None)
         return output
 
     MatMul4Bit.forward = staticmethod(forward)
@@ -110,8 +120,8 @@ def together(*parts: Callable[[], contextlib.AbstractContextManager[None]]) -> I
 STEPS: list[tuple[str, tuple[Callable[[], contextlib.AbstractContextManager[None]], ...]]] = [
     ("as installed", ()),
     ("+ transformers 4.41's attention and loss", (repeated_kv, shifted_logits_copy)),
-    ("+ bitsandbytes 0.43.1's MatMul4Bit", (repeated_kv, shifted_logits_copy, matmul4bit_keeps_input)),
-    ("+ torch 2.2's mean backward (the run's step)", (repeated_kv, shifted_logits_copy, matmul4bit_keeps_input, mean_keeps_input)),
+    ("+ bitsandbytes 0.43.1's MatMul4Bit", (repeated_kv, shifted_logits_copy, matmul4bit_0431)),
+    ("+ torch 2.2's mean backward (the run's step)", (repeated_kv, shifted_logits_copy, matmul4bit_0431, mean_keeps_input)),
 ]
 
 

@@ -10,7 +10,7 @@ cell's settings): bitsandbytes 0.43.1 (the frames' line numbers), 4-bit weights 
 16-bit dtype (the dequantized weight is 2 bytes a value), no double quantization (float32 absmax, one
 per 64 values), compute dtype float32 (each matmul casts the dequantized weight to the float32 input:
 ``MatMul4Bit.forward``'s ``.to(A.dtype)``), the embeddings, norms and head float32 (the kbit
-preparation), float32 adapters; transformers about 4.40 (``LlamaSdpaAttention``: K and V repeated to
+preparation, whose default also makes the embeddings' output require grad), float32 adapters; transformers about 4.40 (``LlamaSdpaAttention``: K and V repeated to
 every head before SDPA, rotary tables made in each layer; the loss on a shifted ``contiguous()`` copy of
 the float32 logits), torch 2.1-2.2 (memory-efficient attention on float32), and two 8,519,680 B cuBLAS
 workspaces (a GPU before Hopper) alive before the trace starts. docs/benchmarks/lora.md compares.
@@ -43,6 +43,11 @@ SPEC = LoraSpec(
 
 def workload(batch_size: int = 1, seq_len: int = 1000) -> memfit.Workload:
     model = lora_model(CONFIG, SPEC)
+    # prepare_model_for_kbit_training(model) with its default use_gradient_checkpointing=True turns
+    # transformers' checkpointing on and makes the embeddings' output require grad; from_pretrained
+    # left the model in eval mode, where transformers does not checkpoint, so only the second
+    # changes the step (the first layer's saved tensors; the trace keeps them)
+    model.enable_input_require_grads()
     data = torch.randint(0, 10000, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     return memfit.Workload(
         model,
