@@ -6,17 +6,17 @@ loaded in 4 bits, prepared by peft's ``prepare_model_for_kbit_training``, LoRA r
 input and the labels, ``output = model(data, labels=data); output.loss.backward()``, no optimizer.
 
 What the trace itself says about the run (its blocks and frames; the notebook's text shows another
-cell's settings): bitsandbytes 0.43.1 (the frames' line numbers), 4-bit weights quantized from a
-16-bit dtype (the dequantized weight is 2 bytes a value), no double quantization (float32 absmax, one
-per 64 values), compute dtype float32 (each matmul casts the dequantized weight to the float32 input:
-``MatMul4Bit.forward``'s ``.to(A.dtype)``), the embeddings, norms and head float32 (the kbit
-preparation, whose default also makes the embeddings' output require grad), float32 adapters; transformers about 4.40 (``LlamaSdpaAttention``: K and V repeated to
-every head before SDPA, rotary tables made in each layer; the loss on a shifted ``contiguous()`` copy of
-the float32 logits), torch 2.1-2.2 (memory-efficient attention on float32), and two 8,519,680 B cuBLAS
-workspaces (a GPU before Hopper) alive before the trace starts. docs/benchmarks/lora.md compares.
+cell's settings): bitsandbytes 0.43.1 and transformers 4.41 (the frames' line numbers), torch 2.1 or
+2.2 (``nn.Module``'s line numbers; memory-efficient attention on float32); 4-bit weights quantized
+from a 16-bit dtype (the dequantized weight is 2 bytes a value), no double quantization (float32
+absmax, one per 64 values), compute dtype float32 (each matmul casts the dequantized weight to the
+float32 input: ``MatMul4Bit.forward``'s ``.to(A.dtype)``); the embeddings, norms and head float32
+(the kbit preparation, whose default also makes the embeddings' output require grad), float32
+adapters; two 8,519,680 B cuBLAS workspaces (a GPU before Hopper) alive before the trace starts.
 
-``workload`` is the step on the installed transformers; ``benchmarks/lora_snapshot.py`` runs it with
-the run's attention and loss put back. Random weights, nothing downloaded.
+``workload`` is the step on the installed libraries; ``benchmarks/lora_snapshot.py`` runs it as
+installed and with the run's libraries' behaviour put back, and docs/benchmarks/lora.md compares.
+Random weights, nothing downloaded.
 """
 
 from pathlib import Path
