@@ -22,7 +22,9 @@ cuBLAS workspaces included):
 memfit's side: ``memfit.measure.compiled.profile_compiled`` on fake CUDA as a T4 (the GTX 1650's
 compute capability, which picks the attention kernel and the cuBLAS workspace size), the step with
 gradients kept (``StepOptions(set_to_none=False)``) and SGD with lr 0 (allocates nothing): its
-``allocated_peak_bytes``. The eager row is ``memfit.profile`` of the same step. The inductor rows are
+``allocated_peak_bytes``. The eager row is ``memfit.profile`` of the same step, the allocated peak of
+its measured step in the loop replay (``memfit.measure.replay.ledger_series``): the script resets the
+peak after its warm-up step, and the profile's ``allocated_peak_bytes`` includes the first step. The inductor rows are
 inductor's CUDA (Triton) code where Triton is importable (``memfit.compat.triton_fake``), else its
 host C++ code; the heading says which.
 """
@@ -71,10 +73,17 @@ def predicted(backend: str, budget: float | None) -> tuple[int, float]:
     step = memfit.StepOptions(set_to_none=False)
     t0 = time.process_time()
     if backend == "eager":
+        from memfit.measure.replay import ledger_series
+
         prof = memfit.profile(
             work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake="cuda", step=step
         )
-        got = prof.allocated_peak_bytes
+        # The script resets the peak after its warm-up step (reset_peak_memory_stats before each
+        # measured step); memfit's allocated_peak_bytes is the whole loop's, its first step
+        # included, whose gradients the replay places otherwise. The measured step's own peak is
+        # the loop's last step over its ticks (the start included).
+        series = ledger_series(prof.ledger, prof.cuda_memory.settings)
+        got = max(series.start_allocated_bytes, *series.allocated)
     else:
         comp = profile_compiled(
             work.model, work.inputs, loss_fn=work.loss_fn, optimizer=work.make_optimizer(), fake="cuda", step=step,
