@@ -163,6 +163,8 @@ def _set_field(config: Any, key: str, value: Any) -> None:
             raise TargetError(f"--size {key}={value!r}: expected a number")
     if isinstance(current, str) and not isinstance(value, str):
         value = str(value)
+    if isinstance(current, list) and isinstance(value, str):
+        value = [v for v in value.split(",") if v]  # compile.components=model, as torchtitan's --compile.components model
     setattr(node, leaf, value)
 
 
@@ -180,7 +182,7 @@ def _refuse_unmodelled(config: Any) -> None:
             "add --size parallelism.spmd_backend=partial_dtensor (the same FSDP2 shards, as DTensors)"
         )
     if config.compile.enable:
-        raise TargetError("torch.compile (compile.enable=True) is not modelled; add --size compile.enable=False")
+        _refuse_unmodelled_compile(config)
     if p.pipeline_parallel_degree > 1:
         _refuse_unmodelled_pp(config)
     for field_name, what in (
@@ -196,6 +198,18 @@ def _refuse_unmodelled(config: Any) -> None:
         )
     if t.enable_cpu_offload:
         raise TargetError("training.enable_cpu_offload=True is not modelled; give False")
+
+
+def _refuse_unmodelled_compile(config: Any) -> None:
+    """torchtitan's ``compile.enable``: its per-block compile (and its loss's) runs on fake
+    tensors with inductor's kernels not run (:func:`memfit.compat.triton_fake.compiles_on_fake`,
+    which refuses in one line where it cannot: on fake CUDA without Triton). What is not modelled
+    beside it is refused here."""
+    c, p = config.compile, config.parallelism
+    if c.enable_async_tensor_parallel:
+        raise TargetError("compile.enable_async_tensor_parallel=True (symmetric memory) is not modelled; give False")
+    if p.pipeline_parallel_degree > 1:
+        raise TargetError("torch.compile with pipeline parallelism is not modelled yet; add --size compile.enable=False")
 
 
 # torch's schedules memfit runs as torchtitan builds them (by torchtitan's name, lower case);
@@ -280,6 +294,9 @@ class TitanStep(nn.Module):
         self.model = model
         self.loss_fn: Any = None  # torchtitan's loss, built per rank on the parallelized model
         self.context: Any = contextlib.nullcontext  # torchtitan's train_context
+        # torchtitan's compile.enable: its blocks compile themselves, its loss is a compiled
+        # function (memfit.measure.scope.compiles: the rank's step compiles on fake tensors)
+        self.compiles = False
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
@@ -644,10 +661,13 @@ def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
         "seq_len": s,
         "activation_checkpoint": _ac_name(config.activation_checkpoint),
         "attention": "flex as causal sdpa" if replaced else "torchtitan's",
+        "compile": ",".join(config.compile.components) if config.compile.enable else "off",
         "peak_names": peak_names(),
     }
+    step = TitanStep(decoder)
+    step.compiles = bool(config.compile.enable)
     return Workload(
-        model=TitanStep(decoder),
+        model=step,
         inputs=(tokens, labels, global_valid_tokens),
         loss_fn=_loss_of,
         optimizer=job.optimizer,
