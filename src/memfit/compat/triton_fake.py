@@ -224,10 +224,12 @@ def compiles_on_fake(cuda: bool) -> Iterator[None]:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    why = inductor_fake.unavailable() or (unavailable() if cuda else None)
+    why = inductor_fake.unavailable()
     if why:
-        where = "fake CUDA (inductor's CUDA code needs Triton: pip install triton)" if cuda else "fake tensors"
-        raise WorkloadError(f"a model that compiles its own modules cannot run them on {where} here: {why}")
+        raise WorkloadError(f"compiled modules cannot run on fake tensors here: {why}")
+    why = unavailable() if cuda else None
+    if why:
+        raise WorkloadError(f"compiled modules on fake CUDA need Triton for inductor's CUDA code (pip install triton): {why}")
     # fake CUDA loaded breaks inductor's cache key (it reads the fake device's properties)
     torch_compat.host_compile_system_info()
     with (

@@ -278,11 +278,21 @@ def _replace_flex(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, FlexAttention):
-            module.__class__ = type(
-                "FlexAttentionAsSdpa", (_CausalSdpaAttention, FlexAttention), {"forward": _CausalSdpaAttention.forward}
-            )
+            module.__class__ = _as_sdpa(type(module))
             n += 1
     return n
+
+
+_AS_SDPA: dict[type, type] = {}
+
+
+def _as_sdpa(flex: type) -> type:
+    """One stand-in class per FlexAttention class, shared by every block: dynamo guards a
+    compiled block on its modules' types, so a class per block would compile each block anew
+    (torchtitan's per-block compile reuses one graph across its identical blocks)."""
+    if flex not in _AS_SDPA:
+        _AS_SDPA[flex] = type("FlexAttentionAsSdpa", (_CausalSdpaAttention, flex), {"forward": _CausalSdpaAttention.forward})
+    return _AS_SDPA[flex]
 
 
 class TitanStep(nn.Module):
