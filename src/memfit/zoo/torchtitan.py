@@ -681,7 +681,7 @@ def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
         inputs=(tokens, labels, global_valid_tokens),
         loss_fn=_loss_of,
         optimizer=job.optimizer,
-        name=f"torchtitan {spec.name} {spec.flavor}",
+        name=f"torchtitan {spec.name} {spec.flavor}" + (f" compiled ({meta['compile']})" if config.compile.enable else ""),
         meta=meta,
         parallel=Parallel(job, mesh_shape=shape, mesh_dim_names=names, name="torchtitan"),
         plan_root="model",  # the Trainer's model: plans name torchtitan's modules, not TitanStep's
