@@ -426,13 +426,15 @@ class Recorder(TorchDispatchMode):
         # calls whose unwatched twin writes in place (see memfit.measure.observer)
         self.observer = Observer()
         scope.listener = self._on_scope
-        self._compiled = compiles(scope.model)
+        # on real tensors inductor's wrapper makes its buffers past the dispatcher (a C++ fast
+        # path), which this mode would not see: there dynamo sees the mode and runs eagerly
+        self._compiled = fake and compiles(scope.model)
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
-        """Off while dynamo compiles, on while the compiled code runs, for a model that compiles
-        its own modules (torchtitan's blocks): else dynamo would see this mode and run them
-        eagerly. The recorder then sees what inductor's wrapper runs: its buffers (made through
-        dispatch on fake tensors), extern kernels and views; its fused kernels are not ops."""
+        """Off while dynamo compiles, on while the compiled code runs, for a fake step of a model
+        that compiles its own modules (torchtitan's blocks): else dynamo would see this mode and
+        run them eagerly. The recorder then sees what inductor's wrapper runs: its buffers (made
+        through dispatch on fake tensors), extern kernels and views; its fused kernels are not ops."""
         return self._compiled
 
     def _init_kernel_workspaces(self, device: torch.device | None, *, fake: bool, probe: bool) -> None:
