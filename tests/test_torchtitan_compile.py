@@ -103,3 +103,15 @@ def test_compile_on_fake_cuda_without_triton_is_one_line(monkeypatch):
     with pytest.raises(WorkloadError, match=r"on fake CUDA need Triton .*\(pip install triton\): Triton is not installed$"):
         with triton_fake.compiles_on_fake(cuda=True):
             pass
+
+
+def test_plan_and_fit_of_the_compiled_job_are_one_line(capsys):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
+    from memfit.cli import main
+
+    job = ["torchtitan:llama3:llama3_debugmodel", "--size", "training.disable_cuda_graphs=True"]
+    job += ["--size", "parallelism.spmd_backend=partial_dtensor", "--size", "compile.enable=True"]
+    for command in (["plan", *job, "--budget", "70%"], ["fit", *job, "--budget", "6GiB"]):
+        assert main([*command, "--world-size", "2", "--device", "fake"]) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("memfit: error:")]
+        assert len(err) == 1 and "compiles its own modules (torchtitan) is not modelled yet" in err[0], err

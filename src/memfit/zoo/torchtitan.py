@@ -338,6 +338,11 @@ class _Job:
         self.pp_mesh: Any = None
 
     @property
+    def compiles(self) -> bool:
+        """torchtitan's compile on (what memfit profiles but does not plan yet: :func:`memfit.measure.pipeline.refuse_pipelined`)."""
+        return bool(self.config.compile.enable)
+
+    @property
     def pipelined(self) -> bool:
         """Pipeline parallel (what memfit does not plan yet: :func:`memfit.measure.pipeline.refuse_pipelined`)."""
         return bool(self.config.parallelism.pipeline_parallel_degree > 1)
