@@ -28,11 +28,17 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import memfit, torch
     from torch._dynamo.utils import counters
+    from memfit.compat import triton_fake
     from memfit.measure.distributed import profile_ranks
 
     SIZES = json.loads(sys.argv[1])
+    # every Triton kernel inductor's CUDA code asks for (AsyncCompile.triton, inside cuda_codegen)
+    triton_kernels = []
+    no_kernel = triton_fake._no_kernel
+    triton_fake._no_kernel = lambda *a, **k: triton_kernels.append(1) or no_kernel(*a, **k)
 
     def rank(compiled):
+        triton_kernels.clear()
         work = memfit.load_target("torchtitan:llama3:llama3_debugmodel", batch_size=2,
                                   sizes={**SIZES, "compile.enable": compiled})
         counters.clear()
@@ -47,6 +53,7 @@ SCRIPT = textwrap.dedent(
             "allocated": p.allocated_peak_bytes, "reserved": p.reserved_peak_bytes,
             "ops": sorted({t.op for t in ledger.ticks}),
             "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "triton_kernels": len(triton_kernels),
             "meta": p.meta,
         }
 
@@ -83,6 +90,8 @@ def test_compiled_rank_holds_what_the_eager_rank_holds_to_the_byte_and_less_in_b
     assert compiled["graphs"] == 2 and compiled["breaks"] == 0 and eager["graphs"] == 0
     assert "silu" in eager["ops"] and "silu" not in compiled["ops"]
     assert "empty_strided" in compiled["ops"]  # inductor's wrapper's buffers
+    # its CUDA code: Triton kernels asked for (none compiled or run), none for the eager step
+    assert compiled["triton_kernels"] > 0 and eager["triton_kernels"] == 0
     # what compile cannot change: FSDP2's shards and collectives, the gradients, AdamW's state
     kept = ("parameters", "gradients", "optimizer_state", "unsharded_parameters", "all_gather_buffers", "reduce_scatter_buffers")
     for category in kept:
