@@ -162,6 +162,12 @@ def _one_line_error(args: list[str], capsys) -> str:
         (TARGET, [], "training.disable_cuda_graphs=True"),
         (TARGET, ["--size", "training.disable_cuda_graphs=True"], "parallelism.spmd_backend=partial_dtensor"),
         (TARGET, [*EAGER, "--size", "parallelism.context_parallel_degree=2"], "context parallelism is not modelled"),
+        # torchtitan's compile is (tests/test_torchtitan_compile.py), but not its async tensor parallelism
+        (
+            TARGET,
+            [*EAGER, "--size", "compile.enable=True", "--size", "compile.enable_async_tensor_parallel=True"],
+            "compile.enable_async_tensor_parallel=True (symmetric memory) is not modelled",
+        ),
         # pipeline parallelism is (tests/test_torchtitan_pp.py), but not with a schedule of its zero-bubble kind
         (
             TARGET,

@@ -86,6 +86,7 @@ def _grouped_mm_rule(mode: Any, types: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _fake_mode_class() -> type:
+    from torch._ops import HigherOrderOperator
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     class MemfitFakeMode(FakeTensorMode):
@@ -95,7 +96,13 @@ def _fake_mode_class() -> type:
         def dispatch_base(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
             return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs)
 
+        # higher-order operators find their rules by the mode's exact class: this one's are
+        # FakeTensorMode's (a compiled graph's run_and_save_rng_state, say), in __torch_dispatch__
+        supports_higher_order_operators = True
+
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            if isinstance(func, HigherOrderOperator):
+                return _fake_hop(self, func, types, args, kwargs or {})
             if func is _GROUPED_MM and _GROUPED_MM is not None:
                 out = _grouped_mm_rule(self, types, args, kwargs or {})
                 if out is not None:
@@ -106,6 +113,21 @@ def _fake_mode_class() -> type:
         # the same dispatch-cache keys, a third of the fake dispatch's time less (compat/fake_key.py)
         MemfitFakeMode._prep_args_for_hash = fast_prep_args_for_hash(FakeTensorMode._prep_args_for_hash)  # type: ignore[attr-defined]
     return MemfitFakeMode
+
+
+def _fake_hop(mode: Any, hop: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """A higher-order operator under memfit's fake mode: FakeTensorMode's rule for it (the
+    dispatcher has already taken the mode off the stack, as for FakeTensorMode's own). A rule
+    given by ``register_fake`` is FakeTensorMode's own dispatch of the operator."""
+    from torch._higher_order_ops.utils import registered_hop_fake_fns
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if hop in registered_hop_fake_fns:
+        return FakeTensorMode.__torch_dispatch__(mode, hop, types, args, kwargs)
+    rule = hop.python_key_table.get(FakeTensorMode)
+    if rule is None:
+        raise NotImplementedError(f"no fake tensor rule for the higher-order operator {hop.name()}")
+    return rule(mode, *args, **kwargs)
 
 
 _FAKE_MODE_CLASS: Any = None

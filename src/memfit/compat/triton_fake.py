@@ -44,9 +44,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memfit.compat import inductor_fake, torch_compat
 from memfit.compat.inductor_fake import _no_kernel
+from memfit.errors import WorkloadError
 
-__all__ = ["unavailable", "torch_lacks", "cuda_codegen"]
+__all__ = ["unavailable", "torch_lacks", "cuda_codegen", "compiles_on_fake"]
 
 _SHARED_MEMORY = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (9, 0): 232448, (10, 0): 232448}
 """Bytes of shared memory a block may opt in to, by compute capability (NVIDIA's CUDA
@@ -208,3 +210,37 @@ def _copy_if_misaligned(t: torch.Tensor) -> torch.Tensor:
 
 def _raw_stream(device: int) -> int:
     return 0  # the default stream's handle; the kernels it is passed to do nothing
+
+
+@contextmanager
+def compiles_on_fake(cuda: bool) -> Iterator[None]:
+    """Inside, the modules a model compiled itself (``module.compile()``, as torchtitan compiles
+    each block) compile and run on fake tensors: inductor's kernels not run, its wrapper's
+    buffers made through dispatch (:func:`memfit.compat.inductor_fake.stubbed_kernels`); on fake
+    CUDA (``cuda``) its CUDA (Triton) code generated (:func:`cuda_codegen`). Inductor's and
+    AOTAutograd's compile caches are off: no graph compiled without its kernels is kept for a
+    compile of the user's, and none of the user's is loaded here. Refused in one line where
+    this torch (or, on fake CUDA, a missing Triton) cannot."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    why = inductor_fake.unavailable()
+    if why:
+        raise WorkloadError(f"compiled modules cannot run on fake tensors here: {why}")
+    why = unavailable() if cuda else None
+    if why:
+        raise WorkloadError(f"compiled modules on fake CUDA need Triton for inductor's CUDA code (pip install triton): {why}")
+    # fake CUDA loaded breaks inductor's cache key (it reads the fake device's properties)
+    torch_compat.host_compile_system_info()
+    with (
+        inductor_fake.stubbed_kernels(),
+        cuda_codegen() if cuda else _nothing(),
+        functorch_config.patch(enable_autograd_cache=False),
+        inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+    ):
+        yield
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

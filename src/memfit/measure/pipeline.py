@@ -276,10 +276,19 @@ def refuse_pipelined(workload: Any, what: str, own_ok: bool = False) -> None:
     """What is not modelled under pipeline parallelism is refused in one line: ``what``
     (``plan``, ``fit``, ``--min-world-size``, ...) under another's pipeline (torchtitan's job), or
     under memfit's own :class:`Pipeline` unless ``own_ok`` (``plan``, ``fit`` and ``--max-batch``
-    work per stage; ``--min-world-size`` does not: more ranks are more stages, another split)."""
+    work per stage; ``--min-world-size`` does not: more ranks are more stages, another split).
+    A step that compiles its own modules (a parallelize that says ``compiles``: torchtitan's
+    ``compile.enable``) is refused here too, for every ``what``."""
     from memfit.errors import PlanError
 
     parallel = getattr(workload, "parallel", None)
+    if parallel is not None and getattr(parallel.parallelize, "compiles", False):
+        # the searches' one gate: their candidates put memfit's checkpoints on modules inside
+        # the compiled blocks, each a new graph, until dynamo's recompile limit
+        raise PlanError(
+            f"{what} of a step that compiles its own modules ({parallel.name}) is not modelled yet: profile it "
+            "(memfit profile ... --device fake-cuda), or plan with compile off (--size compile.enable=False)"
+        )
     # a parallelize of another's pipeline (torchtitan's job) says so with ``pipelined``
     own = own_pipeline(workload)
     if parallel is not None and (own or getattr(parallel.parallelize, "pipelined", False)) and not (own and own_ok):

@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.compat import bnb4bit, bnb8bit, optim8bit, torch_compat
 from memfit.cuda import gpu
+from memfit.errors import WorkloadError
 from memfit.measure import _distributed, aliasing, determinism, workspace
 from memfit.measure.ledger import (
     CHECKPOINT_BYTES_PER_NODE,
@@ -60,7 +62,7 @@ from memfit.measure.ledger import (
     ancestors,
 )
 from memfit.measure.observer import TWIN_OPS, Observer
-from memfit.measure.scope import Scope
+from memfit.measure.scope import Scope, compiles
 
 __all__ = ["Recorder", "storage_bytes", "output_tensors"]
 
@@ -424,6 +426,16 @@ class Recorder(TorchDispatchMode):
         # calls whose unwatched twin writes in place (see memfit.measure.observer)
         self.observer = Observer()
         scope.listener = self._on_scope
+        # on real tensors inductor's wrapper makes its buffers past the dispatcher (a C++ fast
+        # path), which this mode would not see: there dynamo sees the mode and runs eagerly
+        self._compiled = fake and compiles(scope.model)
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """Off while dynamo compiles, on while the compiled code runs, for a fake step of a model
+        that compiles its own modules (torchtitan's blocks): else dynamo would see this mode and
+        run them eagerly. The recorder then sees what inductor's wrapper runs: its buffers (made
+        through dispatch on fake tensors), extern kernels and views; its fused kernels are not ops."""
+        return self._compiled
 
     def _init_kernel_workspaces(self, device: torch.device | None, *, fake: bool, probe: bool) -> None:
         """What the recorder needs to count the memory kernels take for themselves (part of ``__init__``)."""
@@ -690,7 +702,12 @@ class Recorder(TorchDispatchMode):
             self._unpacked.add(self._pass_of.get(idx, -1))
         return t
 
+    # a compiled graph's higher-order operators come here too: _higher_order follows them
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, types, args, kwargs or {})
         dtensors = _distributed.dtensor_types()
         if dtensors and any(t in dtensors for t in types):
             # Let DTensor run first: it comes back here as ops on its local shards, the
@@ -758,6 +775,21 @@ class Recorder(TorchDispatchMode):
             if self.graph and self._records_node(in_tensors, out_tensors):
                 self._add_node()
         return out
+
+    def _higher_order(self, hop: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """The RNG wrappers a compiled graph runs a random op in (AOTAutograd's functionalized
+        RNG: the op run and the generator's state kept for its recompute, then the op run again
+        from that state): the op recorded as any op, the state (a host tensor of the
+        generator's) as torch's rule makes it. Any other higher-order operator is refused."""
+        name = hop.name()
+        if name == "run_and_save_rng_state":
+            op, *rest = args
+            # the generator's state is host memory on either device, and only handed back
+            return torch.get_rng_state(), self.__torch_dispatch__(op, types, tuple(rest), kwargs)
+        if name == "run_with_rng_state":
+            _, op, *rest = args
+            return self.__torch_dispatch__(op, types, tuple(rest), kwargs)
+        raise WorkloadError(f"memfit's recorder does not follow the higher-order operator {name} (a compiled graph ran it)")
 
     def _check_determinism(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> None:
         """Note an op whose result varies from run to run of this very step (it is the

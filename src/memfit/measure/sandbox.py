@@ -32,11 +32,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.compat import bnb4bit, bnb8bit, hf_fake, optim8bit, torch_compat
+from memfit.compat import bnb4bit, bnb8bit, hf_fake, optim8bit, torch_compat, triton_fake
 from memfit.cuda import fake as fake_cuda
 from memfit.errors import WorkloadError
 from memfit.measure.inputs import map_shared
 from memfit.measure.ledger import Phase
+from memfit.measure.scope import compiles
 from memfit.measure.step import FakeGradScaler, HeldOutput, StepOptions, train_step
 from memfit.workload import Where
 
@@ -111,8 +112,20 @@ class Sandbox:
                 hf_fake.unpacked_positions(self.kwargs),
                 torch_compat.quiet_fake_kernel_log(),
                 bnb8bit.as_cuda_allocates(self.model),
+                self._compiles(),
             ):
                 yield
+
+    @contextmanager
+    def _compiles(self) -> Iterator[None]:
+        """Modules the model compiled itself (torchtitan's blocks) compile on these fake
+        tensors, their kernels not run (:func:`memfit.compat.triton_fake.compiles_on_fake`)."""
+        if not compiles(self.model):
+            yield
+            return
+        cuda = any(p.device.type == "cuda" for p in self.model.parameters())
+        with triton_fake.compiles_on_fake(cuda):
+            yield
 
 
 _SCALARS = (int, float, bool, str, type(None))

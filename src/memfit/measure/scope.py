@@ -24,7 +24,28 @@ from memfit.compat import torch_compat
 from memfit.measure.ledger import Phase
 from memfit.recompute.checkpoint import RECOMPUTE_WATCHERS
 
-__all__ = ["Scope", "Clock"]
+__all__ = ["Scope", "Clock", "compiled_regions", "compiles"]
+
+
+def compiled_regions(model: nn.Module) -> tuple[set[nn.Module], set[nn.Module]]:
+    """The modules of ``model`` that are compiled (``module.compile()``, or the module inside
+    ``torch.compile(module)``'s wrapper), and the modules strictly inside them: dynamo traces a
+    compiled module's call, hooks and children included, into its graphs."""
+    roots: set[nn.Module] = set()
+    for mod in model.modules():
+        if getattr(mod, "_compiled_call_impl", None) is not None:
+            roots.add(mod)
+        orig = getattr(mod, "_orig_mod", None)
+        if isinstance(orig, nn.Module) and type(mod).__name__ == "OptimizedModule":
+            roots.add(orig)
+    inside = {m for r in roots for m in r.modules() if m is not r}
+    return roots, inside
+
+
+def compiles(model: nn.Module) -> bool:
+    """``model`` compiles some of its step itself: a compiled module, or a module that says it
+    calls a compiled function (``compiles = True``: torchtitan's step, whose loss is one)."""
+    return bool(compiled_regions(model)[0]) or any(getattr(m, "compiles", False) is True for m in model.modules())
 
 
 def _depth(name: str) -> int:
@@ -228,9 +249,19 @@ class Scope:
 
     def __enter__(self) -> Scope:
         RECOMPUTE_WATCHERS.append(self)  # told as a checkpointed module's recompute starts and ends
+        roots, inside = compiled_regions(self.model)
+        pre, post = self._pre, self._post
+        if roots:
+            # dynamo traces a compiled module's own hooks with its forward: these run as
+            # torchtitan's FSDP2 hooks do, outside the graph (disabled), each call
+            pre, post = torch._dynamo.disable(pre, recursive=True), torch._dynamo.disable(post, recursive=True)
         for mod in self.names:
-            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post))
+            if mod in inside:
+                # inside a compiled region (fullgraph: no graph break allowed) the modules are
+                # gone: the region's ops are its compiled module's
+                continue
+            self._handles.append(mod.register_forward_pre_hook(pre if mod in roots else self._pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(post if mod in roots else self._post))
         return self
 
     def __exit__(self, *exc: object) -> None:

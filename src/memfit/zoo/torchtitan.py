@@ -163,6 +163,8 @@ def _set_field(config: Any, key: str, value: Any) -> None:
             raise TargetError(f"--size {key}={value!r}: expected a number")
     if isinstance(current, str) and not isinstance(value, str):
         value = str(value)
+    if isinstance(current, list) and isinstance(value, str):
+        value = [v for v in value.split(",") if v]  # compile.components=model, as torchtitan's --compile.components model
     setattr(node, leaf, value)
 
 
@@ -180,7 +182,7 @@ def _refuse_unmodelled(config: Any) -> None:
             "add --size parallelism.spmd_backend=partial_dtensor (the same FSDP2 shards, as DTensors)"
         )
     if config.compile.enable:
-        raise TargetError("torch.compile (compile.enable=True) is not modelled; add --size compile.enable=False")
+        _refuse_unmodelled_compile(config)
     if p.pipeline_parallel_degree > 1:
         _refuse_unmodelled_pp(config)
     for field_name, what in (
@@ -196,6 +198,18 @@ def _refuse_unmodelled(config: Any) -> None:
         )
     if t.enable_cpu_offload:
         raise TargetError("training.enable_cpu_offload=True is not modelled; give False")
+
+
+def _refuse_unmodelled_compile(config: Any) -> None:
+    """torchtitan's ``compile.enable``: its per-block compile (and its loss's) runs on fake
+    tensors with inductor's kernels not run (:func:`memfit.compat.triton_fake.compiles_on_fake`,
+    which refuses in one line where it cannot: on fake CUDA without Triton). What is not modelled
+    beside it is refused here."""
+    c, p = config.compile, config.parallelism
+    if c.enable_async_tensor_parallel:
+        raise TargetError("compile.enable_async_tensor_parallel=True (symmetric memory) is not modelled; give False")
+    if p.pipeline_parallel_degree > 1:
+        raise TargetError("torch.compile with pipeline parallelism is not modelled yet; add --size compile.enable=False")
 
 
 # torch's schedules memfit runs as torchtitan builds them (by torchtitan's name, lower case);
@@ -264,11 +278,21 @@ def _replace_flex(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, FlexAttention):
-            module.__class__ = type(
-                "FlexAttentionAsSdpa", (_CausalSdpaAttention, FlexAttention), {"forward": _CausalSdpaAttention.forward}
-            )
+            module.__class__ = _as_sdpa(type(module))
             n += 1
     return n
+
+
+_AS_SDPA: dict[type, type] = {}
+
+
+def _as_sdpa(flex: type) -> type:
+    """One stand-in class per FlexAttention class, shared by every block: dynamo guards a
+    compiled block on its modules' types, so a class per block would compile each block anew
+    (torchtitan's per-block compile reuses one graph across its identical blocks)."""
+    if flex not in _AS_SDPA:
+        _AS_SDPA[flex] = type("FlexAttentionAsSdpa", (_CausalSdpaAttention, flex), {"forward": _CausalSdpaAttention.forward})
+    return _AS_SDPA[flex]
 
 
 class TitanStep(nn.Module):
@@ -280,6 +304,9 @@ class TitanStep(nn.Module):
         self.model = model
         self.loss_fn: Any = None  # torchtitan's loss, built per rank on the parallelized model
         self.context: Any = contextlib.nullcontext  # torchtitan's train_context
+        # torchtitan's compile.enable: its blocks compile themselves, its loss is a compiled
+        # function (memfit.measure.scope.compiles: the rank's step compiles on fake tensors)
+        self.compiles = False
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
@@ -309,6 +336,11 @@ class _Job:
         self.decoder: nn.Module | None = None
         self.parts: list[nn.Module] = []  # under pipeline parallelism: this rank's model parts
         self.pp_mesh: Any = None
+
+    @property
+    def compiles(self) -> bool:
+        """torchtitan's compile on (what memfit profiles but does not plan yet: :func:`memfit.measure.pipeline.refuse_pipelined`)."""
+        return bool(self.config.compile.enable)
 
     @property
     def pipelined(self) -> bool:
@@ -644,14 +676,17 @@ def build(target: str, batch_size: int | None = None, **sizes: Any) -> Workload:
         "seq_len": s,
         "activation_checkpoint": _ac_name(config.activation_checkpoint),
         "attention": "flex as causal sdpa" if replaced else "torchtitan's",
+        "compile": ",".join(config.compile.components) if config.compile.enable else "off",
         "peak_names": peak_names(),
     }
+    step = TitanStep(decoder)
+    step.compiles = bool(config.compile.enable)
     return Workload(
-        model=TitanStep(decoder),
+        model=step,
         inputs=(tokens, labels, global_valid_tokens),
         loss_fn=_loss_of,
         optimizer=job.optimizer,
-        name=f"torchtitan {spec.name} {spec.flavor}",
+        name=f"torchtitan {spec.name} {spec.flavor}" + (f" compiled ({meta['compile']})" if config.compile.enable else ""),
         meta=meta,
         parallel=Parallel(job, mesh_shape=shape, mesh_dim_names=names, name="torchtitan"),
         plan_root="model",  # the Trainer's model: plans name torchtitan's modules, not TitanStep's
