@@ -254,7 +254,7 @@ class Scope:
         if roots:
             # dynamo traces a compiled module's own hooks with its forward: these run as
             # torchtitan's FSDP2 hooks do, outside the graph (disabled), each call
-            pre, post = torch._dynamo.disable(pre, recursive=True), torch._dynamo.disable(post, recursive=True)
+            pre, post = torch.compiler.disable(pre, recursive=True), torch.compiler.disable(post, recursive=True)
         for mod in self.names:
             if mod in inside:
                 # inside a compiled region (fullgraph: no graph break allowed) the modules are
