@@ -38,11 +38,34 @@ def _llama(schedule: str):
     return zoo.build("llama", parallel="pp", schedule=schedule, microbatches=4, **SIZES)
 
 
+_MEASURED: dict = {}
+"""Steps profiled on the fake group, kept for the module: each schedule's workload and its
+unplanned stages, and each set of choices' stages profiled again. A profile is a function of
+the workload and the choices (the fake group's steps are deterministic), so a test that asks
+for the same one again reads it here rather than running its two stage steps again (~4 CPU s)."""
+
+
+def _unplanned(schedule: str) -> tuple:
+    """The schedule's workload and its two stages profiled unplanned, once for the module."""
+    if schedule not in _MEASURED:
+        work = _llama(schedule)
+        _MEASURED[schedule] = work, profile_ranks(work, world_size=2, ranks=(0, 1))
+    return _MEASURED[schedule]
+
+
+def _again(schedule: str, choices: dict):
+    """Both stages of the schedule's workload profiled with ``choices`` applied before parallelize."""
+    key = (schedule, tuple(sorted(choices.items())))
+    if key not in _MEASURED:
+        work, _ = _unplanned(schedule)
+        _MEASURED[key] = profile_ranks(with_recompute(work, choices), world_size=2, ranks=(0, 1))
+    return _MEASURED[key]
+
+
 @pytest.fixture(scope="module", params=["1f1b", "gpipe"])
 def planned(request) -> tuple:
     schedule = request.param
-    work = _llama(schedule)
-    unplanned = profile_ranks(work, world_size=2, ranks=(0, 1))
+    work, unplanned = _unplanned(schedule)
     plan = plan_ranks(work, BUDGETS[schedule], world_size=2, ranks=(0, 1), unplanned=unplanned)
     return schedule, work, unplanned, plan
 
@@ -64,7 +87,7 @@ def test_each_stage_planned_on_its_own_modules_and_under_the_budget(planned):
     assert set(plan.checkpointed) <= set(unplanned.profiles[0].modules) | set(unplanned.profiles[1].modules)
     # the plan applied before parallelize, each stage's step run again on the fake process group:
     # its measured peak is the plan's figure for it, within the budget
-    again = profile_ranks(with_recompute(work, _choices(plan)), world_size=2, ranks=(0, 1))
+    again = _again(schedule, _choices(plan))
     for r in (0, 1):
         assert again.profiles[r].peak_bytes == plan.rank_peak_bytes[r] <= budget
     assert plan.predicted_peak_bytes == max(plan.rank_peak_bytes.values())
@@ -152,14 +175,14 @@ def test_min_world_size_stays_refused_in_one_line(capsys):
 def test_fit_per_stage_recomputes_each_stages_own_modules():
     from memfit.levers.rank_fit import fit_ranks
 
-    work = _llama("1f1b")
+    work, _ = _unplanned("1f1b")
     budget = BUDGETS["1f1b"]
     recipe = fit_ranks(work, budget, world_size=2, ranks=(0, 1))
     # no FSDP2 to vary: recompute is the lever, its plan the stages' plans together
     assert recipe.levers == ("recompute",) and recipe.plan is not None
     assert set(recipe.rank_peak_bytes) == {0, 1} and recipe.rank_peak_bytes == recipe.plan.rank_peak_bytes
     assert "reshard_after_forward" in recipe.left_out
-    again = profile_ranks(with_recompute(work, _choices(recipe.plan)), world_size=2, ranks=(0, 1))
+    again = _again("1f1b", _choices(recipe.plan))  # the planned fixture's measurement where fit chose its plan
     for r in (0, 1):
         assert again.profiles[r].peak_bytes == recipe.rank_peak_bytes[r] <= budget
 
@@ -178,7 +201,7 @@ def test_cli_fit_under_pp_takes_every_stage_rank(tmp_path, capsys):
 def test_max_batch_under_pp_is_a_multiple_of_the_microbatches():
     from memfit.levers.rank_fit import _at_batch, max_batch_ranks
 
-    work = _llama("1f1b")
+    work, _ = _unplanned("1f1b")
     found = max_batch_ranks(work, 3_000_000, world_size=2, ranks=(0, 1), multiple_of=2, recompute=False, recipe=False)
     assert found.multiple_of == 4 and found.batch_size % 4 == 0 and found.batch_size > 0  # 4 microbatches
     (limit,) = found.limits
@@ -197,8 +220,9 @@ def test_a_stage_that_cannot_fit_is_named_in_one_line():
     from memfit.errors import BudgetInfeasibleError
 
     # 1 MB: over each stage's start (0.49 MB) but under stage 0's lowest reachable peak (1.62 MB)
+    work, unplanned = _unplanned("1f1b")  # the stages' unplanned steps, as the planned fixture measured them
     with pytest.raises(BudgetInfeasibleError, match="stage rank 0 of 2: budget .* is below the lowest peak") as info:
-        plan_ranks(_llama("1f1b"), 1_000_000, world_size=2, ranks=(0, 1))
+        plan_ranks(work, 1_000_000, world_size=2, ranks=(0, 1), unplanned=unplanned)
     assert "\n" not in str(info.value) and info.value.min_peak_bytes > 1_000_000
 
 
