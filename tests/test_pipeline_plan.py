@@ -39,33 +39,32 @@ def _llama(schedule: str):
 
 
 _MEASURED: dict = {}
-"""Steps profiled on the fake group, kept for the module: each schedule's workload and its
-unplanned stages, and each set of choices' stages profiled again. A profile is a function of
-the workload and the choices (the fake group's steps are deterministic), so a test that asks
-for the same one again reads it here rather than running its two stage steps again (~4 CPU s)."""
+"""Kept for the module: each schedule's workload, its stages profiled unplanned, and its stages
+profiled again with each set of choices. A fake-group profile is a function of the workload and
+the choices, so a test that needs one already made (fit choosing the planned fixture's plan)
+reads it here rather than running both stage steps again (~4 CPU s)."""
 
 
-def _unplanned(schedule: str) -> tuple:
-    """The schedule's workload and its two stages profiled unplanned, once for the module."""
-    if schedule not in _MEASURED:
-        work = _llama(schedule)
-        _MEASURED[schedule] = work, profile_ranks(work, world_size=2, ranks=(0, 1))
-    return _MEASURED[schedule]
+def _work(schedule: str):
+    if ("work", schedule) not in _MEASURED:
+        _MEASURED["work", schedule] = _llama(schedule)
+    return _MEASURED["work", schedule]
 
 
 def _again(schedule: str, choices: dict):
-    """Both stages of the schedule's workload profiled with ``choices`` applied before parallelize."""
+    """Both stages of the schedule's workload profiled with ``choices`` applied before parallelize
+    (no choices: unplanned)."""
     key = (schedule, tuple(sorted(choices.items())))
     if key not in _MEASURED:
-        work, _ = _unplanned(schedule)
-        _MEASURED[key] = profile_ranks(with_recompute(work, choices), world_size=2, ranks=(0, 1))
+        work = with_recompute(_work(schedule), choices) if choices else _work(schedule)
+        _MEASURED[key] = profile_ranks(work, world_size=2, ranks=(0, 1))
     return _MEASURED[key]
 
 
 @pytest.fixture(scope="module", params=["1f1b", "gpipe"])
 def planned(request) -> tuple:
     schedule = request.param
-    work, unplanned = _unplanned(schedule)
+    work, unplanned = _work(schedule), _again(schedule, {})
     plan = plan_ranks(work, BUDGETS[schedule], world_size=2, ranks=(0, 1), unplanned=unplanned)
     return schedule, work, unplanned, plan
 
@@ -175,7 +174,7 @@ def test_min_world_size_stays_refused_in_one_line(capsys):
 def test_fit_per_stage_recomputes_each_stages_own_modules():
     from memfit.levers.rank_fit import fit_ranks
 
-    work, _ = _unplanned("1f1b")
+    work = _work("1f1b")
     budget = BUDGETS["1f1b"]
     recipe = fit_ranks(work, budget, world_size=2, ranks=(0, 1))
     # no FSDP2 to vary: recompute is the lever, its plan the stages' plans together
@@ -201,7 +200,7 @@ def test_cli_fit_under_pp_takes_every_stage_rank(tmp_path, capsys):
 def test_max_batch_under_pp_is_a_multiple_of_the_microbatches():
     from memfit.levers.rank_fit import _at_batch, max_batch_ranks
 
-    work, _ = _unplanned("1f1b")
+    work = _llama("1f1b")
     found = max_batch_ranks(work, 3_000_000, world_size=2, ranks=(0, 1), multiple_of=2, recompute=False, recipe=False)
     assert found.multiple_of == 4 and found.batch_size % 4 == 0 and found.batch_size > 0  # 4 microbatches
     (limit,) = found.limits
@@ -220,9 +219,8 @@ def test_a_stage_that_cannot_fit_is_named_in_one_line():
     from memfit.errors import BudgetInfeasibleError
 
     # 1 MB: over each stage's start (0.49 MB) but under stage 0's lowest reachable peak (1.62 MB)
-    work, unplanned = _unplanned("1f1b")  # the stages' unplanned steps, as the planned fixture measured them
     with pytest.raises(BudgetInfeasibleError, match="stage rank 0 of 2: budget .* is below the lowest peak") as info:
-        plan_ranks(work, 1_000_000, world_size=2, ranks=(0, 1), unplanned=unplanned)
+        plan_ranks(_llama("1f1b"), 1_000_000, world_size=2, ranks=(0, 1))
     assert "\n" not in str(info.value) and info.value.min_peak_bytes > 1_000_000
 
 
