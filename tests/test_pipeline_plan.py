@@ -38,11 +38,33 @@ def _llama(schedule: str):
     return zoo.build("llama", parallel="pp", schedule=schedule, microbatches=4, **SIZES)
 
 
+_MEASURED: dict = {}
+"""Kept for the module: each schedule's workload, its stages profiled unplanned, and its stages
+profiled again with each set of choices. A fake-group profile is a function of the workload and
+the choices, so a test that needs one already made (fit choosing the planned fixture's plan)
+reads it here rather than running both stage steps again (~4 CPU s)."""
+
+
+def _work(schedule: str):
+    if ("work", schedule) not in _MEASURED:
+        _MEASURED["work", schedule] = _llama(schedule)
+    return _MEASURED["work", schedule]
+
+
+def _again(schedule: str, choices: dict):
+    """Both stages of the schedule's workload profiled with ``choices`` applied before parallelize
+    (no choices: unplanned)."""
+    key = (schedule, tuple(sorted(choices.items())))
+    if key not in _MEASURED:
+        work = with_recompute(_work(schedule), choices) if choices else _work(schedule)
+        _MEASURED[key] = profile_ranks(work, world_size=2, ranks=(0, 1))
+    return _MEASURED[key]
+
+
 @pytest.fixture(scope="module", params=["1f1b", "gpipe"])
 def planned(request) -> tuple:
     schedule = request.param
-    work = _llama(schedule)
-    unplanned = profile_ranks(work, world_size=2, ranks=(0, 1))
+    work, unplanned = _work(schedule), _again(schedule, {})
     plan = plan_ranks(work, BUDGETS[schedule], world_size=2, ranks=(0, 1), unplanned=unplanned)
     return schedule, work, unplanned, plan
 
@@ -64,7 +86,7 @@ def test_each_stage_planned_on_its_own_modules_and_under_the_budget(planned):
     assert set(plan.checkpointed) <= set(unplanned.profiles[0].modules) | set(unplanned.profiles[1].modules)
     # the plan applied before parallelize, each stage's step run again on the fake process group:
     # its measured peak is the plan's figure for it, within the budget
-    again = profile_ranks(with_recompute(work, _choices(plan)), world_size=2, ranks=(0, 1))
+    again = _again(schedule, _choices(plan))
     for r in (0, 1):
         assert again.profiles[r].peak_bytes == plan.rank_peak_bytes[r] <= budget
     assert plan.predicted_peak_bytes == max(plan.rank_peak_bytes.values())
@@ -152,14 +174,14 @@ def test_min_world_size_stays_refused_in_one_line(capsys):
 def test_fit_per_stage_recomputes_each_stages_own_modules():
     from memfit.levers.rank_fit import fit_ranks
 
-    work = _llama("1f1b")
+    work = _work("1f1b")
     budget = BUDGETS["1f1b"]
     recipe = fit_ranks(work, budget, world_size=2, ranks=(0, 1))
     # no FSDP2 to vary: recompute is the lever, its plan the stages' plans together
     assert recipe.levers == ("recompute",) and recipe.plan is not None
     assert set(recipe.rank_peak_bytes) == {0, 1} and recipe.rank_peak_bytes == recipe.plan.rank_peak_bytes
     assert "reshard_after_forward" in recipe.left_out
-    again = profile_ranks(with_recompute(work, _choices(recipe.plan)), world_size=2, ranks=(0, 1))
+    again = _again("1f1b", _choices(recipe.plan))  # the planned fixture's measurement where fit chose its plan
     for r in (0, 1):
         assert again.profiles[r].peak_bytes == recipe.rank_peak_bytes[r] <= budget
 
