@@ -7,26 +7,21 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from contextlib import redirect_stderr, redirect_stdout
-from pathlib import Path
 
 import pytest
 
 import memfit
 from memfit.cli import main
 
-SRC = str(Path(memfit.__file__).resolve().parents[1])
 TARGET = "torchtitan:llama3:llama3_debugmodel"
 EAGER = ["--size", "training.disable_cuda_graphs=True", "--size", "parallelism.spmd_backend=partial_dtensor"]
 SIZES = {"training.disable_cuda_graphs": True, "parallelism.spmd_backend": "partial_dtensor", "training.seq_len": 64}
 
 SCRIPT = textwrap.dedent(
     """
-    import dataclasses, io, json, sys
+    import dataclasses, io, json
     from contextlib import redirect_stdout
     import memfit, torch
     from memfit.cli import main
@@ -34,7 +29,6 @@ SCRIPT = textwrap.dedent(
     from memfit.measure.ledger import Category, Ledger
     from memfit.measure.recorder import storage_bytes
 
-    SIZES = json.loads(sys.argv[1])
     work = lambda: memfit.load_target("torchtitan:llama3:llama3_debugmodel", batch_size=2, sizes=SIZES)
     cpu = profile_ranks(work(), world_size=2, ranks=(0,))
     gpu = profile_ranks(work(), world_size=2, ranks=(0,), fake="cuda", gpu="H100-80GB")
@@ -69,10 +63,10 @@ SCRIPT = textwrap.dedent(
     }
     text = io.StringIO()
     with redirect_stdout(text):
-        code = main(["profile", "torchtitan:llama3:llama3_debugmodel", *sys.argv[2:], "--size", "training.seq_len=64",
+        code = main(["profile", "torchtitan:llama3:llama3_debugmodel", *EAGER, "--size", "training.seq_len=64",
                      "--batch-size", "2", "--world-size", "2", "--ranks", "all", "--device", "fake-cuda",
-                     "--gpu", "H100-80GB", "--json", sys.argv[0] + ".json"])
-    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(sys.argv[0] + ".json"))}
+                     "--gpu", "H100-80GB", "--json", OUT])
+    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(OUT))}
     print("RESULT" + json.dumps(out))
     """
 )
@@ -84,15 +78,12 @@ def titan() -> None:
 
 
 @pytest.fixture(scope="module")
-def result(titan, shim_cache, tmp_path_factory) -> dict:
-    script = tmp_path_factory.mktemp("titan") / "titan.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "MEMFIT_CACHE_DIR": str(shim_cache), "PYTHONPATH": SRC, "MEMFIT_FAKE_CUDA": "1"}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.pop("PYTORCH_ALLOC_CONF", None)
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(SIZES), *EAGER], env=env, capture_output=True, text=True, timeout=1200
-    )
+def result(titan, fake_cuda, tmp_path_factory) -> dict:
+    # in the session's fake-CUDA interpreter (conftest; PYTORCH_CUDA_ALLOC_CONF unset there, as
+    # the script needs): a fresh one's start-up of torch and memfit was some 4 CPU s of this fixture
+    out = tmp_path_factory.mktemp("titan") / "titan.json"
+    head = f"SIZES, EAGER, OUT = {SIZES!r}, {EAGER!r}, {str(out)!r}\n"
+    done = fake_cuda.script(head + SCRIPT, timeout=1200)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, done.stderr[-3000:]
     return json.loads(line[len("RESULT") :])
