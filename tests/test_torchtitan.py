@@ -27,12 +27,20 @@ SCRIPT = textwrap.dedent(
     from memfit.cli import main
     from memfit.measure.distributed import profile_ranks
     from memfit.measure.ledger import Category, Ledger
+    from memfit.measure.profile import Profile
     from memfit.measure.recorder import storage_bytes
 
-    work = lambda: memfit.load_target("torchtitan:llama3:llama3_debugmodel", batch_size=2, sizes=SIZES)
-    cpu = profile_ranks(work(), world_size=2, ranks=(0,))
-    gpu = profile_ranks(work(), world_size=2, ranks=(0,), fake="cuda", gpu="H100-80GB")
-    c, g = cpu.profiles[0].ledger, gpu.profiles[0]
+    cpu = profile_ranks(memfit.load_target("torchtitan:llama3:llama3_debugmodel", batch_size=2, sizes=SIZES), world_size=2,
+                        ranks=(0,))
+    text = io.StringIO()
+    with redirect_stdout(text):
+        code = main(["profile", "torchtitan:llama3:llama3_debugmodel", *EAGER, "--size", "training.seq_len=64",
+                     "--batch-size", "2", "--world-size", "2", "--ranks", "all", "--device", "fake-cuda",
+                     "--gpu", "H100-80GB", "--json", OUT])
+    cli = {"code": code, "stdout": text.getvalue(), "json": json.load(open(OUT))}
+    # rank 0 on fake CUDA as the command wrote it: the same job, sizes and GPU as profile_ranks(...,
+    # fake="cuda", gpu="H100-80GB") gives (every figure below equal), not profiled a second time
+    c, g = cpu.profiles[0].ledger, Profile.from_dict(cli["json"]["ranks"][0])
     # the fake-CPU ledger in CUDA's terms: autograd's graph is host memory (out), storages in
     # 512 B blocks (torchtitan's fused AdamW keeps its `step` counters on the device: they stay),
     # and the cuBLAS workspaces alive from the start
@@ -61,12 +69,7 @@ SCRIPT = textwrap.dedent(
         "cublas": cublas,
         "cpu_categories": sorted({b.category.value for b in c.blocks}),
     }
-    text = io.StringIO()
-    with redirect_stdout(text):
-        code = main(["profile", "torchtitan:llama3:llama3_debugmodel", *EAGER, "--size", "training.seq_len=64",
-                     "--batch-size", "2", "--world-size", "2", "--ranks", "all", "--device", "fake-cuda",
-                     "--gpu", "H100-80GB", "--json", OUT])
-    out["cli"] = {"code": code, "stdout": text.getvalue(), "json": json.load(open(OUT))}
+    out["cli"] = cli
     print("RESULT" + json.dumps(out))
     """
 )
