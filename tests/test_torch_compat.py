@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -212,7 +213,11 @@ def test_fake_kernel_failures_are_logged_only_outside_memfit_fake_steps(caplog):
         assert not caplog.records
 
 
-def test_current_autograd_node_is_named_while_its_backward_runs():
+@pytest.mark.parametrize("kept", [None, False], ids=["this-torch", "stable-key"])
+def test_current_autograd_node_is_named_while_its_backward_runs(monkeypatch, kept):
+    # "stable-key": the identity torch before 2.13 gets (its node objects are not kept), here too
+    if kept is not None:
+        monkeypatch.setattr(_torch_compat, "_NODE_OBJECT_KEPT", kept)
     seen = []
 
     class Watch(TorchDispatchMode):
@@ -221,14 +226,24 @@ def test_current_autograd_node_is_named_while_its_backward_runs():
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(4, 8, requires_grad=True)
-    loss = torch.gather(x, -1, torch.zeros(4, 1, dtype=torch.long)).sum()
+    w = torch.randn(8, 8, requires_grad=True)
+    loss = torch.gather(x @ w, -1, torch.zeros(4, 1, dtype=torch.long)).sum()
     assert _torch_compat.current_autograd_node() is None
     with Watch():
         loss.backward()
     names = [n[1] for n in seen if n is not None]
     assert "GatherBackward0" in names
-    ids = {n[0] for n in seen if n is not None and n[1] == "GatherBackward0"}
-    assert len(ids) == 1  # one identity for all of the node's ops
+    for name in ("GatherBackward0", "MmBackward0"):
+        ids = {n[0] for n in seen if n is not None and n[1] == name}
+        assert len(ids) == 1, name  # one identity for all of the node's ops
+    # two leaves, two AccumulateGrad nodes: two identities (torch 2.6 reused one freed object's id)
+    assert len({n[0] for n in seen if n is not None and n[1].endswith("AccumulateGrad")}) == 2
+
+
+def test_torch_version_reads_local_builds(monkeypatch):
+    for text, want in (("2.6.0+cu124", (2, 6)), ("2.11.0", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.14.0.dev20261101", (2, 14))):
+        monkeypatch.setattr(torch, "__version__", text)
+        assert _torch_compat.torch_version() == want
 
 
 def test_selective_checkpoint_saves_reports_what_the_policy_keeps():

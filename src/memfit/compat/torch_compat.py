@@ -525,13 +525,39 @@ class AllocationTrace:
         return {name: sum(s for s in sizes if s > 0) for name, sizes in self._regions(prefix, device_type).items()}
 
 
-def current_autograd_node() -> tuple[int, str] | None:
+def torch_version() -> tuple[int, int]:
+    """torch's (major, minor): ``2.6.0+cu124`` is (2, 6)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# torch 2.13 keeps a C++ node's Python object while the node runs, so its id is the node's
+# identity; torch 2.6 and 2.11 make a new one for each call, and a freed one's address is
+# reused by the next node's (two AccumulateGrads took one id on 2.6).
+_NODE_OBJECT_KEPT = torch_version() >= (2, 13)
+
+
+def current_autograd_node() -> tuple[Any, str] | None:
     """The autograd node whose backward is running on this thread, as (identity, name:
     ``GatherBackward0``), or None outside one (the forward, the engine's own first op).
     The identity is the node's Python object, which torch keeps for the node while it runs;
-    no reference to it is kept here (that would keep its saved tensors alive)."""
+    no reference to it is kept here (that would keep its saved tensors alive). Before torch
+    2.13 it is :func:`_stable_node_key`."""
     node = torch._C._current_autograd_node()
+    if not _NODE_OBJECT_KEPT and node is not None:
+        return _stable_node_key(node), node.name()
     return None if node is None else (id(node), node.name())
+
+
+def _stable_node_key(node: Any) -> tuple[Any, ...]:
+    """A node's identity where its Python object is not kept: its sequence number (one per
+    node made on a thread), and for an AccumulateGrad (all share the largest number) the
+    leaf it accumulates into. A Python function's node is its ``ctx``, which the node keeps."""
+    seq = getattr(node, "_sequence_nr", None)
+    if seq is None:
+        return ("object", id(node))
+    leaf = getattr(node, "variable", None)
+    return ("node", seq(), node.name(), None if leaf is None else id(leaf))
 
 
 @contextmanager
