@@ -290,3 +290,13 @@ def test_when_all_grads_fires_once_after_the_last_and_keeps_no_gradient():
     handle.remove()
     a.sum().backward()
     assert calls == [1]
+
+
+def test_grouped_query_attention_flops_where_torch_counts_equal_heads_only(monkeypatch):
+    # torch 2.6 and 2.11's SDPA formulas refuse fewer key/value heads than query heads; memfit
+    # broadcasts the heads there, which must count what this torch's own GQA formulas count.
+    q, k, g = torch.empty(2, 8, 16, 32), torch.empty(2, 2, 16, 32), torch.empty(2, 8, 16, 32)
+    native = (_torch_compat._cpu_sdpa_forward(q, k, k), _torch_compat._cpu_sdpa_backward(g, q, k, k))
+    monkeypatch.setattr(_torch_compat, "_SDPA_GQA", False)
+    assert (_torch_compat._cpu_sdpa_forward(q, k, k), _torch_compat._cpu_sdpa_backward(g, q, k, k)) == native
+    assert native[0] == 2 * (2 * 2 * 8 * 16 * 32 * 16)  # two bmms over the query's 8 heads

@@ -184,11 +184,37 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _sdpa_counts_gqa() -> bool:
+    """Whether torch's SDPA formulas take fewer key/value heads than query heads (grouped-query
+    attention, a Llama's): torch 2.13's do, 2.11's and 2.6's raise AssertionError."""
+    try:
+        flop_counter.sdpa_flop_count((1, 4, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8))
+    except AssertionError:
+        return False
+    return True
+
+
+_SDPA_GQA = _sdpa_counts_gqa()
+
+
+def _kv_shapes(query: Any, key: Any, value: Any) -> tuple[Any, Any]:
+    """key's and value's shapes, their heads broadcast to the query's where torch's formula
+    does not (the kernel makes the same products as with the heads repeated)."""
+    if _SDPA_GQA or key.dim() != 4 or query.dim() != 4 or key.shape[1] == query.shape[1]:
+        return key.shape, value.shape
+    heads = query.shape[1]
+    return (*key.shape[:1], heads, *key.shape[2:]), (*value.shape[:1], heads, *value.shape[2:])
+
+
 def _cpu_sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    if not _SDPA_GQA:
+        return flop_counter.sdpa_flop_count(query.shape, *_kv_shapes(query, key, value))
     return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
 def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    if not _SDPA_GQA:
+        return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, *_kv_shapes(query, key, value))
     return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
