@@ -178,6 +178,38 @@ def reset_fsdp(model: torch.nn.Module) -> None:
         module.reshard()
 
 
+_COLLECTIVES = ("allreduce_", "_allgather_base_", "_reduce_scatter_base_", "broadcast_", "allgather_")
+_FAKE_COLLECTIVES: list[str | None] = []
+
+
+def fake_collectives_missing() -> str | None:
+    """One line when this torch has no fake (Meta) kernels for c10d's collectives, which a
+    step on the fake process group runs (DDP's all-reduce, FSDP2's all-gather): torch 2.6
+    has none, 2.11 and 2.13 have them. None where they are all there."""
+    if not _FAKE_COLLECTIVES:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        c10d = getattr(torch.ops, "c10d", None)
+        missing = [n for n in _COLLECTIVES if c10d is None or not has(getattr(c10d, n).default.name(), "Meta")]
+        _FAKE_COLLECTIVES.append(
+            f"torch {torch.__version__} has no fake kernels for c10d's collectives ({', '.join(missing)}): a distributed "
+            "step on the fake process group needs a newer torch (2.11 and 2.13 run it)"
+            if missing
+            else None
+        )
+    return _FAKE_COLLECTIVES[0]
+
+
+def collective_refused(exc: BaseException) -> str | None:
+    """:func:`fake_collectives_missing`'s line when ``exc`` (or what caused it) is a fake
+    tensor refusing a c10d collective on such a torch; else None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ == "UnsupportedOperatorException" and str(seen).startswith("c10d."):
+            return fake_collectives_missing()
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
