@@ -130,6 +130,12 @@ def forget_meshes() -> None:
     clear = getattr(debug, "_clear_sharding_prop_cache", None)  # python and C++ fast-path caches
     if clear is not None:
         clear()
+    else:  # torch 2.6: one Python cache, an lru_cache per thread behind LocalLRUCache
+        from torch.distributed.tensor import DTensor
+
+        cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
     for name in ("clear_redistribute_planner_cache",):
         fn = getattr(_redistribute, name, None)
         if fn is not None:
