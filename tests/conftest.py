@@ -178,6 +178,15 @@ def skip_without_fake_collectives() -> None:
         pytest.skip(missing)
 
 
+def skip_without_torchtitans_torch() -> None:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.13
+    has and 2.11 (and older) lacks: its targets cannot build there."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        pytest.skip(f"torchtitan 0.3.0 needs torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} lacks", allow_module_level=True)
+
+
 def needs(*names: str) -> pytest.MarkDecorator:
     """Skip a test file whose frameworks are not installed, without importing them (a
     dotted name is looked up from its top-level package's folder, not imported either)."""

@@ -15,6 +15,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from conftest import skip_without_torchtitans_torch
 
 import memfit
 from memfit.cli import main
@@ -81,6 +82,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def titan() -> None:
     pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
+    skip_without_torchtitans_torch()
 
 
 @pytest.fixture(scope="module")
