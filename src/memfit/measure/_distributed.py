@@ -335,7 +335,10 @@ def static_pipeline_stages(schedule: Any) -> None:
     only, and a stage whose metadata is incomplete is refused in one line."""
     import types
 
-    from torch.distributed.pipelining._utils import InferenceMode
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # torch 2.6 and 2.11: their schedules hold no such vote, nothing to answer
+        return
 
     def warmup_p2p(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
