@@ -300,3 +300,38 @@ def test_grouped_query_attention_flops_where_torch_counts_equal_heads_only(monke
     monkeypatch.setattr(_torch_compat, "_SDPA_GQA", False)
     assert (_torch_compat._cpu_sdpa_forward(q, k, k), _torch_compat._cpu_sdpa_backward(g, q, k, k)) == native
     assert native[0] == 2 * (2 * 2 * 8 * 16 * 32 * 16)  # two bmms over the query's 8 heads
+
+
+def test_the_fast_cache_key_is_left_out_where_torch_prepares_its_key_otherwise(monkeypatch):
+    # torch 2.6's _prep_args_for_hash takes no id_hashed_objects (and writes no list's length)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.compat import fake_key
+
+    assert fake_key.fast_key_applies() == ("id_hashed_objects" in FakeTensorMode._prep_args_for_hash.__code__.co_varnames)
+    monkeypatch.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
+    assert not fake_key.fast_key_applies()
+
+
+def test_a_torch_without_fake_collectives_is_named_in_one_line(monkeypatch):
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    monkeypatch.setattr(_torch_compat, "_FAKE_COLLECTIVES", [])
+    native = _torch_compat.fake_collectives_missing()
+    if _torch_compat.torch_version() >= (2, 11):
+        assert native is None  # 2.11 and 2.13 have them
+    else:
+        assert native is not None and "allreduce_" in native  # 2.6 has none
+    monkeypatch.setattr(_torch_compat, "_FAKE_COLLECTIVES", [])
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda name, key: "allreduce" not in name)
+    line = _torch_compat.fake_collectives_missing()
+    assert line.startswith(f"torch {torch.__version__} has no fake kernels for c10d's collectives (allreduce_)")
+    assert "\n" not in line
+    try:
+        try:
+            raise UnsupportedOperatorException(torch.ops.c10d.allreduce_.default)
+        except UnsupportedOperatorException as exc:
+            raise RuntimeError("forward failed") from exc
+    except RuntimeError as outer:
+        assert _torch_compat.collective_refused(outer) == line
+    assert _torch_compat.collective_refused(RuntimeError("c10d.allreduce_")) is None
