@@ -233,6 +233,9 @@ class _OwnCheckpoint(nn.Module):
 def test_a_checkpoint_the_model_makes_itself_costs_what_memfits_does():
     from memfit.recompute.checkpoint import apply_choices
 
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        pytest.skip(f"torch {torch.__version__} cannot show the recorder another's saved-tensor hooks (docs/limitations.md)")
+
     torch.manual_seed(0)
     ours = nn.Sequential(_Chain(10), nn.Sequential(_Chain(10)))
     theirs = nn.Sequential(_Chain(10), _OwnCheckpoint(_Chain(10)))
