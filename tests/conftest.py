@@ -160,6 +160,33 @@ class LazyModule:
         return getattr(self._module, attr)
 
 
+def needs_fake_collectives() -> pytest.MarkDecorator:
+    """Skip a test of a distributed step on the fake process group where torch has no fake
+    kernels for c10d's collectives (torch 2.6; memfit refuses such a step in one line)."""
+    from memfit.compat import torch_compat
+
+    missing = torch_compat.fake_collectives_missing()
+    return pytest.mark.skipif(missing is not None, reason=missing or "")
+
+
+def skip_without_fake_collectives() -> None:
+    """:func:`needs_fake_collectives` inside a test, for the parameters that need them."""
+    from memfit.compat import torch_compat
+
+    missing = torch_compat.fake_collectives_missing()
+    if missing is not None:
+        pytest.skip(missing)
+
+
+def skip_without_torchtitans_torch() -> None:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.13
+    has and 2.11 (and older) lacks: its targets cannot build there."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        pytest.skip(f"torchtitan 0.3.0 needs torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} lacks", allow_module_level=True)
+
+
 def needs(*names: str) -> pytest.MarkDecorator:
     """Skip a test file whose frameworks are not installed, without importing them (a
     dotted name is looked up from its top-level package's folder, not imported either)."""

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import gloo_ranks, settled
+from conftest import gloo_ranks, needs_fake_collectives, settled, skip_without_fake_collectives
 from torch import nn
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -126,6 +126,7 @@ def test_ddp_private_checks_exist():
 # -- per-rank ledgers on the fake group ----------------------------------------------------------
 
 
+@needs_fake_collectives()
 def test_fsdp2_counts_local_shards_and_resize_frees():
     prof = profile_ranks(_workload("fsdp2"), world_size=4).profiles[0]
     ledger = prof.ledger
@@ -144,6 +145,7 @@ def test_fsdp2_counts_local_shards_and_resize_frees():
     assert prof.meta["world_size"] == 4 and prof.meta["rank"] == 0
 
 
+@needs_fake_collectives()
 def test_ddp_buckets_visible():
     prof = profile_ranks(_workload("ddp"), world_size=2).profiles[0]
     buckets = sum(b.nbytes for b in prof.ledger.blocks if b.category is Category.DDP_BUCKET)
@@ -151,6 +153,7 @@ def test_ddp_buckets_visible():
     assert prof.breakdown["ddp_buckets"] == PARAM_BYTES
 
 
+@needs_fake_collectives()
 def test_users_own_ddp_on_the_fake_group():
     # the user's DistributedDataParallel, built inside their parallelize, runs on the fake
     # group as memfit's ddp does: the same ledger, the same peak
@@ -196,6 +199,7 @@ def test_users_ddp_refused_in_one_line(fn, words):
     assert not torch_dist.is_initialized()
 
 
+@needs_fake_collectives()
 def test_worst_rank_and_spread():
     res = profile_ranks(_workload("fsdp2"), world_size=2, ranks=(0, 1))
     assert set(res.profiles) == {0, 1}
@@ -233,6 +237,7 @@ def _raises(model, mesh):
     raise ValueError("no")
 
 
+@needs_fake_collectives()
 def test_profile_leaves_the_users_model():
     work = _workload("fsdp2")
     before = type(work.model)
@@ -273,6 +278,7 @@ def _settled_gloo_run(parallel: str, predicted: list[int], slack: int = 0) -> li
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp", "users_ddp", "users_ddp_bucket_views"])
 def test_fake_group_ledger_equals_real_gloo_run(parallel):
+    skip_without_fake_collectives()  # DDP's all-reduce and FSDP2's all-gather
     fake = profile_ranks(_workload(parallel), world_size=2, ranks=(0, 1))
     predicted = [_tensors(fake.profiles[r].ledger) for r in range(2)]
     real = _settled_gloo_run(parallel, [L.peak_bytes for L in predicted])
@@ -370,6 +376,7 @@ def test_cli_big_preset_without_world_size(command, capsys):
     assert "--world-size N --device fake" in err and "\n" not in err
 
 
+@needs_fake_collectives()
 def test_uneven_shards_profiled_per_rank():
     # 64 rows over 3 ranks: FSDP2 gives ranks 0 and 1 22 rows each and rank 2 the last 20,
     # so rank 2 holds less parameter and optimizer memory than rank 0
@@ -379,6 +386,7 @@ def test_uneven_shards_profiled_per_rank():
     assert res.worst_rank == 0 and res.spread_bytes > 0
 
 
+@needs_fake_collectives()
 def test_file_target_returns_a_distributed_workload(tmp_path, capsys):
     from memfit.cli import main
 
@@ -398,6 +406,7 @@ def test_file_target_returns_a_distributed_workload(tmp_path, capsys):
     assert data["ranks"][0]["breakdown"]["parameters"] > 0 and data["parallel"] == "fsdp2"
 
 
+@needs_fake_collectives()
 def test_cli_file_target_with_users_own_ddp(tmp_path):
     # issue 26 item 4: a parallelize building its own DistributedDataParallel, profiled and
     # planned per rank from the command line

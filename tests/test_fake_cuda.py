@@ -21,6 +21,10 @@ from memfit.cli import main
 from memfit.cuda import fake as _fake_cuda
 
 SRC = str(Path(memfit.__file__).resolve().parents[1])
+# A CUDA build of torch (PyPI's Linux wheels) has CUDA's own hooks: fake CUDA refuses it in
+# one line before it looks for a compiler, so the tests of the compiler's absence cannot run.
+_CUDA_BUILD = (Path(torch.__file__).parent / "lib" / "libtorch_cuda.so").exists()
+_NOT_ON_A_CUDA_BUILD = pytest.mark.skipif(_CUDA_BUILD, reason=f"torch {torch.__version__} is a CUDA build: fake CUDA is for the CPU build")
 
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
@@ -241,6 +245,7 @@ def test_cli_in_a_process_with_torch_already_imported(capsys):
     assert err.startswith("memfit: error: fake CUDA must be loaded before torch") and "\n" not in err
 
 
+@_NOT_ON_A_CUDA_BUILD
 def test_no_compiler_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(_fake_cuda.FakeCudaError, match="is not a program on this machine.*--device fake") as info:
@@ -248,6 +253,7 @@ def test_no_compiler_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(info.value)
 
 
+@_NOT_ON_A_CUDA_BUILD
 def test_cli_without_compiler_exits_2_in_one_line(tmp_path):
     env = _env(tmp_path / "empty-cache", CXX=str(tmp_path / "no-such-g++"))
     done = _run(["-m", "memfit", "profile", "gpt", "--device", "fake-cuda"], env)
@@ -281,6 +287,15 @@ def test_canary_private_torch_corners():
         "is_causal",
     ]
     assert _fake_cuda._cxx11_abi(torch_dir / "lib") == int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def test_cxx11_abi_is_read_from_c10s_own_symbols(tmp_path):
+    # torch 2.6's wheels (old ABI) carry libstdc++'s __cxx11 symbols too; only c10's own decide
+    old = b"\0_ZGTtNSt11logic_errorC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE\0_ZN3c106detail14torchCheckFailEPKcS2_jRKSs\0"
+    new = b"\0_ZN3c106detail14torchCheckFailEPKcS2_jRKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE\0"
+    for data, want in ((old, 0), (new, 1)):
+        (tmp_path / "libc10.so").write_bytes(data)
+        assert _fake_cuda._cxx11_abi(tmp_path) == want
 
 
 def test_the_shim_is_cached_per_torch(shim_cache):

@@ -133,7 +133,9 @@ def test_peak_is_the_unwatched_steps(name: str) -> None:
     unwatched = _unwatched_peak(loss_fn)
     _reset(leaves)
     watched, corrected = _watched_peak(leaves, loss_fn)
-    assert corrected, "no call corrected: the case no longer takes the watched path"
+    # torch 2.6's atan2_backward has no zero-safe masked_fill_ (a later formula): nothing to correct there
+    if not (name == "atan2" and _torch_compat.torch_version() < (2, 11)):
+        assert corrected, "no call corrected: the case no longer takes the watched path"
     # Exact in practice; 1% leaves room for an allocator's rounding. The block the watched
     # path adds is a fifth of the peak or of the bytes allocated, or more, in every case.
     assert watched == pytest.approx(unwatched, rel=0.01), (name, watched, unwatched, dict(corrected))

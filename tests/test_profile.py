@@ -170,8 +170,11 @@ def test_a_checkpointed_region_keeps_bookkeeping_instead_of_saved_records():
     ckpt = [b for b in graph if b.module == "1"]
     assert sum(1 for b in plain if b.savers) == 29 and {b.nbytes for b in plain if not b.savers} == {GRAPH_NODE_BYTES}
     # one record: the checkpoint saving its inputs for the recompute; the region's own
-    # saves go to the checkpoint's hooks
-    assert sum(1 for b in ckpt if b.savers) == 1
+    # saves go to the checkpoint's hooks. Before torch 2.13 (2.6, 2.11), the checkpoint's
+    # _NoopSaveInputs saves its 0-element dummy output beside the input: two records.
+    from torch.utils import checkpoint as torch_checkpoint
+
+    assert sum(1 for b in ckpt if b.savers) == (2 if hasattr(torch_checkpoint, "_NoopSaveInputs") else 1)
     nodes = [b for b in ckpt if not b.savers]
     assert {b.nbytes for b in nodes} == {GRAPH_NODE_BYTES + CHECKPOINT_BYTES_PER_NODE} and len(nodes) == 20
 
@@ -229,6 +232,9 @@ class _OwnCheckpoint(nn.Module):
 
 def test_a_checkpoint_the_model_makes_itself_costs_what_memfits_does():
     from memfit.recompute.checkpoint import apply_choices
+
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        pytest.skip(f"torch {torch.__version__} cannot show the recorder another's saved-tensor hooks (docs/limitations.md)")
 
     torch.manual_seed(0)
     ours = nn.Sequential(_Chain(10), nn.Sequential(_Chain(10)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -212,7 +213,11 @@ def test_fake_kernel_failures_are_logged_only_outside_memfit_fake_steps(caplog):
         assert not caplog.records
 
 
-def test_current_autograd_node_is_named_while_its_backward_runs():
+@pytest.mark.parametrize("kept", [None, False], ids=["this-torch", "stable-key"])
+def test_current_autograd_node_is_named_while_its_backward_runs(monkeypatch, kept):
+    # "stable-key": the identity torch before 2.13 gets (its node objects are not kept), here too
+    if kept is not None:
+        monkeypatch.setattr(_torch_compat, "_NODE_OBJECT_KEPT", kept)
     seen = []
 
     class Watch(TorchDispatchMode):
@@ -221,14 +226,24 @@ def test_current_autograd_node_is_named_while_its_backward_runs():
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(4, 8, requires_grad=True)
-    loss = torch.gather(x, -1, torch.zeros(4, 1, dtype=torch.long)).sum()
+    w = torch.randn(8, 8, requires_grad=True)
+    loss = torch.gather(x @ w, -1, torch.zeros(4, 1, dtype=torch.long)).sum()
     assert _torch_compat.current_autograd_node() is None
     with Watch():
         loss.backward()
     names = [n[1] for n in seen if n is not None]
     assert "GatherBackward0" in names
-    ids = {n[0] for n in seen if n is not None and n[1] == "GatherBackward0"}
-    assert len(ids) == 1  # one identity for all of the node's ops
+    for name in ("GatherBackward0", "MmBackward0"):
+        ids = {n[0] for n in seen if n is not None and n[1] == name}
+        assert len(ids) == 1, name  # one identity for all of the node's ops
+    # two leaves, two AccumulateGrad nodes: two identities (torch 2.6 reused one freed object's id)
+    assert len({n[0] for n in seen if n is not None and n[1].endswith("AccumulateGrad")}) == 2
+
+
+def test_torch_version_reads_local_builds(monkeypatch):
+    for text, want in (("2.6.0+cu124", (2, 6)), ("2.11.0", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.14.0.dev20261101", (2, 14))):
+        monkeypatch.setattr(torch, "__version__", text)
+        assert _torch_compat.torch_version() == want
 
 
 def test_selective_checkpoint_saves_reports_what_the_policy_keeps():
@@ -275,3 +290,48 @@ def test_when_all_grads_fires_once_after_the_last_and_keeps_no_gradient():
     handle.remove()
     a.sum().backward()
     assert calls == [1]
+
+
+def test_grouped_query_attention_flops_where_torch_counts_equal_heads_only(monkeypatch):
+    # torch 2.6 and 2.11's SDPA formulas refuse fewer key/value heads than query heads; memfit
+    # broadcasts the heads there, which must count what this torch's own GQA formulas count.
+    q, k, g = torch.empty(2, 8, 16, 32), torch.empty(2, 2, 16, 32), torch.empty(2, 8, 16, 32)
+    native = (_torch_compat._cpu_sdpa_forward(q, k, k), _torch_compat._cpu_sdpa_backward(g, q, k, k))
+    monkeypatch.setattr(_torch_compat, "_SDPA_GQA", False)
+    assert (_torch_compat._cpu_sdpa_forward(q, k, k), _torch_compat._cpu_sdpa_backward(g, q, k, k)) == native
+    assert native[0] == 2 * (2 * 2 * 8 * 16 * 32 * 16)  # two bmms over the query's 8 heads
+
+
+def test_the_fast_cache_key_is_left_out_where_torch_prepares_its_key_otherwise(monkeypatch):
+    # torch 2.6's _prep_args_for_hash takes no id_hashed_objects (and writes no list's length)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.compat import fake_key
+
+    assert fake_key.fast_key_applies() == ("id_hashed_objects" in FakeTensorMode._prep_args_for_hash.__code__.co_varnames)
+    monkeypatch.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
+    assert not fake_key.fast_key_applies()
+
+
+def test_a_torch_without_fake_collectives_is_named_in_one_line(monkeypatch):
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    monkeypatch.setattr(_torch_compat, "_FAKE_COLLECTIVES", [])
+    native = _torch_compat.fake_collectives_missing()
+    if _torch_compat.torch_version() >= (2, 11):
+        assert native is None  # 2.11 and 2.13 have them
+    else:
+        assert native is not None and "allreduce_" in native  # 2.6 has none
+    monkeypatch.setattr(_torch_compat, "_FAKE_COLLECTIVES", [])
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda name, key: "allreduce" not in name)
+    line = _torch_compat.fake_collectives_missing()
+    assert line.startswith(f"torch {torch.__version__} has no fake kernels for c10d's collectives (allreduce_)")
+    assert "\n" not in line
+    try:
+        try:
+            raise UnsupportedOperatorException(torch.ops.c10d.allreduce_.default)
+        except UnsupportedOperatorException as exc:
+            raise RuntimeError("forward failed") from exc
+    except RuntimeError as outer:
+        assert _torch_compat.collective_refused(outer) == line
+    assert _torch_compat.collective_refused(RuntimeError("c10d.allreduce_")) is None

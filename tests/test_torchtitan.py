@@ -11,6 +11,7 @@ import textwrap
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from conftest import skip_without_torchtitans_torch
 
 import memfit
 from memfit.cli import main
@@ -78,6 +79,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def titan() -> None:
     pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
+    skip_without_torchtitans_torch()
 
 
 @pytest.fixture(scope="module")

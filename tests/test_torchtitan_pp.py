@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gloo_ranks, most_alive
+from conftest import gloo_ranks, most_alive, skip_without_torchtitans_torch
 
 import memfit
 from memfit.errors import MemfitError
@@ -21,6 +21,7 @@ from memfit.measure.distributed import CURRENT_GROUP, profile_rank, profile_rank
 from memfit.measure.ledger import Category, Ledger
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'memfit[torchtitan]')")
+skip_without_torchtitans_torch()
 
 TARGET = "torchtitan:llama3:llama3_debugmodel"
 SEQ, BATCH = 64, 4

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from conftest import needs_fake_collectives
 from torch import nn
 
 import memfit
@@ -67,6 +68,7 @@ def test_profile_per_rank_is_profile_ranks_in_both_forms():
     assert loose.profiles[1].to_json() == expected.profiles[1].to_json()
 
 
+@needs_fake_collectives()
 def test_plan_per_rank_is_plan_ranks():
     work = _workload()
     plan = memfit.plan(work, budget="50%")

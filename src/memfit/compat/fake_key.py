@@ -13,7 +13,8 @@ same key is the same dispatch: ``tests/test_fake_key.py`` checks every key of pa
 steps against torch's.
 
 Installed only when torch's :class:`TensorMetadata` has the fields this flattening writes,
-in that order (else torch's own key is used, slower and the same).
+in that order, and its ``_prep_args_for_hash`` has the signature this one copies (else
+torch's own key is used, slower and the same: torch 2.6's).
 """
 
 from __future__ import annotations
@@ -55,7 +56,21 @@ def fast_key_applies() -> bool:
     except ImportError:
         return False
     names = tuple(f.name for f in dataclasses.fields(TensorMetadata))
-    return names == _FIELDS and callable(getattr(FakeTensorMode, "_prep_args_for_hash", None))
+    prep = getattr(FakeTensorMode, "_prep_args_for_hash", None)
+    return names == _FIELDS and callable(prep) and _prep_takes_id_hashed_objects(prep)
+
+
+def _prep_takes_id_hashed_objects(prep: Any) -> bool:
+    """Whether torch's ``_prep_args_for_hash`` is the one this flattening copies: it takes
+    ``id_hashed_objects`` and writes a list's or tuple's type and length first. torch 2.6's
+    takes three arguments and writes neither, so its keys would differ: it keeps its own."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(prep).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == ["self", "result", "args", "state", "id_hashed_objects"]
 
 
 def _flat_tensor(result: list, t: Any, suggest: Any) -> bool:

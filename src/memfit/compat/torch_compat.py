@@ -200,17 +200,75 @@ def reset_fsdp(model: torch.nn.Module) -> None:
         module.reshard()
 
 
+_COLLECTIVES = ("allreduce_", "_allgather_base_", "_reduce_scatter_base_", "broadcast_", "allgather_")
+_FAKE_COLLECTIVES: list[str | None] = []
+
+
+def fake_collectives_missing() -> str | None:
+    """One line when this torch has no fake (Meta) kernels for c10d's collectives, which a
+    step on the fake process group runs (DDP's all-reduce, FSDP2's all-gather): torch 2.6
+    has none, 2.11 and 2.13 have them. None where they are all there."""
+    if not _FAKE_COLLECTIVES:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        c10d = getattr(torch.ops, "c10d", None)
+        missing = [n for n in _COLLECTIVES if c10d is None or not has(getattr(c10d, n).default.name(), "Meta")]
+        _FAKE_COLLECTIVES.append(
+            f"torch {torch.__version__} has no fake kernels for c10d's collectives ({', '.join(missing)}): a distributed "
+            "step on the fake process group needs a newer torch (2.11 and 2.13 run it)"
+            if missing
+            else None
+        )
+    return _FAKE_COLLECTIVES[0]
+
+
+def collective_refused(exc: BaseException) -> str | None:
+    """:func:`fake_collectives_missing`'s line when ``exc`` (or what caused it) is a fake
+    tensor refusing a c10d collective on such a torch; else None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ == "UnsupportedOperatorException" and str(seen).startswith("c10d."):
+            return fake_collectives_missing()
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
 
 
+def _sdpa_counts_gqa() -> bool:
+    """Whether torch's SDPA formulas take fewer key/value heads than query heads (grouped-query
+    attention, a Llama's): torch 2.13's do, 2.11's and 2.6's raise AssertionError."""
+    try:
+        flop_counter.sdpa_flop_count((1, 4, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8))
+    except AssertionError:
+        return False
+    return True
+
+
+_SDPA_GQA = _sdpa_counts_gqa()
+
+
+def _kv_shapes(query: Any, key: Any, value: Any) -> tuple[Any, Any]:
+    """key's and value's shapes, their heads broadcast to the query's where torch's formula
+    does not (the kernel makes the same products as with the heads repeated)."""
+    if _SDPA_GQA or key.dim() != 4 or query.dim() != 4 or key.shape[1] == query.shape[1]:
+        return key.shape, value.shape
+    heads = query.shape[1]
+    return (*key.shape[:1], heads, *key.shape[2:]), (*value.shape[:1], heads, *value.shape[2:])
+
+
 def _cpu_sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    if not _SDPA_GQA:
+        return flop_counter.sdpa_flop_count(query.shape, *_kv_shapes(query, key, value))
     return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
 def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    if not _SDPA_GQA:
+        return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, *_kv_shapes(query, key, value))
     return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
@@ -547,13 +605,39 @@ class AllocationTrace:
         return {name: sum(s for s in sizes if s > 0) for name, sizes in self._regions(prefix, device_type).items()}
 
 
-def current_autograd_node() -> tuple[int, str] | None:
+def torch_version() -> tuple[int, int]:
+    """torch's (major, minor): ``2.6.0+cu124`` is (2, 6)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# torch 2.13 keeps a C++ node's Python object while the node runs, so its id is the node's
+# identity; torch 2.6 and 2.11 make a new one for each call, and a freed one's address is
+# reused by the next node's (two AccumulateGrads took one id on 2.6).
+_NODE_OBJECT_KEPT = torch_version() >= (2, 13)
+
+
+def current_autograd_node() -> tuple[Any, str] | None:
     """The autograd node whose backward is running on this thread, as (identity, name:
     ``GatherBackward0``), or None outside one (the forward, the engine's own first op).
     The identity is the node's Python object, which torch keeps for the node while it runs;
-    no reference to it is kept here (that would keep its saved tensors alive)."""
+    no reference to it is kept here (that would keep its saved tensors alive). Before torch
+    2.13 it is :func:`_stable_node_key`."""
     node = torch._C._current_autograd_node()
+    if not _NODE_OBJECT_KEPT and node is not None:
+        return _stable_node_key(node), node.name()
     return None if node is None else (id(node), node.name())
+
+
+def _stable_node_key(node: Any) -> tuple[Any, ...]:
+    """A node's identity where its Python object is not kept: its sequence number (one per
+    node made on a thread), and for an AccumulateGrad (all share the largest number) the
+    leaf it accumulates into. A Python function's node is its ``ctx``, which the node keeps."""
+    seq = getattr(node, "_sequence_nr", None)
+    if seq is None:
+        return ("object", id(node))
+    leaf = getattr(node, "variable", None)
+    return ("node", seq(), node.name(), None if leaf is None else id(leaf))
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,13 +168,14 @@ def build(torch_dir: Path | None = None, *, cache: Path | None = None) -> Path:
 
 
 def _cxx11_abi(lib: Path) -> int:
-    """torch's ``_GLIBCXX_USE_CXX11_ABI``, read from libc10 without importing torch: its
-    exported symbols name ``std::__cxx11`` types only under the new ABI."""
+    """torch's ``_GLIBCXX_USE_CXX11_ABI``, read from libc10 without importing torch: c10's own
+    exported symbols name ``std::__cxx11`` types only under the new ABI. Only c10's: torch
+    2.6's wheels (the old ABI) name them too, in the libstdc++ symbols they carry."""
     try:
         data = (lib / "libc10.so").read_bytes()
     except OSError:
         return 1
-    return 1 if b"__cxx11" in data else 0
+    return 1 if re.search(rb"_ZN3c10\w*St7__cxx11", data) else 0
 
 
 def enable(gpu: GpuSpec | None = None) -> None:

@@ -130,6 +130,12 @@ def forget_meshes() -> None:
     clear = getattr(debug, "_clear_sharding_prop_cache", None)  # python and C++ fast-path caches
     if clear is not None:
         clear()
+    else:  # torch 2.6: one Python cache, an lru_cache per thread behind LocalLRUCache
+        from torch.distributed.tensor import DTensor
+
+        cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
     for name in ("clear_redistribute_planner_cache",):
         fn = getattr(_redistribute, name, None)
         if fn is not None:
@@ -329,7 +335,10 @@ def static_pipeline_stages(schedule: Any) -> None:
     only, and a stage whose metadata is incomplete is refused in one line."""
     import types
 
-    from torch.distributed.pipelining._utils import InferenceMode
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # torch 2.6 and 2.11: their schedules hold no such vote, nothing to answer
+        return
 
     def warmup_p2p(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:

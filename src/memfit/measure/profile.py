@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compat import bnb4bit, bnb8bit, optim8bit
+from memfit.compat import bnb4bit, bnb8bit, optim8bit, torch_compat
 from memfit.cuda import gpu as gpus
 from memfit.cuda.allocator import AllocatorConfigError, AllocatorSettings
 from memfit.errors import ForwardError, MemfitError, WorkloadError
@@ -393,6 +393,9 @@ def step_errors(sandbox: Sandbox, scope: Scope) -> Iterator[None]:
     except (MemfitError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
+        refused = torch_compat.collective_refused(exc) if sandbox.fake_mode is not None else None
+        if refused is not None:
+            raise WorkloadError(refused) from exc
         if scope.phase is Phase.OPTIMIZER:
             raise _optimizer_error(sandbox.optimizer, exc) from exc
         if scope.phase is Phase.BACKWARD and sandbox.fake_mode is not None:
