@@ -527,3 +527,19 @@ def test_remove_refuses_a_checkpoint_another_wrapper_covers():
         memfit.remove(model)
     assert "\n" not in str(info.value)
     assert model[0].forward is wrapper and memfit.mechanisms(model)  # nothing changed
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_torchtitan_that_does_not_import_says_why_in_one_line(monkeypatch, installed):
+    import importlib.util
+    import sys
+
+    from memfit.errors import TargetError
+    from memfit.zoo import torchtitan as tt
+
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # its import fails, as beside a torch it does not support
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if installed else None)
+    words = "installed but does not import beside torch" if installed else "pip install 'memfit\\[torchtitan\\]'"
+    with pytest.raises(TargetError, match=words) as info:
+        tt._import_torchtitan()
+    assert "\n" not in str(info.value)

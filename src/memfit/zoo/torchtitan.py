@@ -109,6 +109,15 @@ def _import_torchtitan() -> None:
             import torchtitan.trainer  # noqa: F401
             from torchtitan.config import ConfigManager  # noqa: F401
     except ImportError as exc:
+        import importlib.util
+
+        # installed but failing to import: most often a torch older than the one it was built
+        # against (torchtitan 0.3.0 imports torch.distributed.fsdp names torch 2.11 lacks)
+        if importlib.util.find_spec("torchtitan") is not None:
+            raise TargetError(
+                f"torchtitan is installed but does not import beside torch {torch.__version__} "
+                f"({type(exc).__name__}: {exc}): install the torch its release needs, or an older torchtitan"
+            ) from exc
         raise TargetError(
             f"torchtitan targets need torchtitan: pip install 'memfit[torchtitan]' ({type(exc).__name__}: {exc})"
         ) from exc
