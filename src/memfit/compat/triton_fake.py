@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -234,13 +234,8 @@ def compiles_on_fake(cuda: bool) -> Iterator[None]:
     torch_compat.host_compile_system_info()
     with (
         inductor_fake.stubbed_kernels(),
-        cuda_codegen() if cuda else _nothing(),
+        cuda_codegen() if cuda else nullcontext(),
         functorch_config.patch(enable_autograd_cache=False),
         inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
     ):
         yield
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

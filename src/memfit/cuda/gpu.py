@@ -131,10 +131,16 @@ DATASHEETS: dict[str, Datasheet] = {
 }
 
 
+def _table_key(spec: GpuSpec) -> str | None:
+    """``spec``'s key in :data:`GPUS` (matched by key, or by the name torch reports for a real
+    GPU), or None for a GPU the table lacks."""
+    names = (_norm(spec.key), _norm(spec.name))
+    return next((key for key, s in GPUS.items() if _norm(s.name) in names or _norm(key) in names), None)
+
+
 def datasheet(spec: GpuSpec) -> Datasheet | None:
     """``spec``'s datasheet figures (by key, or by the name torch reports for a real GPU), or None."""
-    names = (_norm(spec.key), _norm(spec.name))
-    known = next((key for key, s in GPUS.items() if _norm(s.name) in names or _norm(key) in names), None)
+    known = _table_key(spec)
     return DATASHEETS.get(known) if known is not None else None
 
 
@@ -301,8 +307,7 @@ def _gpu_key(gpu: GpuSpec | None) -> str | None:
     """The ``--gpu`` key of a spec (a real GPU's spec is keyed by the name torch reports)."""
     if gpu is None:
         return None
-    found = [g.key for g in GPUS.values() if gpu.key in (g.key, g.name) or gpu.name == g.name]
-    return found[0] if found else gpu.key
+    return _table_key(gpu) or gpu.key
 
 
 def _role(c: nccl.Communicator) -> str:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.compat import torch_compat
 from memfit.measure.ledger import Phase
-from memfit.recompute.checkpoint import RECOMPUTE_WATCHERS
+from memfit.recompute.checkpoint import RECOMPUTE_WATCHERS, compiled_inner
 
 __all__ = ["Scope", "Clock", "compiled_regions", "compiles"]
 
@@ -35,9 +35,9 @@ def compiled_regions(model: nn.Module) -> tuple[set[nn.Module], set[nn.Module]]:
     for mod in model.modules():
         if getattr(mod, "_compiled_call_impl", None) is not None:
             roots.add(mod)
-        orig = getattr(mod, "_orig_mod", None)
-        if isinstance(orig, nn.Module) and type(mod).__name__ == "OptimizedModule":
-            roots.add(orig)
+        inner = compiled_inner(mod)
+        if inner is not None:
+            roots.add(inner)
     inside = {m for r in roots for m in r.modules() if m is not r}
     return roots, inside
 

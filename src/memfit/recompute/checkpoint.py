@@ -37,6 +37,7 @@ __all__ = [
     "apply_choices",
     "remove",
     "unwrap",
+    "compiled_inner",
     "applied_choices",
     "mechanisms",
     "last_recompute",
@@ -410,11 +411,17 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
             continue
-        dynamo = sys.modules.get("torch._dynamo.eval_frame")  # no OptimizedModule before dynamo is imported
-        if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
-            model = model._orig_mod
+        inner = compiled_inner(model)
+        if inner is not None:
+            model = inner
             continue
         return model
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module inside ``torch.compile(module)``'s wrapper when ``module`` is one, else None."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # no OptimizedModule before dynamo is imported
+    return module._orig_mod if dynamo is not None and isinstance(module, dynamo.OptimizedModule) else None
 
 
 def remove(model: nn.Module) -> nn.Module:
